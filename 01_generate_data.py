@@ -1,0 +1,152 @@
+"""Stage 01: synthetic training conversations, answered by the target itself through vLLM.
+
+The drafter learns to predict what the target says, so the target writes the answers: each prompt is
+rendered with the target's chat template and answered by vLLM's offline engine with the configured
+sampling settings (reasoning on or off).
+
+Embedded default (CPU, a few minutes):
+    python 01_generate_data.py --config configs/tiny.yaml
+Full scale (8 GPUs, see README "Running on a GPU host"):
+    python 01_generate_data.py --config configs/kimi-k2.5-10k.yaml
+
+Output in <data_root>/<run_name>/01_generate_data/:
+    parts/part-*.jsonl   finished batches (a crash loses at most the batch in flight)
+    conversations/       `datasets` dataset: sample_id, prompt_id, messages, finish_reason, token counts
+    manifest.json        inputs, counts, timings (written last)
+"""
+
+import json
+import time
+from pathlib import Path
+
+from eagle_pipeline import atomic, plots
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.stage import Stage, main
+from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
+from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.verifier import Verifier
+
+
+def run(stage: Stage, dry_run: bool) -> None:
+    cfg = stage.cfg
+    # -- inputs ------------------------------------------------------------------------------------
+    prompts_path = cfg.resolve_path(cfg.data.prompts)
+    prompts = load_prompts(prompts_path, cfg.data.prompt_field, "data.prompts")
+    if cfg.data.num_samples > len(prompts):
+        raise BadInput(
+            f"data.num_samples: {cfg.data.num_samples} exceeds the {len(prompts)} prompts in {prompts_path}; "
+            f"lower it or add prompts"
+        )
+    prompts = prompts[: cfg.data.num_samples]
+    sample_ids = [f"s{i:06d}" for i in range(len(prompts))]
+
+    if dry_run:
+        print(f"stage 01: generate {len(prompts)} conversations from {prompts_path}")
+        print(f"  verifier {cfg.verifier.path} on {cfg.device}, tensor_parallel={cfg.verifier.tensor_parallel_size}, "
+              f"expert_parallel={cfg.verifier.enable_expert_parallel}")
+        print(f"  sampling temperature={cfg.generation.temperature} top_p={cfg.generation.top_p} "
+              f"max_tokens={cfg.generation.max_tokens} reasoning={cfg.generation.reasoning}")
+        print(f"  output {stage.dir}")
+        return
+
+    verifier = Verifier.from_config(cfg)
+    generation = cfg.generation.model_dump(mode="json")
+    generation.pop("batch_size")  # batching changes nothing in the output
+    inputs = {
+        **verifier.fingerprints(),
+        "prompts": file_fingerprint(prompts_path) if prompts_path.is_file() else value_fingerprint(prompts),
+        "generation": value_fingerprint(generation),
+        "seed": cfg.seed,
+    }
+    if not stage.prepare(inputs, samples=len(prompts)):
+        print(f"stage 01 already complete for these inputs: {stage.dir}")
+        return
+
+    # -- resume: which samples are already answered ------------------------------------------------
+    parts_dir = stage.dir / "parts"
+    parts_dir.mkdir(exist_ok=True)
+    done: dict[str, dict] = {}
+    for part in sorted(parts_dir.glob("part-*.jsonl")):
+        for line in part.read_text().splitlines():
+            record = json.loads(line)
+            done[record["sample_id"]] = record
+    todo = [i for i, sid in enumerate(sample_ids) if sid not in done]
+    print(f"stage 01: {len(done)} of {len(prompts)} conversations already done, {len(todo)} to generate")
+
+    # -- generate with vLLM -------------------------------------------------------------------------
+    gen_seconds = 0.0
+    generated_tokens = 0
+    if todo:
+        from tqdm import tqdm
+        from vllm import LLM, SamplingParams
+
+        from eagle_pipeline.engine import apply_engine_env, llm_kwargs
+
+        apply_engine_env(cfg)
+        llm = LLM(**llm_kwargs(cfg, str(verifier.path)))
+        params = SamplingParams(
+            temperature=cfg.generation.temperature,
+            top_p=cfg.generation.top_p,
+            max_tokens=cfg.generation.max_tokens,
+            seed=cfg.seed,
+        )
+        t0 = time.monotonic()  # generation speed, without the engine's start-up
+        system = [{"role": "system", "content": cfg.generation.system_prompt}] if cfg.generation.system_prompt else []
+        batch_size = cfg.generation.batch_size
+        with tqdm(total=len(todo), desc="generate", unit="conv") as bar:
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start : start + batch_size]
+                conversations = [system + prompts[i]["messages"] for i in batch]
+                outputs = llm.chat(
+                    conversations,
+                    params,
+                    use_tqdm=False,
+                    chat_template_kwargs={"enable_thinking": cfg.generation.reasoning},
+                )
+                records = []
+                for i, messages, out in zip(batch, conversations, outputs):
+                    completion = out.outputs[0]
+                    generated_tokens += len(completion.token_ids)
+                    records.append({
+                        "sample_id": sample_ids[i],
+                        "prompt_id": prompts[i]["id"],
+                        "messages": messages + [{"role": "assistant", "content": completion.text}],
+                        "finish_reason": completion.finish_reason,
+                        "prompt_tokens": len(out.prompt_token_ids),
+                        "completion_tokens": len(completion.token_ids),
+                    })
+                part = parts_dir / f"part-{sample_ids[batch[0]]}-{len(batch):05d}.jsonl"
+                atomic.write_text(part, "".join(json.dumps(r) + "\n" for r in records))
+                done.update({r["sample_id"]: r for r in records})
+                bar.update(len(batch))
+        gen_seconds = time.monotonic() - t0
+
+    # -- the dataset, in sample-id order ------------------------------------------------------------
+    from datasets import Dataset
+
+    rows = [done[sid] for sid in sample_ids]
+    for row in rows:  # datasets needs one schema; messages may carry extra keys in other sources
+        row["messages"] = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    with atomic.atomic_dir(stage.dir / "conversations") as tmp:
+        Dataset.from_list(rows).save_to_disk(str(tmp))
+
+    completion_tokens = [r["completion_tokens"] for r in rows]
+    plots.histogram(completion_tokens, stage.dir / "response_lengths.png", "response length (tokens)", "tokens")
+    counts = {
+        "samples": len(rows),
+        "generated_now": len(todo),
+        "completion_tokens": sum(completion_tokens),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows) for k in sorted({r["finish_reason"] for r in rows})},
+        "generation_seconds": round(gen_seconds, 1),
+        "output_tokens_per_s": round(generated_tokens / gen_seconds, 1) if generated_tokens else None,
+    }
+    stage.finish(counts, output_fingerprint=value_fingerprint([(r["sample_id"], r["messages"][-1]["content"]) for r in rows]))
+    print(
+        f"stage 01 done: {len(rows)} conversations ({len(todo)} new), {counts['completion_tokens']} response tokens, "
+        f"finish reasons {counts['finish_reasons']}, {counts['output_tokens_per_s']} output tok/s -> {stage.dir}"
+    )
+
+
+if __name__ == "__main__":
+    main(1, __doc__, run)

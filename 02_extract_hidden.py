@@ -1,0 +1,191 @@
+"""Stage 02: the target's auxiliary hidden states for every training conversation, captured through vLLM.
+
+Each conversation is tokenized with the target's chat template (loss mask = 1 on assistant tokens) and run
+through vLLM's `extract_hidden_states` speculative method, which hands the residual stream at the aux
+layer ids (HF `hidden_states` indices, default (2, L//2, L-3)) plus the final layer (pre-norm) to a
+hidden-states KV connector. Output is speculators' offline format, read unchanged by its trainer.
+
+Embedded default (CPU, a few minutes):
+    python 02_extract_hidden.py --config configs/tiny.yaml
+Full scale (8 GPUs; ~57 KB per token for Kimi-K2.5, ~0.8 TB for 10k samples):
+    python 02_extract_hidden.py --config configs/kimi-k2.5-10k.yaml
+
+Output in <data_root>/<run_name>/02_extract_hidden/:
+    data/                         arrow dataset: sample_id, input_ids, loss_mask, seq_len (row i <-> hs_i)
+    data/hidden_states/hs_<i>.safetensors   hidden_states [seq, n_aux+1, H], token_ids [seq]
+    manifest.json                 inputs (verifier, tokenizer, chat template, layer ids, ...), counts, tokens/s
+A sample's file is checked (token ids, shape, finite values) before it is written, atomically; a rerun
+keeps every file whose token ids still match its row and captures the rest.
+"""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from eagle_pipeline import atomic, plots
+from eagle_pipeline.chat_tokens import tokenize_conversation
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
+from eagle_pipeline.verifier import Verifier
+
+STORAGE_BYTES = {"bfloat16": 2, "fp8": 1}
+STORAGE_NAMES = {"bfloat16": "bf16", "fp8": "fp8"}  # as eagle_pipeline.capture names them
+
+
+def estimate_bytes(num_tokens: int, num_states: int, hidden_size: int, storage_dtype: str) -> int:
+    return num_tokens * num_states * hidden_size * STORAGE_BYTES[storage_dtype]
+
+
+def write_dataset(rows: list[dict], data_dir: Path) -> None:
+    """Write the arrow dataset into data_dir beside hidden_states/, replacing any older dataset files."""
+    from datasets import Dataset
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with atomic.atomic_dir(data_dir.parent / "dataset.staging") as tmp:
+        Dataset.from_list(rows).save_to_disk(str(tmp))
+        new_files = {p.name for p in tmp.iterdir()}
+        for old in data_dir.glob("data-*.arrow"):
+            if old.name not in new_files:
+                old.unlink()
+        # state.json names the arrow files, so it moves last: a torn move leaves the old state readable.
+        for name in sorted(new_files, key=lambda n: n == "state.json"):
+            os.replace(tmp / name, data_dir / name)
+
+
+def stored_sample_matches(path: Path, input_ids: list[int], num_states: int, hidden_size: int) -> bool:
+    """Cheap resume check: the file opens, its token ids equal the row's and its shape is right."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tokens = f.get_tensor("token_ids")
+            shape = f.get_slice("hidden_states").get_shape()
+    except Exception:  # noqa: BLE001 - any unreadable file is simply captured again
+        return False
+    return tokens.tolist() == input_ids and list(shape) == [len(input_ids), num_states, hidden_size]
+
+
+def run(stage: Stage, dry_run: bool) -> None:
+    cfg = stage.cfg
+    upstream = require_complete(cfg, 1)
+    hs_cfg = cfg.hidden_states
+    if hs_cfg.max_seq_len >= cfg.verifier.max_model_len:
+        raise BadInput(
+            f"hidden_states.max_seq_len: {hs_cfg.max_seq_len} must be below verifier.max_model_len "
+            f"({cfg.verifier.max_model_len}); the engine needs room for one sampled token"
+        )
+    verifier = Verifier.from_config(cfg)
+    layer_ids = verifier.layer_ids(hs_cfg.layer_ids)
+    num_states = len(layer_ids) + 1
+    hidden_size = verifier.hidden_size
+
+    # -- token ids and loss masks ---------------------------------------------------------------------
+    from datasets import load_from_disk
+
+    conversations = load_from_disk(str(cfg.stage_dir("01_generate_data") / "conversations"))
+    chat_kwargs = {"enable_thinking": cfg.generation.reasoning}
+    rows = []
+    for conv in conversations:
+        ids, mask = tokenize_conversation(verifier.tokenizer, conv["messages"], max_len=hs_cfg.max_seq_len, chat_template_kwargs=chat_kwargs)
+        rows.append({"sample_id": conv["sample_id"], "input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
+    total_tokens = sum(r["seq_len"] for r in rows)
+    need = estimate_bytes(total_tokens, num_states, hidden_size, hs_cfg.storage_dtype)
+
+    if dry_run:
+        print(f"stage 02: capture hidden states of {len(rows)} conversations ({total_tokens} tokens)")
+        print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden {hidden_size}), "
+              f"tensor_parallel={cfg.verifier.tensor_parallel_size}, expert_parallel={cfg.verifier.enable_expert_parallel}")
+        print(f"  aux layer ids {layer_ids} + final layer {verifier.num_layers}; stored as {hs_cfg.storage_dtype} "
+              f"[seq, {num_states}, {hidden_size}]")
+        print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} KB/token) under {stage.dir}")
+        return
+
+    inputs = {
+        "conversations": upstream_fingerprint(upstream),
+        **verifier.fingerprints(),
+        "layer_ids": layer_ids,
+        "storage_dtype": hs_cfg.storage_dtype,
+        "max_seq_len": hs_cfg.max_seq_len,
+    }
+    if not stage.prepare(inputs, samples=len(rows)):
+        print(f"stage 02 already complete for these inputs: {stage.dir}")
+        return
+
+    data_dir = stage.dir / "data"
+    hs_dir = data_dir / "hidden_states"
+    hs_dir.mkdir(parents=True, exist_ok=True)
+    write_dataset(rows, data_dir)
+
+    # -- resume: keep files whose token ids still match their row -------------------------------------
+    from tqdm import tqdm
+
+    from eagle_pipeline.capture import sample_filename
+
+    todo = []
+    for row_index, row in enumerate(tqdm(rows, desc="check existing", unit="file", leave=False)):
+        path = hs_dir / sample_filename(row_index)
+        if path.exists() and stored_sample_matches(path, row["input_ids"], num_states, hidden_size):
+            continue
+        path.unlink(missing_ok=True)
+        todo.append(row_index)
+    for stray in hs_dir.glob("hs_*.safetensors"):  # rows beyond the current sample count
+        if int(stray.stem.split("_")[1]) >= len(rows):
+            stray.unlink()
+    todo_tokens = sum(rows[i]["seq_len"] for i in todo)
+    check_disk(hs_dir, estimate_bytes(todo_tokens, num_states, hidden_size, hs_cfg.storage_dtype), f"hidden states for {len(todo)} samples")
+    print(f"stage 02: {len(rows) - len(todo)} of {len(rows)} samples already captured, {len(todo)} to capture ({todo_tokens} tokens)")
+
+    # -- capture with vLLM ----------------------------------------------------------------------------
+    capture_seconds = 0.0
+    if todo:
+        from eagle_pipeline.capture import HiddenStateCapture, write_sample
+        from eagle_pipeline.engine import apply_engine_env
+
+        apply_engine_env(cfg)
+        engine = HiddenStateCapture(
+            verifier.path, layer_ids, num_layers=verifier.num_layers,
+            tensor_parallel_size=cfg.verifier.tensor_parallel_size, dtype=cfg.verifier.dtype,
+            max_model_len=cfg.verifier.max_model_len, trust_remote_code=cfg.verifier.trust_remote_code,
+            extra_engine_args={**({"enable_expert_parallel": True} if cfg.verifier.enable_expert_parallel else {}), **cfg.verifier.engine_args},
+            storage_path=stage.dir / "connector_scratch",
+        )
+        with engine, tqdm(total=todo_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
+            t0 = time.monotonic()
+            for start in range(0, len(todo), hs_cfg.batch_size):
+                batch = todo[start : start + hs_cfg.batch_size]
+                samples = engine.capture([rows[i]["input_ids"] for i in batch])
+                for row_index, sample in zip(batch, samples):
+                    write_sample(hs_dir, row_index, sample, rows[row_index]["input_ids"], num_states=num_states,
+                                 hidden_size=hidden_size, storage_dtype=STORAGE_NAMES[hs_cfg.storage_dtype])
+                    bar.update(rows[row_index]["seq_len"])
+            capture_seconds = time.monotonic() - t0
+        shutil.rmtree(stage.dir / "connector_scratch", ignore_errors=True)
+
+    # -- summary --------------------------------------------------------------------------------------
+    stored = sum((hs_dir / sample_filename(i)).stat().st_size for i in range(len(rows)))
+    plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length", "tokens")
+    counts = {
+        "samples": len(rows),
+        "captured_now": len(todo),
+        "tokens": total_tokens,
+        "assistant_tokens": sum(sum(r["loss_mask"]) for r in rows),
+        "target_vocab_size": verifier.vocab_size,
+        "hidden_size": hidden_size,
+        "layer_ids": layer_ids,
+        "num_hidden_states": num_states,
+        "stored_bytes": stored,
+        "bytes_per_token": round(stored / max(total_tokens, 1), 1),
+        "capture_seconds": round(capture_seconds, 1),
+        "capture_tokens_per_s": round(todo_tokens / capture_seconds, 1) if capture_seconds else None,
+    }
+    stage.finish(counts, output_fingerprint=value_fingerprint([r["input_ids"] for r in rows]))
+    print(
+        f"stage 02 done: {len(rows)} samples ({len(todo)} captured now), {total_tokens} tokens, "
+        f"{stored / 1e6:.1f} MB ({counts['bytes_per_token']} B/token), {counts['capture_tokens_per_s']} tokens/s -> {stage.dir}"
+    )
+
+
+if __name__ == "__main__":
+    main(2, __doc__, run)

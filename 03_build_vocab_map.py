@@ -1,0 +1,77 @@
+"""Stage 03: the draft vocabulary from token frequencies on the assistant tokens of the training data.
+
+The drafter proposes tokens from a smaller vocabulary (32k of Kimi's 163,840) to keep its lm_head cheap;
+the most frequent assistant tokens are kept. Writes `d2t.npy` (int64 offsets) and `t2d.npy` (bool), the
+files speculators' trainer loads (`--d2t-path`, `--t2d-path`) and stage 05 embeds for vLLM.
+
+Embedded default (CPU, seconds):
+    python 03_build_vocab_map.py --config configs/tiny.yaml
+Full scale:
+    python 03_build_vocab_map.py --config configs/kimi-k2.5-10k.yaml
+
+Output in <data_root>/<run_name>/03_build_vocab_map/: d2t.npy, t2d.npy, token_counts.npy, coverage.png,
+manifest.json (with the coverage: the share of training tokens the draft vocabulary contains).
+"""
+
+import numpy as np
+
+from eagle_pipeline import atomic, plots, vocab
+from eagle_pipeline.fingerprint import file_fingerprint
+from eagle_pipeline.stage import Stage, main, require_complete, upstream_fingerprint
+
+
+def run(stage: Stage, dry_run: bool) -> None:
+    cfg = stage.cfg
+    upstream = require_complete(cfg, 2)
+    vocab_size = upstream["counts"]["target_vocab_size"]
+    draft_vocab_size = cfg.vocab.draft_vocab_size
+    if dry_run:
+        print(f"stage 03: draft vocabulary of {draft_vocab_size} from {upstream['counts']['samples']} samples, "
+              f"target vocabulary {vocab_size} -> {stage.dir}")
+        return
+    if draft_vocab_size > vocab_size:
+        vocab.select_draft_ids(np.zeros(vocab_size, dtype=np.int64), draft_vocab_size)  # raises the BadInput
+
+    inputs = {
+        "hidden_states": upstream_fingerprint(upstream),
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": vocab_size,
+    }
+    if not stage.prepare(inputs, samples=upstream["counts"]["samples"]):
+        print(f"stage 03 already complete for these inputs: {stage.dir}")
+        return
+
+    # -- count assistant tokens ---------------------------------------------------------------------
+    from datasets import load_from_disk
+
+    data = load_from_disk(str(cfg.stage_dir("02_extract_hidden") / "data")).with_format(None)
+    counts = vocab.count_tokens(data["input_ids"], data["loss_mask"], vocab_size)
+
+    # -- select and write ---------------------------------------------------------------------------
+    draft_ids = vocab.select_draft_ids(counts, draft_vocab_size)
+    d2t, t2d = vocab.build_maps(draft_ids, vocab_size)
+    for name, array in (("d2t.npy", d2t), ("t2d.npy", t2d), ("token_counts.npy", counts)):
+        atomic.write_with(stage.dir / name, lambda tmp, a=array: np.save(open(tmp, "wb"), a))
+
+    covered = vocab.coverage(counts, draft_ids)
+    sizes = sorted({s for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, 65536, vocab_size, draft_vocab_size) if s <= vocab_size})
+    curve = vocab.coverage_curve(counts, sizes)
+    plots.curve(sizes, {"coverage of assistant tokens": curve}, stage.dir / "coverage.png",
+                f"draft vocabulary coverage ({covered:.1%} at {draft_vocab_size})", "draft vocabulary size", "share of training tokens",
+                marks={f"chosen size {draft_vocab_size}": (draft_vocab_size, covered)})
+    stats = {
+        "samples": upstream["counts"]["samples"],
+        "assistant_tokens": int(counts.sum()),
+        "distinct_tokens_seen": int((counts > 0).sum()),
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": vocab_size,
+        "coverage": round(covered, 6),
+        "coverage_by_size": dict(zip(map(str, sizes), [round(c, 6) for c in curve])),
+    }
+    stage.finish(stats, output_fingerprint=file_fingerprint(stage.dir / "d2t.npy"))
+    print(f"stage 03 done: {draft_vocab_size} draft tokens cover {covered:.2%} of {stats['assistant_tokens']} assistant tokens "
+          f"({stats['distinct_tokens_seen']} distinct seen) -> {stage.dir}")
+
+
+if __name__ == "__main__":
+    main(3, __doc__, run)

