@@ -44,7 +44,8 @@ def write_dataset(rows: list[dict], data_dir: Path) -> None:
 
     data_dir.mkdir(parents=True, exist_ok=True)
     with atomic.atomic_dir(data_dir.parent / "dataset.staging") as tmp:
-        Dataset.from_list(rows).save_to_disk(str(tmp))
+        # speculators' loader indexes rows as tensors: the torch format is stored with the dataset.
+        Dataset.from_list(rows).with_format("torch").save_to_disk(str(tmp))
         new_files = {p.name for p in tmp.iterdir()}
         for old in data_dir.glob("data-*.arrow"):
             if old.name not in new_files:

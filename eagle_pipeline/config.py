@@ -102,10 +102,11 @@ class TrainConfig(Section):
     num_workers: int = Field(2, ge=0)
     num_gpus: int = Field(0, ge=0, description="0 trains on the CPU; >1 launches torchrun with FSDP")
     draft_shape: Optional[DraftShape] = Field(None, description="explicit drafter shape; None derives it from the verifier")
+    # speculators' EAGLE-3 defaults; drafters trained with SpecForge (and SGLang) use all False.
     norm_before_residual: bool = True
-    norm_before_fc: bool = False
+    norm_before_fc: bool = True
     fc_norm: bool = False
-    norm_output: bool = False
+    norm_output: bool = True
     init_from: Optional[str] = Field(None, description="drafter directory to fine-tune from")
 
 

@@ -1,0 +1,137 @@
+"""Stage 04: train the EAGLE-3 drafter with speculators' own Trainer (patched for CPU and Kimi, see patches/).
+
+Reads stage 02's hidden states and stage 03's vocabulary map; the drafter's decoder shape is derived from
+the verifier or given explicitly (`train.draft_shape`, e.g. Kimi-K2.5's released drafters: head_dim 128).
+From scratch, or fine-tuned from `train.init_from`. One checkpoint per epoch, the best by validation loss
+marked; killed and rerun, training resumes from the last complete checkpoint (optimizer and step included).
+
+Embedded default (CPU, minutes):
+    python 04_train.py --config configs/tiny.yaml
+Full scale (8 GPUs through torchrun + speculators' FSDP, `train.num_gpus: 8`):
+    python 04_train.py --config configs/kimi-k2.5-10k.yaml
+
+Output in <data_root>/<run_name>/04_train/: checkpoints/<epoch>/ (speculators format), best.json,
+metrics.csv, loss_curves.png, tensorboard/, manifest.json (tokens/s, peak memory, final accuracies).
+"""
+
+import json
+import subprocess
+
+from eagle_pipeline.config import REPO_ROOT
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
+from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
+from eagle_pipeline.verifier import Verifier
+
+# Settings that may change between a run and its resumption without invalidating checkpoints.
+RESUMABLE = ("epochs", "keep_last", "num_workers")
+
+
+def checkpoint_bytes(params: int, keep: int) -> int:
+    """fp32 weights + two AdamW moments per parameter, for each kept checkpoint (plus the best)."""
+    return params * 4 * 3 * (keep + 1)
+
+
+def drafter_params(hidden: int, target_hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, n_aux: int,
+                   draft_vocab: int, vocab: int) -> int:
+    attention = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden  # q/k/v see [embed, hidden]
+    return n_aux * target_hidden * hidden + attention + 3 * hidden * inter + draft_vocab * hidden + vocab * hidden
+
+
+def run(stage: Stage, dry_run: bool) -> None:
+    cfg = stage.cfg
+    t = cfg.train
+    hidden_manifest = require_complete(cfg, 2)
+    vocab_manifest = require_complete(cfg, 3)
+    verifier = Verifier.from_config(cfg)
+    layer_ids = hidden_manifest["counts"]["layer_ids"]
+    text = verifier.text_config()
+    shape = {k: v for k, v in (t.draft_shape.model_dump() if t.draft_shape else {}).items() if v is not None}
+    hidden = shape.get("hidden_size", verifier.hidden_size)
+    heads = shape.get("num_attention_heads", text.get("num_attention_heads"))
+    kv_heads = shape.get("num_key_value_heads", text.get("num_key_value_heads", heads))
+    head_dim = shape.get("head_dim", text.get("head_dim") or hidden // heads)
+    inter = shape.get("intermediate_size", text.get("intermediate_size"))
+    params = drafter_params(hidden, verifier.hidden_size, heads, kv_heads, head_dim, inter, len(layer_ids),
+                            cfg.vocab.draft_vocab_size, verifier.vocab_size)
+    need = checkpoint_bytes(params, t.keep_last)
+    launcher = "in-process on the CPU" if t.num_gpus == 0 else f"torchrun on {t.num_gpus} GPU(s) with FSDP"
+
+    if dry_run:
+        print(f"stage 04: train an EAGLE-3 drafter {launcher}, {t.epochs} epochs, {t.optimizer}, {t.dtype}, lr {t.lr}")
+        print(f"  verifier {verifier.path} ({verifier.architecture}); aux layer ids {layer_ids}")
+        print(f"  drafter: hidden {hidden}, heads {heads}/{kv_heads} kv, head_dim {head_dim}, intermediate {inter}, "
+              f"draft vocab {cfg.vocab.draft_vocab_size}, ~{params / 1e6:.1f}M parameters")
+        print(f"  init_from {t.init_from or '(scratch)'}; checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
+        return
+
+    init_from = cfg.resolve_path(t.init_from) if t.init_from else None
+    if init_from is not None and not (init_from / "config.json").exists():
+        raise BadInput(f"train.init_from: {init_from} is not a drafter directory (no config.json); point it at a speculators or released drafter")
+    train_settings = {k: v for k, v in t.model_dump(mode="json").items() if k not in RESUMABLE}
+    inputs = {
+        "hidden_states": upstream_fingerprint(hidden_manifest),
+        "vocab_map": upstream_fingerprint(vocab_manifest),
+        "d2t": vocab_manifest["output_fingerprint"],
+        "verifier": verifier.fingerprints()["verifier"],
+        "layer_ids": layer_ids,
+        "draft_vocab_size": cfg.vocab.draft_vocab_size,
+        "train": value_fingerprint(train_settings),
+        "init_from": model_dir_fingerprint(init_from) if init_from else None,
+        "seed": cfg.seed,
+    }
+    if not stage.prepare(inputs, samples=hidden_manifest["counts"]["samples"]):
+        # A finished run whose epoch count was raised continues training from its last checkpoint.
+        done = json.loads((stage.dir / "manifest.json").read_text())["counts"].get("epochs_completed")
+        if done == t.epochs:
+            print(f"stage 04 already complete for these inputs: {stage.dir}")
+            return
+    check_disk(stage.dir, need, "drafter checkpoints")
+
+    from eagle_pipeline import training
+
+    hidden_dir = cfg.stage_dir("02_extract_hidden") / "data"
+    vocab_dir = cfg.stage_dir("03_build_vocab_map")
+    train_args = dict(
+        layer_ids=layer_ids,
+        draft_shape=shape or None,
+        init_from=str(init_from) if init_from else None,
+        epochs=t.epochs, lr=t.lr, optimizer=t.optimizer, total_seq_len=t.total_seq_len, ttt_steps=t.ttt_steps,
+        train_ratio=1 - t.val_ratio, keep_last=t.keep_last, dtype=t.dtype, num_workers=t.num_workers, seed=cfg.seed,
+        norm_before_residual=t.norm_before_residual, norm_before_fc=t.norm_before_fc, fc_norm=t.fc_norm, norm_output=t.norm_output,
+    )
+    paths = dict(data_dir=hidden_dir, d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
+                 verifier_dir=verifier.path, out_dir=stage.dir)
+    if cfg.hidden_states.storage_dtype == "fp8":
+        train_args["hidden_states_backend"] = "fp8"
+    if t.num_gpus == 0:
+        summary = training.train_drafter(**paths, **train_args, device="cpu")
+    else:
+        command = training.torchrun_command(t.num_gpus, **paths, **train_args)
+        print("running:", " ".join(command))
+        result = subprocess.run(command, cwd=REPO_ROOT)  # torchrun runs `-m eagle_pipeline.training`
+        if result.returncode != 0:
+            raise RuntimeError(f"torchrun exited with {result.returncode}")
+        summary = training.finalize_training(stage.dir)
+
+    final_val = summary.get("final_val") or {}
+    counts = {
+        "samples": hidden_manifest["counts"]["samples"],
+        "epochs_completed": summary["epochs_completed"],
+        "last_checkpoint": summary["last"]["checkpoint"],
+        "best": summary["best"],
+        "final_val": final_val,
+        "final_train": summary.get("final_train"),
+        "train_tokens_per_s": summary.get("train_tokens_per_s"),
+        "peak_rss_mb": summary.get("peak_rss_mb"),
+        "drafter_parameters": params,
+    }
+    stage.finish(counts, output_fingerprint=value_fingerprint([summary["last"], summary["best"]]))
+    best = summary["best"] or {}
+    print(f"stage 04 done: {summary['epochs_completed']} epochs, best checkpoint {best.get('checkpoint')} "
+          f"(val loss {best.get('val_loss')}), {summary.get('train_tokens_per_s')} tokens/s, "
+          f"peak RSS {summary.get('peak_rss_mb')} MB -> {stage.dir}")
+
+
+if __name__ == "__main__":
+    main(4, __doc__, run)

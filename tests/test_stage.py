@@ -1,0 +1,91 @@
+"""The stage folder protocol: skip finished work, refuse mixed inputs, --force, atomic writes."""
+
+import json
+import os
+
+import pytest
+
+from conftest import write_config
+from eagle_pipeline import atomic
+from eagle_pipeline.config import load_config
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.stage import Stage, check_disk, read_manifest
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return load_config(write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "root"), run_name="r"))
+
+
+def test_manifest_fields_and_skip_when_complete(cfg):
+    stage = Stage(3, cfg, force=False)
+    assert stage.prepare({"a": "1"}) is True
+    assert read_manifest(stage.dir)["status"] == "running"
+    stage.finish({"samples": 4}, output_fingerprint="x")
+    manifest = read_manifest(stage.dir)
+    for field in ("stage", "status", "config", "inputs", "counts", "started_at", "finished_at", "versions"):
+        assert field in manifest
+    assert manifest["status"] == "complete" and manifest["stage"] == "03_build_vocab_map"
+    assert manifest["versions"]["speculators"] == "0.9.0"
+    assert (stage.dir / "config.yaml").exists()
+    assert Stage(3, cfg, force=False).prepare({"a": "1"}) is False
+
+
+def test_changed_input_is_refused_and_named(cfg):
+    stage = Stage(3, cfg, force=False)
+    stage.prepare({"tokenizer": "aaa", "layer_ids": [2, 15, 27]})
+    stage.finish({}, output_fingerprint="x")
+    with pytest.raises(BadInput, match=r"input 'layer_ids' changed .* rerun with --force"):
+        Stage(3, cfg, force=False).prepare({"tokenizer": "aaa", "layer_ids": [2, 14, 27]})
+    # an unfinished stage with other inputs is refused as well: its partial output must not be mixed
+    stage2 = Stage(2, cfg, force=False)
+    stage2.prepare({"verifier": "v1"})
+    with pytest.raises(BadInput, match=r"input 'verifier' changed"):
+        Stage(2, cfg, force=False).prepare({"verifier": "v2"})
+
+
+def test_force_removes_old_output(cfg):
+    stage = Stage(3, cfg, force=False)
+    stage.prepare({"a": "1"})
+    (stage.dir / "old.bin").write_bytes(b"x")
+    stage.finish({}, output_fingerprint="x")
+    assert Stage(3, cfg, force=True).prepare({"a": "2"}) is True
+    assert not (stage.dir / "old.bin").exists()
+
+
+def test_sample_count_up_resumes_and_down_is_refused(cfg):
+    stage = Stage(1, cfg, force=False)
+    stage.prepare({"a": "1"}, samples=10)
+    stage.finish({"samples": 10}, output_fingerprint="x")
+    assert Stage(1, cfg, force=False).prepare({"a": "1"}, samples=10) is False
+    assert Stage(1, cfg, force=False).prepare({"a": "1"}, samples=20) is True
+    stage.finish({"samples": 10}, output_fingerprint="x")
+    with pytest.raises(BadInput, match=r"sample count went down from 10 to 5"):
+        Stage(1, cfg, force=False).prepare({"a": "1"}, samples=5)
+
+
+def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path):
+    target = tmp_path / "f.json"
+    atomic.write_json(target, {"v": 1})
+
+    def failing(tmp):
+        tmp.write_text("partial")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        atomic.write_with(target, failing)
+    assert json.loads(target.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"], "the torn temporary is removed"
+
+
+def test_sweep_removes_torn_temporaries(tmp_path):
+    (tmp_path / (atomic.TMP_PREFIX + "hs_3.safetensors.abc")).write_bytes(b"torn")
+    (tmp_path / "hs_2.safetensors").write_bytes(b"done")
+    assert atomic.sweep_temporaries(tmp_path) == 1
+    assert os.listdir(tmp_path) == ["hs_2.safetensors"]
+
+
+def test_disk_check_refuses_with_numbers(tmp_path):
+    with pytest.raises(BadInput, match=r"needs about .* GB but only .* GB is free"):
+        check_disk(tmp_path, 10**18, "hidden states")
+    check_disk(tmp_path, 1, "hidden states")
