@@ -1,0 +1,102 @@
+"""Stage 05: turn the trained checkpoint into what vLLM (and SGLang) load, and prove it with vLLM itself.
+
+speculators saves its own nested format (`layers.0.*`, `embed_tokens`, verifier tensors). vLLM's
+`LlamaForCausalLMEagle3` wants a flat folder: `midlayer.*`, `fc`, `norm`, `lm_head`, embedded `d2t` (int64)
+and `t2d` (bool), no `embed_tokens`, every norm flag explicit (REFERENCE.md section 3). Then four checks,
+written to verify.json and printed as a table:
+  1. shapes   every tensor against the config (and a reference drafter, e.g. a released Kimi one)
+  2. config   parses with transformers.AutoConfig and vLLM's own config loader
+  3. vllm_load vLLM's real Eagle3LlamaForCausalLM.load_weights accepts every key
+  4. parity   vLLM with the converted folder and with the speculators checkpoint accept the same number
+              of draft tokens per position on the same prompts at temperature 0
+
+Embedded default (CPU, a few minutes):
+    python 05_convert.py --config configs/tiny.yaml
+Full scale:
+    python 05_convert.py --config configs/kimi-k2.5-10k.yaml
+
+Output in <data_root>/<run_name>/05_convert/: vllm/ (config.json, model.safetensors), sglang/ (when
+convert.sglang), verify.json, manifest.json. The stage fails (exit 1) when any check fails.
+"""
+
+import sys
+
+from eagle_pipeline import atomic, convert, verify
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
+from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.stage import Stage, main, require_complete, upstream_fingerprint
+from eagle_pipeline.verifier import Verifier
+
+
+def run(stage: Stage, dry_run: bool) -> None:
+    cfg = stage.cfg
+    c = cfg.convert
+    trained = require_complete(cfg, 4)
+    best = trained["counts"].get("best") or {}
+    checkpoint = cfg.stage_dir("04_train") / (best.get("checkpoint") or trained["counts"]["last_checkpoint"])
+    verifier = Verifier.from_config(cfg)
+    layer_ids = trained["inputs"]["layer_ids"]
+    reference = cfg.resolve_path(c.reference_dir) if c.reference_dir else None
+    if reference is not None and not (reference / "config.json").exists():
+        raise BadInput(f"convert.reference_dir: {reference} has no config.json; point it at a drafter folder")
+
+    if dry_run:
+        print(f"stage 05: convert {checkpoint} for vLLM{' and SGLang' if c.sglang else ''}; aux layer ids {layer_ids}, "
+              f"target vocab {verifier.vocab_size}, draft vocab {cfg.vocab.draft_vocab_size}")
+        print(f"  verify shapes{' against ' + str(reference) if reference else ''}, config, vLLM load_weights, "
+              f"acceptance parity on {c.parity_prompts} prompts (tolerance {c.parity_tolerance})")
+        return
+
+    inputs = {
+        "checkpoint": upstream_fingerprint(trained),
+        "checkpoint_weights": trained["output_fingerprint"],
+        "reference_dir": str(reference) if reference else None,
+        "convert": value_fingerprint(c.model_dump(mode="json")),
+    }
+    if not stage.prepare(inputs):
+        print(f"stage 05 already complete for these inputs: {stage.dir}")
+        return
+
+    # -- convert ----------------------------------------------------------------------------------
+    vllm_dir = stage.dir / "vllm"
+    summary = convert.convert_for_vllm(checkpoint, vllm_dir, target_vocab_size=verifier.vocab_size, layer_ids=layer_ids)
+    if c.sglang:
+        summary["sglang"] = convert.convert_for_sglang(checkpoint, stage.dir / "sglang", target_vocab_size=verifier.vocab_size,
+                                                       layer_ids=layer_ids, target_num_layers=verifier.num_layers)
+    print(f"converted {checkpoint} -> {vllm_dir}")
+
+    # -- verify with vLLM's own code --------------------------------------------------------------
+    from eagle_pipeline.engine import engine_env
+
+    parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
+                                                           "data.eval_prompts")[: c.parity_prompts]]
+    expected = {
+        "vocab_size": verifier.vocab_size,
+        "draft_vocab_size": cfg.vocab.draft_vocab_size,
+        "target_hidden_size": verifier.hidden_size,
+        "eagle_config.eagle_aux_hidden_state_layer_ids": layer_ids,
+    }
+    result = verify.verify_drafter(
+        vllm_dir, target_dir=verifier.path, reference_dir=reference, expected=expected,
+        parity_source_dir=checkpoint, parity_prompts=parity_prompts, num_speculative_tokens=cfg.serve.num_speculative_tokens,
+        max_tokens=c.parity_max_tokens, tolerance=c.parity_tolerance,
+        engine_kwargs={"max_model_len": cfg.verifier.max_model_len, "dtype": cfg.verifier.dtype,
+                       "tensor_parallel_size": cfg.verifier.tensor_parallel_size, "trust_remote_code": cfg.verifier.trust_remote_code},
+        env=engine_env(cfg),
+    )
+    atomic.write_json(stage.dir / "verify.json", result)
+    verify.print_table(result)
+    if not result["ok"]:
+        failed = [name for name, check in result["checks"].items() if not check["ok"] and not check.get("skipped")]
+        print(f"verification failed: {', '.join(failed)} (details in {stage.dir / 'verify.json'})", file=sys.stderr)
+        sys.exit(1)
+
+    counts = {"checkpoint": str(checkpoint.relative_to(cfg.run_dir)), "checks": {k: v["ok"] for k, v in result["checks"].items()},
+              "tensors": summary.get("tensors"), "sglang": c.sglang}
+    stage.finish(counts, output_fingerprint=file_fingerprint(vllm_dir / "model.safetensors"))
+    print(f"stage 05 done: {vllm_dir} verified (shapes, config, vLLM load_weights, parity) -> {stage.dir / 'verify.json'}")
+
+
+if __name__ == "__main__":
+    main(5, __doc__, run)

@@ -1,0 +1,111 @@
+"""Stage 06: serve target + drafter with `vllm serve` and measure what speculative decoding buys.
+
+The held-out evaluation prompts (never used in training) go through vLLM's OpenAI server three times,
+one server at a time: with the trained drafter (EAGLE-3), without speculation, and with n-gram
+speculation. Acceptance comes from the server's Prometheus counters (`vllm:spec_decode_*`); at temperature
+0 the drafter must not change the text, so every differing prompt is reported. The stage fails (exit 1)
+when the mean acceptance length is below `serve.min_acceptance_length`.
+
+Embedded default (CPU, a few minutes):
+    python 06_serve_test.py --config configs/tiny.yaml
+Full scale (8 GPUs):
+    python 06_serve_test.py --config configs/kimi-k2.5-10k.yaml
+
+Output in <data_root>/<run_name>/06_serve_test/: report.json, report.md, report.png (acceptance per
+position, tokens/s per mode), responses.jsonl, logs/server-<mode>.log, manifest.json.
+"""
+
+import json
+import sys
+
+from eagle_pipeline import atomic, serving
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.stage import Stage, main, require_complete, upstream_fingerprint
+from eagle_pipeline.verifier import Verifier
+
+
+def verdict(report: dict, floor: float) -> tuple[bool, str]:
+    length = report.get("mean_acceptance_length") or 1.0
+    if length < floor:
+        return False, (f"FAIL: mean acceptance length {length:.2f} is below serve.min_acceptance_length {floor:.2f}: "
+                       f"the drafter does not pay for itself; train on more samples or epochs")
+    return True, f"PASS: mean acceptance length {length:.2f} >= {floor:.2f}, speed-up {report.get('speedup')}"
+
+
+def run(stage: Stage, dry_run: bool) -> None:
+    cfg = stage.cfg
+    s = cfg.serve
+    converted = require_complete(cfg, 5)
+    drafter_dir = cfg.stage_dir("05_convert") / "vllm"
+    eval_path = cfg.resolve_path(cfg.data.eval_prompts)
+    prompts = load_prompts(eval_path, cfg.data.prompt_field, "data.eval_prompts")[: cfg.data.num_eval_prompts]
+    train_texts = {json.dumps(p["messages"]) for p in load_prompts(cfg.resolve_path(cfg.data.prompts), cfg.data.prompt_field, "data.prompts")}
+    overlap = [p["id"] for p in prompts if json.dumps(p["messages"]) in train_texts]
+    if overlap:
+        raise BadInput(f"data.eval_prompts: {len(overlap)} evaluation prompts (e.g. {overlap[0]}) also appear in data.prompts; "
+                       f"held-out prompts must never be trained on")
+    modes = ["none"] + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
+
+    if dry_run:
+        print(f"stage 06: serve {cfg.verifier.path} with modes {modes}, {len(prompts)} held-out prompts from {eval_path}")
+        print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature {s.temperature}, "
+              f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}")
+        return
+    if s.port is not None:
+        serving.check_port_free(s.port)
+
+    verifier = Verifier.from_config(cfg)
+    inputs = {
+        "drafter": upstream_fingerprint(converted),
+        "drafter_weights": converted["output_fingerprint"],
+        "eval_prompts": value_fingerprint(prompts),
+        "serve": value_fingerprint(s.model_dump(mode="json", exclude={"min_acceptance_length", "port"})),
+        "verifier": verifier.fingerprints()["verifier"],
+    }
+    if not stage.prepare(inputs):
+        report = json.loads((stage.dir / "report.json").read_text())
+        ok, message = verdict(report, s.min_acceptance_length)
+        print(f"stage 06 already complete for these inputs: {stage.dir}\n{message}")
+        if not ok:
+            sys.exit(1)
+        return
+
+    from eagle_pipeline.engine import engine_env
+
+    extra_args = ["--tensor-parallel-size", str(cfg.verifier.tensor_parallel_size), "--seed", str(cfg.seed)]
+    if cfg.verifier.trust_remote_code:
+        extra_args.append("--trust-remote-code")
+    if cfg.verifier.enable_expert_parallel:
+        extra_args.append("--enable-expert-parallel")
+    if cfg.device == "cuda":
+        extra_args += ["--gpu-memory-utilization", str(cfg.verifier.gpu_memory_utilization)]
+    report = serving.measure_modes(
+        verifier.path, drafter_dir, [p["messages"] for p in prompts],
+        num_speculative_tokens=s.num_speculative_tokens, modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
+        concurrency=s.concurrency, seed=cfg.seed, max_model_len=cfg.verifier.max_model_len, dtype=cfg.verifier.dtype,
+        port=s.port, extra_args=extra_args, env=engine_env(cfg), log_dir=stage.dir / "logs",
+    )
+    ok, message = verdict(report, s.min_acceptance_length)
+    report["verdict"] = message
+    report["prompt_ids"] = [p["id"] for p in prompts]
+    serving.write_report_json(stage.dir / "report.json", report)
+    serving.write_responses_jsonl(stage.dir / "responses.jsonl", [p["messages"] for p in prompts], report)
+    atomic.write_text(stage.dir / "report.md", serving.render_report_md(report))
+    atomic.write_bytes(stage.dir / "report.png", serving.render_report_png(report))
+
+    counts = {k: report.get(k) for k in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
+                                         "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match")}
+    counts["passed"] = ok
+    stage.finish(counts, output_fingerprint=value_fingerprint(counts))
+    print(serving.render_report_md(report))
+    print(message)
+    if not report.get("greedy_match"):
+        print(f"warning: greedy outputs differ with the drafter on prompts {report.get('greedy_mismatches')}; see responses.jsonl")
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(6, __doc__, run)

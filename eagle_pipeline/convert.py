@@ -1,0 +1,400 @@
+"""Turn a speculators 0.9 EAGLE-3 checkpoint into the flat HF format that vLLM and SGLang load.
+
+speculators saves its own nested format: a config with `speculators_config` and a
+`transformer_layer_config`, and weights named `layers.0.*`, `embed_tokens`, `fc`, `norm`, `lm_head`,
+`d2t`, `t2d` (plus the verifier's `verifier_lm_head`/`verifier_norm` in some checkpoints).
+vLLM reads that format natively, but SGLang and most tooling expect the flat layout of the
+released EAGLE-3 drafters: one Llama-shaped config.json with architecture `LlamaForCausalLMEagle3`
+and weights `midlayer.*`, `fc.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`.
+
+Layer ids are given once, in the vLLM/speculators convention (id k = the residual stream entering
+target layer k = HF `hidden_states[k]`), and written per engine: as they are for vLLM, minus one for
+SGLang, whose target models add one to every explicit id (`set_eagle3_layers_to_capture`:
+`layers_to_capture = [val + 1 for val in layer_ids]`, captured at the entry of that layer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle_pipeline.atomic import atomic_dir
+from eagle_pipeline.errors import BadInput
+
+FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+# Tensors that belong to the verifier: the engines take them from the served target model.
+VERIFIER_ONLY_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+# speculators' own default when a config leaves the flag out (Eagle3SpeculatorConfig).
+SPECULATORS_FLAG_DEFAULTS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
+                             "norm_output": False}
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+@dataclass
+class SpeculatorsCheckpoint:
+    """What a speculators EAGLE-3 checkpoint says about itself, read from config.json and weight headers."""
+
+    path: Path
+    config: dict[str, Any]
+    layer: dict[str, Any]          # transformer_layer_config
+    tensor_files: dict[str, Path]  # tensor name -> safetensors file holding it
+    flags: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.layer["hidden_size"])
+
+    @property
+    def target_hidden_size(self) -> int:
+        return int(self.config.get("target_hidden_size") or self.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.layer.get("num_hidden_layers", 1))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.layer["vocab_size"])
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.config.get("draft_vocab_size") or self.vocab_size)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.layer.get("head_dim") or self.hidden_size // int(self.layer["num_attention_heads"]))
+
+    @property
+    def verifier_path(self) -> str | None:
+        return ((self.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.tensor_files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to its safetensors file (single file or sharded with an index)."""
+    from safetensors import safe_open
+
+    index = model_dir / WEIGHTS_INDEX_NAME
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / shard for name, shard in weight_map.items()}
+    single = model_dir / WEIGHTS_NAME
+    if not single.exists():
+        raise BadInput(f"{model_dir}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}; point at a saved drafter folder")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
+    ckpt_dir = Path(ckpt_dir)
+    config_path = ckpt_dir / "config.json"
+    if not config_path.exists():
+        raise BadInput(f"{config_path} is missing; point at a speculators checkpoint folder (04_train output)")
+    config = json.loads(config_path.read_text())
+    if config.get("speculators_model_type") != "eagle3":
+        raise BadInput(
+            f"{config_path}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'; "
+            "this converter reads speculators EAGLE-3 checkpoints only"
+        )
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise BadInput(f"{config_path}: transformer_layer_config is missing; the checkpoint is not a speculators drafter")
+    if layer.get("model_type", "llama") != "llama":
+        raise BadInput(
+            f"{config_path}: transformer_layer_config.model_type is {layer.get('model_type')!r}; the flat "
+            f"{FLAT_ARCHITECTURE} format holds llama layers only (serve this checkpoint with vLLM as it is)"
+        )
+    if "norm_before_residual" not in config:
+        # speculators builds the layer with False, vLLM serves a speculators config with True.
+        raise BadInput(f"{config_path}: norm_before_residual is not written; speculators reads a missing flag as "
+                       "false and vLLM as true, so write the value the drafter was trained with")
+    flags = {name: bool(config.get(name, default)) for name, default in SPECULATORS_FLAG_DEFAULTS.items()}
+    return SpeculatorsCheckpoint(ckpt_dir, config, layer, weight_files(ckpt_dir), flags)
+
+
+def resolve_layer_ids(ckpt: SpeculatorsCheckpoint, layer_ids: list[int] | tuple[int, ...] | None) -> list[int]:
+    """The aux layer ids (vLLM convention) the drafter was trained on; a caller's ids must agree with them."""
+    stored = ckpt.config.get("eagle_aux_hidden_state_layer_ids")
+    if stored and layer_ids is not None and list(stored) != list(layer_ids):
+        raise BadInput(
+            f"layer_ids {list(layer_ids)} differ from the checkpoint's eagle_aux_hidden_state_layer_ids {list(stored)}; "
+            "the drafter only works with the ids it was trained on: drop the override or retrain"
+        )
+    ids = list(stored or layer_ids or [])
+    if not ids:
+        raise BadInput(
+            f"{ckpt.path / 'config.json'}: eagle_aux_hidden_state_layer_ids is empty; pass layer_ids "
+            "(the HF hidden_states indices the drafter was trained on)"
+        )
+    return [int(i) for i in ids]
+
+
+def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
+    """Refuse a d2t/t2d pair that would map draft ids to the wrong target ids (REFERENCE section 2)."""
+    if d2t.dtype != torch.int64:
+        raise BadInput(f"{where}: d2t has dtype {d2t.dtype}, expected int64; rebuild the vocab map (stage 03)")
+    if t2d.dtype != torch.bool:
+        raise BadInput(f"{where}: t2d has dtype {t2d.dtype}, expected bool; rebuild the vocab map (stage 03)")
+    if tuple(d2t.shape) != (draft_vocab_size,) or tuple(t2d.shape) != (vocab_size,):
+        raise BadInput(
+            f"{where}: d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match draft_vocab_size "
+            f"{draft_vocab_size} / vocab_size {vocab_size}"
+        )
+    target_ids = torch.arange(draft_vocab_size) + d2t
+    problems = []
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab_size:
+        problems.append("d2t points outside the target vocabulary")
+    elif bool((target_ids[1:] <= target_ids[:-1]).any()):
+        problems.append("draft ids do not map to strictly ascending target ids")
+    elif not bool(t2d[target_ids].all()) or int(t2d.sum()) != draft_vocab_size:
+        problems.append("t2d does not mark exactly the target ids that d2t maps to")
+    if problems:
+        raise BadInput(f"{where}: {problems[0]}; rebuild the vocab map (stage 03) and retrain")
+
+
+def rope_fields(layer: dict[str, Any]) -> dict[str, Any]:
+    """Rope settings in both spellings: transformers 5 reads `rope_parameters`, 4.x (SGLang) reads
+    `rope_theta` + `rope_scaling`."""
+    params = dict(layer.get("rope_parameters") or {})
+    theta = params.get("rope_theta", layer.get("rope_theta"))
+    if theta is None:
+        raise BadInput("transformer_layer_config: no rope_theta / rope_parameters.rope_theta; the draft layer's rope is unknown")
+    params.setdefault("rope_theta", theta)
+    params.setdefault("rope_type", "default")
+    legacy_scaling = None if params["rope_type"] == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_theta": theta, "rope_scaling": legacy_scaling, "rope_parameters": params}
+
+
+def flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_ids: list[int],
+                dtype: str, engine: str) -> dict[str, Any]:
+    """The flat Llama-shaped config the engines read; every field that changes behaviour is explicit."""
+    layer = ckpt.layer
+    config: dict[str, Any] = {
+        "architectures": [FLAT_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": ckpt.hidden_size,
+        "head_dim": ckpt.head_dim,
+        "num_attention_heads": int(layer["num_attention_heads"]),
+        "num_key_value_heads": int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+        "intermediate_size": int(layer["intermediate_size"]),
+        "hidden_act": layer.get("hidden_act", "silu"),
+        "rms_norm_eps": float(layer["rms_norm_eps"]),
+        "max_position_embeddings": int(layer["max_position_embeddings"]),
+        **rope_fields(layer),
+        "attention_bias": bool(layer.get("attention_bias", False)),
+        "mlp_bias": bool(layer.get("mlp_bias", False)),
+        "num_hidden_layers": ckpt.num_layers,
+        "vocab_size": vocab_size,
+        "draft_vocab_size": ckpt.draft_vocab_size,
+        # A tied config makes SGLang use embed_tokens as lm_head; the drafter has its own lm_head.
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": written_layer_ids, "use_aux_hidden_state": True},
+        "num_aux_hidden_states": len(written_layer_ids),
+        "target_hidden_size": ckpt.target_hidden_size,
+        # vLLM's default for a missing norm_before_residual differs between flat (False) and speculators
+        # (True) configs, so every flag is written.
+        **{name: ckpt.flags[name] for name in NORM_FLAGS},
+        "torch_dtype": dtype,
+    }
+    if engine == "vllm":
+        # vLLM's V1 model runner reads the ids from eagle_config, but Model Runner V2 (its default where
+        # Triton is present) reads only a top-level eagle_aux_hidden_state_layer_ids and otherwise
+        # silently captures its default layers. SGLang reads eagle_config only.
+        config["eagle_aux_hidden_state_layer_ids"] = written_layer_ids
+    return config
+
+
+def flat_key(name: str) -> str:
+    """speculators weight name -> flat name (layer 0 is the `midlayer`, the EAGLE-3 repository's name)."""
+    match = _LAYER_KEY.match(name)
+    if match and match.group(1) == "0":
+        return "midlayer." + match.group(2)
+    return name
+
+
+def allowed_drafter_key(name: str, ckpt: SpeculatorsCheckpoint) -> bool:
+    if layer := _LAYER_KEY.match(name):
+        return int(layer.group(1)) < ckpt.num_layers
+    if name in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"):
+        return True
+    if name == "input_norm.weight":
+        return ckpt.flags["norm_before_fc"]
+    if re.fullmatch(r"fc_norm\.\d+\.weight", name):
+        return ckpt.flags["fc_norm"]
+    return False
+
+
+def drafter_tensors(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, num_aux: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Load the drafter's own tensors under flat names; returns (tensors, dropped verifier-only names)."""
+    names = set(ckpt.tensor_files)
+    unknown = sorted(n for n in names if n not in VERIFIER_ONLY_KEYS and not allowed_drafter_key(n, ckpt))
+    if unknown:
+        raise BadInput(
+            f"{ckpt.path}: unexpected tensor {unknown[0]!r} ({len(unknown)} unexpected in all) for this config's "
+            "layer count and norm flags; the checkpoint and its config.json disagree"
+        )
+    draft_vocab_size = ckpt.draft_vocab_size
+    if draft_vocab_size != vocab_size:
+        missing = [n for n in ("lm_head.weight", "d2t", "t2d") if n not in names]
+        if missing:
+            raise BadInput(
+                f"{ckpt.path}: a pruned vocabulary ({draft_vocab_size} of {vocab_size}) needs {', '.join(missing)} "
+                "in the checkpoint; without d2t vLLM silently maps draft id k to target id k"
+            )
+        check_vocab_map(ckpt.tensor("d2t"), ckpt.tensor("t2d"), vocab_size, draft_vocab_size, str(ckpt.path))
+
+    fc_shape = None
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(names):
+        if name in VERIFIER_ONLY_KEYS:
+            continue
+        if draft_vocab_size == vocab_size and name in ("d2t", "t2d"):
+            continue  # identity map: the engines expect none with a full vocabulary
+        tensor = ckpt.tensor(name).contiguous()
+        if name == "fc.weight":
+            fc_shape = tuple(tensor.shape)
+        tensors[flat_key(name)] = tensor
+    expected_fc = (ckpt.hidden_size, num_aux * ckpt.target_hidden_size)
+    if fc_shape != expected_fc:
+        raise BadInput(
+            f"{ckpt.path}: fc.weight has shape {fc_shape}, expected {expected_fc} for {num_aux} aux layers "
+            f"of width {ckpt.target_hidden_size}; eagle_aux_hidden_state_layer_ids and the weights disagree"
+        )
+    dropped = sorted(n for n in names if n in VERIFIER_ONLY_KEYS)
+    return tensors, dropped
+
+
+def float_dtype_name(tensors: dict[str, torch.Tensor]) -> str:
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) != 1:
+        raise BadInput(f"drafter weights mix float dtypes {sorted(map(str, dtypes))}; save the checkpoint in one dtype")
+    return str(dtypes.pop()).removeprefix("torch.")
+
+
+def target_vocab(ckpt: SpeculatorsCheckpoint, target_vocab_size: int | None) -> int:
+    if target_vocab_size is not None and int(target_vocab_size) != ckpt.vocab_size:
+        raise BadInput(
+            f"target_vocab_size {target_vocab_size} differs from the checkpoint's transformer_layer_config.vocab_size "
+            f"{ckpt.vocab_size}; the drafter was built for another verifier"
+        )
+    return ckpt.vocab_size
+
+
+def write_flat_dir(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        # The temporary folder is created private; a served model folder is read by other users too.
+        tmp.chmod(0o755)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+
+
+def _convert(ckpt: SpeculatorsCheckpoint, out_dir: str | Path, *, engine: str, vocab_size: int,
+             layer_ids: list[int], written_layer_ids: list[int]) -> dict[str, Any]:
+    tensors, dropped = drafter_tensors(ckpt, vocab_size=vocab_size, num_aux=len(layer_ids))
+    config = flat_config(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids,
+                         dtype=float_dtype_name(tensors), engine=engine)
+    write_flat_dir(out_dir, config, tensors)
+    return {
+        "engine": engine,
+        "source": str(ckpt.path),
+        "out_dir": str(out_dir),
+        "architecture": FLAT_ARCHITECTURE,
+        "layer_ids": layer_ids,
+        "written_layer_ids": written_layer_ids,
+        "vocab_size": vocab_size,
+        "draft_vocab_size": ckpt.draft_vocab_size,
+        "norm_flags": {name: ckpt.flags[name] for name in NORM_FLAGS},
+        "tensors": {name: list(t.shape) for name, t in tensors.items()},
+        "dropped": dropped,
+    }
+
+
+def convert_for_vllm(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_size: int | None = None,
+                     layer_ids: list[int] | tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Write a flat `LlamaForCausalLMEagle3` drafter folder for vLLM; returns a summary of what was written.
+
+    Tokenizer files are not copied: vLLM's draft model uses the target's tokenizer unless the
+    speculative config asks for a heterogeneous vocabulary.
+    """
+    ckpt = read_speculators_checkpoint(ckpt_dir)
+    vocab_size = target_vocab(ckpt, target_vocab_size)
+    ids = resolve_layer_ids(ckpt, layer_ids)
+    return _convert(ckpt, out_dir, engine="vllm", vocab_size=vocab_size, layer_ids=ids, written_layer_ids=ids)
+
+
+def target_num_layers_from_checkpoint(ckpt: SpeculatorsCheckpoint) -> int | None:
+    """The verifier's layer count, when the checkpoint's verifier path is a local folder."""
+    verifier = ckpt.verifier_path
+    if not verifier or not (Path(verifier) / "config.json").exists():
+        return None
+    config = json.loads((Path(verifier) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config["num_hidden_layers"]) if "num_hidden_layers" in config else None
+
+
+def sglang_refusal(ckpt: SpeculatorsCheckpoint, layer_ids: list[int], target_num_layers: int | None) -> str | None:
+    """Why SGLang's llama_eagle3 cannot run this drafter as trained, or None.
+
+    SGLang's `LlamaForCausalLMEagle3` has one `midlayer` whose residual is the un-normalised hidden
+    state, an `fc` of fixed width 3 * target_hidden_size, no input/fc norms, returns the pre-norm
+    state across steps, and builds its projections without bias.
+    """
+    set_flags = [name for name in NORM_FLAGS if ckpt.flags[name]]
+    if set_flags:
+        flag = set_flags[0]
+        return (f"{flag} is true in {ckpt.path / 'config.json'} (set: {', '.join(set_flags)}); SGLang's "
+                f"llama_eagle3 has no such norm variant: train with train.{flag}=false or serve with vLLM")
+    if ckpt.num_layers != 1:
+        return f"transformer_layer_config.num_hidden_layers is {ckpt.num_layers}; SGLang loads one-layer EAGLE-3 drafters only"
+    if len(layer_ids) != 3:
+        return f"eagle_aux_hidden_state_layer_ids has {len(layer_ids)} ids; SGLang's fc takes exactly 3 aux layers"
+    for bias in ("attention_bias", "mlp_bias"):
+        if ckpt.layer.get(bias):
+            return f"transformer_layer_config.{bias} is true; SGLang's EAGLE-3 midlayer has no such bias"
+    if min(layer_ids) < 1:
+        return (f"aux layer id {min(layer_ids)} (the embeddings) cannot be written for SGLang, whose ids mean "
+                "'output of layer id'; choose ids >= 1")
+    if target_num_layers is not None and max(layer_ids) >= target_num_layers:
+        return (f"aux layer id {max(layer_ids)} (the final layer's output) is never captured by SGLang, which "
+                f"captures entries of layers 0..{target_num_layers - 1}; choose ids < {target_num_layers}")
+    return None
+
+
+def convert_for_sglang(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_size: int | None = None,
+                       layer_ids: list[int] | tuple[int, ...] | None = None,
+                       target_num_layers: int | None = None) -> dict[str, Any]:
+    """Write a flat drafter folder for SGLang: the vLLM layout with every aux layer id minus one.
+
+    Raises BadInput, naming the flag, for a drafter SGLang would run differently from how it was
+    trained (norm variants, more than one layer, not 3 aux layers, biases, unreachable ids).
+    `target_num_layers` (read from the checkpoint's verifier folder when it is local) lets the
+    final-layer id be refused.
+    """
+    ckpt = read_speculators_checkpoint(ckpt_dir)
+    vocab_size = target_vocab(ckpt, target_vocab_size)
+    ids = resolve_layer_ids(ckpt, layer_ids)
+    if target_num_layers is None:
+        target_num_layers = target_num_layers_from_checkpoint(ckpt)
+    refusal = sglang_refusal(ckpt, ids, target_num_layers)
+    if refusal:
+        raise BadInput(refusal)
+    return _convert(ckpt, out_dir, engine="sglang", vocab_size=vocab_size, layer_ids=ids,
+                    written_layer_ids=[i - 1 for i in ids])
