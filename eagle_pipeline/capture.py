@@ -1,0 +1,410 @@
+"""Capture a verifier's auxiliary hidden states with vLLM's offline engine and store them for speculators.
+
+vLLM's `extract_hidden_states` speculative method caches, for every prompt token, the residual stream at
+the requested layer ids into a KV cache group; a hidden-states KV connector writes each finished request's
+slice to a safetensors file in `shared_storage_path`. We read that file, delete it, check it, and write the
+sample to `hs_<row>.safetensors` in speculators' offline format.
+
+Layer ids are HF `output_hidden_states` indices: id k is the residual stream entering layer k. vLLM gets
+`layer_ids + [num_layers]`; id `num_layers` is the final layer's output before the final norm, which
+speculators expects in the last slot (`verifier_last_hidden_states`).
+
+Stored sample (bf16): `hidden_states` bf16 [seq, n_aux + 1, H], `token_ids` int64 [seq].
+Stored sample (fp8): `hidden_states` float8_e4m3fn [seq, n_aux + 1, H], `hidden_states_scales` fp32
+[seq, 1, 1], `token_ids` int64 [seq]: the format of hs_connectors' FP8HiddenStatesConnector. speculators
+reads it only through its fp8 backend (`--hidden-states-backend fp8`, i.e. hs_connectors.FP8Transfer); the
+default file backend would hand the raw fp8 values to training without their scales.
+
+The engine runs once per `HiddenStateCapture` context; vLLM spawns worker processes, so the calling script
+must guard its entry point with `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle_pipeline import atomic
+from eagle_pipeline.errors import BadInput
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
+STORAGE_DTYPES = ("bf16", "fp8")
+FP8_SCALES_KEY = "hidden_states_scales"  # = hs_connectors.fp8_utils.SCALES_KEY
+
+
+class BadSample(ValueError):
+    """A captured or stored hidden-states sample failed its check; the message names the sample or file."""
+
+
+def sample_filename(row: int) -> str:
+    return f"hs_{row}.safetensors"
+
+
+def vllm_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """The ids to pass to vLLM: the aux ids plus `num_layers` (final layer output, pre-norm)."""
+    ids = list(layer_ids)
+    if not ids or any(not isinstance(k, int) or isinstance(k, bool) for k in ids):
+        raise BadInput(f"layer_ids: expected a non-empty list of integers, got {ids!r}")
+    # vLLM returns the states in layer order whatever order the ids come in, and merges duplicates.
+    if ids != sorted(set(ids)):
+        raise BadInput(f"layer_ids: must be strictly increasing (vLLM returns them in layer order), got {ids}")
+    if ids[0] < 0 or ids[-1] >= num_layers:
+        raise BadInput(
+            f"layer_ids: {ids} must lie in [0, {num_layers - 1}] for a verifier with {num_layers} layers "
+            f"(HF hidden_states indices; the final layer {num_layers} is always added as the last slot)"
+        )
+    return ids + [num_layers]
+
+
+def speculative_config(layer_ids: Sequence[int], num_layers: int) -> dict[str, Any]:
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(layer_ids, num_layers)}},
+    }
+
+
+def kv_transfer_config(storage_path: str | os.PathLike, device_type: str) -> dict[str, Any]:
+    """The hidden-states connector for this device: upstream's on CUDA, the patched CPU one on CPU."""
+    config: dict[str, Any] = {
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_path)},
+    }
+    if device_type == "cpu":
+        config["kv_connector"] = "CpuHiddenStatesConnector"
+        config["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    elif device_type == "cuda":
+        config["kv_connector"] = "ExampleHiddenStatesConnector"
+    else:
+        raise RuntimeError(f"hidden-state capture supports CPU and CUDA platforms, not {device_type!r}")
+    return config
+
+
+def _platform_device_type() -> str:
+    """'cpu' or 'cuda' (ROCm included: upstream's connector runs there through torch.cuda), else vLLM's name."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda_alike():
+        return "cuda"
+    return current_platform.device_type
+
+
+class HiddenStateCapture:
+    """vLLM engine that returns per-token hidden states for batches of token id lists.
+
+    with HiddenStateCapture(verifier_dir, [2, 15, 27], num_layers=30, max_model_len=2048) as cap:
+        for sample in cap.capture([[1, 2, 3], [4, 5]]):
+            sample["hidden_states"]  # [seq, 4, H] in the engine dtype; sample["token_ids"] int64 [seq]
+    """
+
+    def __init__(
+        self,
+        verifier_dir: str | os.PathLike,
+        layer_ids: Sequence[int],
+        *,
+        num_layers: int,
+        tensor_parallel_size: int = 1,
+        dtype: str = "bfloat16",
+        max_model_len: int = 4096,
+        trust_remote_code: bool = False,
+        extra_engine_args: dict[str, Any] | None = None,
+        storage_path: str | os.PathLike | None = None,
+    ):
+        self.verifier_dir = Path(verifier_dir)
+        self.layer_ids = list(layer_ids)
+        self.num_layers = num_layers
+        self.vllm_ids = vllm_layer_ids(self.layer_ids, num_layers)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.trust_remote_code = trust_remote_code
+        self.extra_engine_args = dict(extra_engine_args or {})
+        self._requested_storage_path = storage_path
+        self.storage_path: Path | None = None
+        self._owns_storage = False
+        self._llm = None
+
+    @property
+    def num_states(self) -> int:
+        return len(self.vllm_ids)
+
+    def engine_args(self, storage_path: str | os.PathLike, device_type: str) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "model": str(self.verifier_dir),
+            "tokenizer": str(self.verifier_dir),
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "trust_remote_code": self.trust_remote_code,
+            # Each request is a one-off prefill; skipping cached prefixes would only add the risk of
+            # reading hidden-state blocks written by another request.
+            "enable_prefix_caching": False,
+            "speculative_config": speculative_config(self.layer_ids, self.num_layers),
+            "kv_transfer_config": kv_transfer_config(storage_path, device_type),
+        }
+        args.update(self.extra_engine_args)
+        return args
+
+    def __enter__(self) -> "HiddenStateCapture":
+        from vllm import LLM
+
+        if self._requested_storage_path is None:
+            self.storage_path = Path(tempfile.mkdtemp(prefix="hs-capture-"))
+            self._owns_storage = True
+        else:
+            self.storage_path = Path(self._requested_storage_path)
+            self.storage_path.mkdir(parents=True, exist_ok=True)
+        args = self.engine_args(self.storage_path, _platform_device_type())
+        # The engine core and workers import the connector module by name in their own processes.
+        if str(REPO_ROOT) not in sys.path:
+            sys.path.insert(0, str(REPO_ROOT))
+        saved_pythonpath = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), saved_pythonpath) if p)
+        try:
+            self._llm = LLM(**args)
+        except BaseException:
+            self._remove_storage()
+            raise
+        finally:
+            if saved_pythonpath is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved_pythonpath
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._llm is not None:
+            engine_core = getattr(self._llm.llm_engine, "engine_core", None)
+            if engine_core is not None:
+                engine_core.shutdown()
+            self._llm = None
+        self._remove_storage()
+
+    def _remove_storage(self) -> None:
+        if self._owns_storage and self.storage_path is not None:
+            shutil.rmtree(self.storage_path, ignore_errors=True)
+            self._owns_storage = False
+
+    def capture(self, batch: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
+        """Hidden states for each token id list, in order: dicts with `hidden_states` and `token_ids`."""
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+        from vllm.inputs import TokensPrompt
+
+        if self._llm is None:
+            raise RuntimeError("HiddenStateCapture.capture() called outside its `with` block")
+        prompts = []
+        for i, ids in enumerate(batch):
+            ids = [int(t) for t in ids]
+            # The engine needs room for the one token it samples after the prompt.
+            if not 0 < len(ids) < self.max_model_len:
+                raise BadInput(
+                    f"capture: sequence {i} of the batch has {len(ids)} tokens; it must have 1 to "
+                    f"{self.max_model_len - 1} (max_model_len - 1): raise max_model_len or shorten the data"
+                )
+            prompts.append(TokensPrompt(prompt_token_ids=ids))
+
+        # The sampled token is irrelevant; max_tokens=1 ends each request right after its prefill.
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+
+        samples = []
+        paths = [(out.kv_transfer_params or {}).get("hidden_states_path") for out in outputs]
+        try:
+            for i, (prompt, path) in enumerate(zip(prompts, paths)):
+                if path is None:
+                    raise RuntimeError(f"capture: vLLM returned no hidden_states_path for sequence {i}")
+                data = load_hidden_states(path)
+                expected = torch.tensor(prompt["prompt_token_ids"], dtype=torch.long)
+                check_sample(data, expected, num_states=self.num_states, where=f"captured sequence {i} ({path})")
+                samples.append({"hidden_states": data["hidden_states"], "token_ids": data["token_ids"].long()})
+        finally:
+            for path in paths:
+                if path is not None:
+                    cleanup_hidden_states(path)
+        return samples
+
+
+def check_sample(
+    sample: dict[str, torch.Tensor],
+    expected_token_ids: torch.Tensor | Sequence[int],
+    *,
+    num_states: int | None = None,
+    hidden_size: int | None = None,
+    where: str,
+) -> None:
+    """Raise BadSample (naming `where`) unless the sample's tokens equal the input and its states are sane."""
+    missing = {"hidden_states", "token_ids"} - sample.keys()
+    if missing:
+        raise BadSample(f"{where}: missing tensors {sorted(missing)}")
+    hidden, tokens = sample["hidden_states"], sample["token_ids"]
+    expected = torch.as_tensor(expected_token_ids, dtype=torch.long)
+    if tokens.dim() != 1 or tokens.shape[0] != expected.shape[0]:
+        raise BadSample(f"{where}: {tuple(tokens.shape)} token ids, expected {expected.shape[0]}")
+    mismatch = (tokens.long() != expected).nonzero()
+    if len(mismatch):
+        pos = int(mismatch[0])
+        raise BadSample(
+            f"{where}: token ids differ from the input at position {pos} "
+            f"({int(tokens[pos])} != {int(expected[pos])}, {len(mismatch)} positions in all)"
+        )
+    if hidden.dim() != 3 or hidden.shape[0] != expected.shape[0]:
+        raise BadSample(f"{where}: hidden_states shape {tuple(hidden.shape)}, expected [{expected.shape[0]}, n, H]")
+    if num_states is not None and hidden.shape[1] != num_states:
+        raise BadSample(f"{where}: {hidden.shape[1]} hidden-state slots, expected {num_states} (aux ids + final)")
+    if hidden_size is not None and hidden.shape[2] != hidden_size:
+        raise BadSample(f"{where}: hidden size {hidden.shape[2]}, expected {hidden_size}")
+    if not torch.isfinite(hidden.float()).all():
+        raise BadSample(f"{where}: hidden_states contain NaN or infinite values")
+
+
+def encode_sample(sample: dict[str, torch.Tensor], storage_dtype: str = "bf16") -> dict[str, torch.Tensor]:
+    """The tensors to store: bf16 as speculators' file backend reads them, or hs_connectors' fp8 format."""
+    hidden = sample["hidden_states"].to(torch.bfloat16).contiguous()
+    tokens = sample["token_ids"].to(torch.int64).contiguous()
+    if storage_dtype == "bf16":
+        return {"hidden_states": hidden, "token_ids": tokens}
+    if storage_dtype == "fp8":
+        from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+        assert SCALES_KEY == FP8_SCALES_KEY
+        fp8, scales = quantize_tensor_to_fp8(hidden)
+        return {"hidden_states": fp8, SCALES_KEY: scales, "token_ids": tokens}
+    raise BadInput(f"storage_dtype: {storage_dtype!r} is not one of {list(STORAGE_DTYPES)}")
+
+
+def decode_sample(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of encode_sample, as hs_connectors.FP8Transfer does it: fp8 files come back as bf16."""
+    if FP8_SCALES_KEY not in tensors:
+        return tensors
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    decoded = {k: v for k, v in tensors.items() if k != FP8_SCALES_KEY}
+    decoded["hidden_states"] = dequantize_fp8_tensor(tensors["hidden_states"], tensors[FP8_SCALES_KEY])
+    return decoded
+
+
+def write_sample(
+    out_dir: str | os.PathLike,
+    row: int,
+    sample: dict[str, torch.Tensor],
+    expected_token_ids: torch.Tensor | Sequence[int],
+    *,
+    num_states: int,
+    hidden_size: int | None = None,
+    storage_dtype: str = "bf16",
+) -> Path:
+    """Check a captured sample and write it atomically to out_dir/hs_<row>.safetensors; returns the path."""
+    from safetensors.torch import save_file
+
+    path = Path(out_dir) / sample_filename(row)
+    check_sample(sample, expected_token_ids, num_states=num_states, hidden_size=hidden_size, where=str(path))
+    tensors = encode_sample(sample, storage_dtype)
+    atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp)))
+    return path
+
+
+def read_sample(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load a stored sample (bf16 or fp8) as bf16 hidden_states and int64 token_ids."""
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise BadSample(f"{path}: missing")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for torn or foreign files
+        raise BadSample(f"{path}: unreadable safetensors file ({type(e).__name__}: {e}); delete it to recapture") from e
+    return decode_sample(tensors)
+
+
+def verify_sample_file(
+    path: str | os.PathLike,
+    expected_token_ids: torch.Tensor | Sequence[int],
+    *,
+    num_states: int,
+    hidden_size: int | None = None,
+) -> None:
+    """Raise BadSample naming `path` unless the stored sample is readable and matches the input."""
+    check_sample(
+        read_sample(path), expected_token_ids, num_states=num_states, hidden_size=hidden_size, where=str(path)
+    )
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    """Capture a JSON list of token id lists into OUT/hs_<i>.safetensors (a tool for checks and timing)."""
+    import argparse
+    import json
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m eagle_pipeline.capture", description=_main.__doc__)
+    parser.add_argument("--verifier", required=True, help="HF model directory of the verifier")
+    parser.add_argument("--layer-ids", required=True, help="aux ids, HF hidden_states indices, e.g. 2,15,27")
+    parser.add_argument("--num-layers", type=int, required=True)
+    parser.add_argument("--tokens", required=True, help="JSON file: a list of token id lists")
+    parser.add_argument("--out", required=True, help="folder for hs_<i>.safetensors and timing.json")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default="bf16")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--extra-engine-args", default="{}", help="JSON dict passed on to vllm.LLM")
+    parser.add_argument("--storage-path", default=None, help="connector scratch folder (default: a temp folder)")
+    args = parser.parse_args(argv)
+
+    sequences = json.loads(Path(args.tokens).read_text())
+    layer_ids = [int(k) for k in args.layer_ids.split(",")]
+    started = time.perf_counter()
+    with HiddenStateCapture(
+        args.verifier,
+        layer_ids,
+        num_layers=args.num_layers,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        extra_engine_args=json.loads(args.extra_engine_args),
+        storage_path=args.storage_path,
+    ) as capture:
+        engine_start_s = time.perf_counter() - started
+        capture_s = write_s = 0.0
+        for start in range(0, len(sequences), args.batch_size):
+            batch = sequences[start : start + args.batch_size]
+            t0 = time.perf_counter()
+            samples = capture.capture(batch)
+            t1 = time.perf_counter()
+            for offset, sample in enumerate(samples):
+                write_sample(
+                    args.out, start + offset, sample, batch[offset],
+                    num_states=capture.num_states, storage_dtype=args.storage_dtype,
+                )
+            capture_s += t1 - t0
+            write_s += time.perf_counter() - t1
+    num_tokens = sum(len(s) for s in sequences)
+    timing = {
+        "engine_start_s": engine_start_s,
+        "capture_s": capture_s,
+        "write_s": write_s,
+        "num_sequences": len(sequences),
+        "num_tokens": num_tokens,
+        "capture_tokens_per_s": num_tokens / capture_s,
+        "tokens_per_s_with_writes": num_tokens / (capture_s + write_s),
+    }
+    atomic.write_json(Path(args.out) / "timing.json", timing)
+    print(json.dumps(timing))
+
+
+if __name__ == "__main__":
+    _main()
