@@ -24,12 +24,13 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.stage import Stage, main
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
-from eagle_pipeline.verifier import Verifier
+from eagle_pipeline.verifier import Verifier, check_verifier_path
 
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     # -- inputs ------------------------------------------------------------------------------------
+    check_verifier_path(cfg)
     prompts_path = cfg.resolve_path(cfg.data.prompts)
     prompts = load_prompts(prompts_path, cfg.data.prompt_field, "data.prompts")
     if cfg.data.num_samples > len(prompts):

@@ -25,12 +25,12 @@ def run(stage: Stage, dry_run: bool) -> None:
     upstream = require_complete(cfg, 2)
     vocab_size = upstream["counts"]["target_vocab_size"]
     draft_vocab_size = cfg.vocab.draft_vocab_size
+    if draft_vocab_size > vocab_size:
+        vocab.select_draft_ids(np.zeros(vocab_size, dtype=np.int64), draft_vocab_size)  # raises the BadInput
     if dry_run:
         print(f"stage 03: draft vocabulary of {draft_vocab_size} from {upstream['counts']['samples']} samples, "
               f"target vocabulary {vocab_size} -> {stage.dir}")
         return
-    if draft_vocab_size > vocab_size:
-        vocab.select_draft_ids(np.zeros(vocab_size, dtype=np.int64), draft_vocab_size)  # raises the BadInput
 
     inputs = {
         "hidden_states": upstream_fingerprint(upstream),

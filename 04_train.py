@@ -18,6 +18,7 @@ import json
 import subprocess
 
 from eagle_pipeline.config import REPO_ROOT
+from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
@@ -80,13 +81,16 @@ def run(stage: Stage, dry_run: bool) -> None:
         "init_from": model_dir_fingerprint(init_from) if init_from else None,
         "seed": cfg.seed,
     }
-    if not stage.prepare(inputs, samples=hidden_manifest["counts"]["samples"]):
+    samples = hidden_manifest["counts"]["samples"]
+    if not stage.already_complete(inputs, samples):  # checked before anything is written
+        check_disk(stage.dir, need, "drafter checkpoints")
+        check_training_data(cfg.stage_dir("02_extract_hidden") / "data", len(layer_ids) + 1, verifier.hidden_size, cfg.seed)
+    if not stage.prepare(inputs, samples=samples):
         # A finished run whose epoch count was raised continues training from its last checkpoint.
         done = json.loads((stage.dir / "manifest.json").read_text())["counts"].get("epochs_completed")
         if done == t.epochs:
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return
-    check_disk(stage.dir, need, "drafter checkpoints")
 
     from eagle_pipeline import training
 

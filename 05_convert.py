@@ -54,6 +54,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "reference_dir": str(reference) if reference else None,
         "convert": value_fingerprint(c.model_dump(mode="json")),
     }
+    if not stage.already_complete(inputs):
+        convert.read_speculators_checkpoint(checkpoint)  # a checkpoint without weights is refused before any write
     if not stage.prepare(inputs):
         print(f"stage 05 already complete for these inputs: {stage.dir}")
         return
@@ -67,7 +69,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     print(f"converted {checkpoint} -> {vllm_dir}")
 
     # -- verify with vLLM's own code --------------------------------------------------------------
-    from eagle_pipeline.engine import engine_env
+    from eagle_pipeline.engine import engine_env, llm_kwargs
 
     parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
                                                            "data.eval_prompts")[: c.parity_prompts]]
@@ -81,8 +83,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         vllm_dir, target_dir=verifier.path, reference_dir=reference, expected=expected,
         parity_source_dir=checkpoint, parity_prompts=parity_prompts, num_speculative_tokens=cfg.serve.num_speculative_tokens,
         max_tokens=c.parity_max_tokens, tolerance=c.parity_tolerance,
-        engine_kwargs={"max_model_len": cfg.verifier.max_model_len, "dtype": cfg.verifier.dtype,
-                       "tensor_parallel_size": cfg.verifier.tensor_parallel_size, "trust_remote_code": cfg.verifier.trust_remote_code},
+        engine_kwargs={k: v for k, v in llm_kwargs(cfg, str(verifier.path)).items() if k != "model"},
         env=engine_env(cfg),
     )
     atomic.write_json(stage.dir / "verify.json", result)

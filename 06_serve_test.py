@@ -37,6 +37,8 @@ def verdict(report: dict, floor: float) -> tuple[bool, str]:
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     s = cfg.serve
+    if s.port is not None and not dry_run:
+        serving.check_port_free(s.port)
     converted = require_complete(cfg, 5)
     drafter_dir = cfg.stage_dir("05_convert") / "vllm"
     eval_path = cfg.resolve_path(cfg.data.eval_prompts)
@@ -53,9 +55,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature {s.temperature}, "
               f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}")
         return
-    if s.port is not None:
-        serving.check_port_free(s.port)
-
     verifier = Verifier.from_config(cfg)
     inputs = {
         "drafter": upstream_fingerprint(converted),
@@ -72,20 +71,13 @@ def run(stage: Stage, dry_run: bool) -> None:
             sys.exit(1)
         return
 
-    from eagle_pipeline.engine import engine_env
+    from eagle_pipeline.engine import engine_env, server_args
 
-    extra_args = ["--tensor-parallel-size", str(cfg.verifier.tensor_parallel_size), "--seed", str(cfg.seed)]
-    if cfg.verifier.trust_remote_code:
-        extra_args.append("--trust-remote-code")
-    if cfg.verifier.enable_expert_parallel:
-        extra_args.append("--enable-expert-parallel")
-    if cfg.device == "cuda":
-        extra_args += ["--gpu-memory-utilization", str(cfg.verifier.gpu_memory_utilization)]
     report = serving.measure_modes(
         verifier.path, drafter_dir, [p["messages"] for p in prompts],
         num_speculative_tokens=s.num_speculative_tokens, modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
         concurrency=s.concurrency, seed=cfg.seed, max_model_len=cfg.verifier.max_model_len, dtype=cfg.verifier.dtype,
-        port=s.port, extra_args=extra_args, env=engine_env(cfg), log_dir=stage.dir / "logs",
+        port=s.port, extra_args=server_args(cfg), env=engine_env(cfg), log_dir=stage.dir / "logs",
     )
     ok, message = verdict(report, s.min_acceptance_length)
     report["verdict"] = message

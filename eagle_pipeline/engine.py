@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -36,3 +37,22 @@ def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None) -> 
         kwargs["enable_expert_parallel"] = v.enable_expert_parallel
     kwargs.update(v.engine_args)
     return kwargs
+
+
+def server_args(cfg: RunConfig) -> list[str]:
+    """The same engine settings as `llm_kwargs`, as `vllm serve` flags (dtype and max_model_len aside)."""
+    v = cfg.verifier
+    args = ["--tensor-parallel-size", str(v.tensor_parallel_size), "--seed", str(cfg.seed)]
+    if v.trust_remote_code:
+        args.append("--trust-remote-code")
+    if cfg.device == "cuda":
+        args += ["--gpu-memory-utilization", str(v.gpu_memory_utilization)]
+        if v.enable_expert_parallel:
+            args.append("--enable-expert-parallel")
+    for key, value in v.engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is not False and value is not None:
+            args += [flag, value if isinstance(value, str) else json.dumps(value)]
+    return args

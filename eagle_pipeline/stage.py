@@ -157,6 +157,12 @@ class Stage:
         self.write_config()
         return True
 
+    def already_complete(self, inputs: dict[str, Any], samples: int | None = None) -> bool:
+        """True when the output is complete for exactly these inputs (reads only; for checks worth skipping)."""
+        old = read_manifest(self.dir)
+        return (not self.force and old is not None and old.get("status") == "complete" and old.get("inputs") == inputs
+                and (samples is None or old.get("counts", {}).get("samples") == samples))
+
     def write_config(self) -> None:
         atomic.write_text(self.dir / "config.yaml", dump_config(self.cfg))
 
@@ -235,20 +241,29 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
         args = parse_args(description, argv)
         cfg = load_config(args.config, args.overrides)
         stage = Stage(number, cfg, force=args.force)
-        check_data_root_writable(cfg)
+        check_data_root_writable(cfg, create=not args.dry_run)
         if not args.dry_run:
             log_path_holder[0] = stage.log_path
         setup_logging(None if args.dry_run else stage.log_path)
         body(stage, args.dry_run)
 
 
-def check_data_root_writable(cfg: RunConfig) -> None:
+def check_data_root_writable(cfg: RunConfig, create: bool) -> None:
+    """Refuse a data_root that cannot hold the run, before any work starts."""
     root = cfg.resolve_path(cfg.data_root)
     probe = root
     while not probe.exists():
         probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise BadInput(f"data_root: {root} is not writable (nearest existing folder {probe}); choose another data_root or fix permissions")
+    if not probe.is_dir():
+        raise BadInput(f"data_root: {root} cannot be created because {probe} is a file; choose another data_root")
+    if not create:
+        return
+    try:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic.write_bytes(cfg.run_dir / ".write-probe", b"")
+        (cfg.run_dir / ".write-probe").unlink()
+    except OSError as e:
+        raise BadInput(f"data_root: cannot write under {root} ({e.strerror}); choose another data_root or fix permissions") from None
 
 
 def check_disk(folder: Path, needed_bytes: int, what: str) -> None:

@@ -12,11 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.config import RunConfig
-from eagle_pipeline.embedded import resolve_verifier_path
+from eagle_pipeline.embedded import EMBEDDED_PREFIX, gguf_path, resolve_verifier_path
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, model_dir_fingerprint, text_fingerprint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def check_model_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise BadInput(f"verifier.path: {path} is not a directory; point it at an HF model folder or embedded:smollm2-135m-instruct")
+    if not (path / "config.json").exists():
+        raise BadInput(f"verifier.path: {path} has no config.json, so it is not an HF model folder; point it at one")
+
+
+def check_verifier_path(cfg: RunConfig) -> None:
+    """Validate verifier.path without converting or loading anything (for --dry-run and early checks)."""
+    raw = cfg.verifier.path
+    if raw.startswith(EMBEDDED_PREFIX):
+        gguf_path(raw[len(EMBEDDED_PREFIX):])
+    else:
+        check_model_dir(cfg.resolve_path(raw))
 
 
 @dataclass
@@ -27,11 +43,8 @@ class Verifier:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "Verifier":
         raw = cfg.verifier.path
-        path = resolve_verifier_path(raw) if raw.startswith("embedded:") else cfg.resolve_path(raw)
-        if not path.is_dir():
-            raise BadInput(f"verifier.path: {path} is not a directory; point it at an HF model folder or embedded:smollm2-135m-instruct")
-        if not (path / "config.json").exists():
-            raise BadInput(f"verifier.path: {path} has no config.json, so it is not an HF model folder; point it at one")
+        path = resolve_verifier_path(raw) if raw.startswith(EMBEDDED_PREFIX) else cfg.resolve_path(raw)
+        check_model_dir(path)
         return cls(path=path, trust_remote_code=cfg.verifier.trust_remote_code)
 
     @cached_property

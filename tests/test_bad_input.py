@@ -1,0 +1,197 @@
+"""Bad input: every case ends with exit code 2 and one `error:` line naming the field or file and the fix,
+and nothing already written under the data root is lost or changed.
+
+Earlier stages' outputs are faked (small, valid files) so that each case reaches the check it is about
+without starting an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, run_stage, write_config
+
+L, H, V = 30, 576, 49152  # the embedded verifier
+
+
+def fake_stage(run_dir: Path, stage: str, counts: dict, inputs: dict | None = None, **extra) -> Path:
+    folder = run_dir / stage
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "manifest.json").write_text(json.dumps({
+        "stage": stage, "status": "complete", "inputs": inputs or {"x": "1"}, "counts": counts,
+        "output_fingerprint": "f", **extra}))
+    return folder
+
+
+def fake_conversations(run_dir: Path) -> None:
+    from datasets import Dataset
+
+    folder = fake_stage(run_dir, "01_generate_data", {"samples": 2})
+    rows = [{"sample_id": f"s{i:06d}", "prompt_id": str(i), "finish_reason": "stop", "prompt_tokens": 5, "completion_tokens": 3,
+             "messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]}
+            for i in range(2)]
+    Dataset.from_list(rows).save_to_disk(str(folder / "conversations"))
+
+
+def fake_hidden_states(run_dir: Path, corrupt: str | None = None) -> Path:
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    fake_conversations(run_dir)
+    folder = fake_stage(run_dir, "02_extract_hidden", {"samples": 2, "target_vocab_size": V, "layer_ids": [2, 15, 27]},
+                        inputs={"layer_ids": [2, 15, 27]})
+    data = folder / "data"
+    rows = [{"sample_id": f"s{i:06d}", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "seq_len": 4} for i in range(2)]
+    Dataset.from_list(rows).with_format("torch").save_to_disk(str(data))
+    (data / "hidden_states").mkdir()
+    for i in range(2):
+        hidden = torch.zeros(4, 4, H, dtype=torch.bfloat16)
+        tokens = torch.tensor([1, 2, 3, 4])
+        if corrupt == "nan" and i == 1:
+            hidden[2, 1, 7] = float("nan")
+        if corrupt == "out_of_step" and i == 1:
+            tokens = torch.tensor([1, 2, 3, 9])
+        save_file({"hidden_states": hidden, "token_ids": tokens}, str(data / "hidden_states" / f"hs_{i}.safetensors"))
+    if corrupt == "truncated":
+        path = data / "hidden_states" / "hs_1.safetensors"
+        path.write_bytes(path.read_bytes()[:-100])
+    if corrupt == "missing":
+        (data / "hidden_states" / "hs_1.safetensors").unlink()
+    return folder
+
+
+def fake_vocab(run_dir: Path) -> None:
+    import numpy as np
+
+    folder = fake_stage(run_dir, "03_build_vocab_map", {"samples": 2})
+    np.save(folder / "d2t.npy", np.zeros(8192, dtype=np.int64))
+    np.save(folder / "t2d.npy", np.zeros(V, dtype=bool))
+
+
+def fake_trained(run_dir: Path, with_weights: bool) -> None:
+    folder = fake_stage(run_dir, "04_train", {"samples": 2, "best": None, "last_checkpoint": "checkpoints/0"},
+                        inputs={"layer_ids": [2, 15, 27]})
+    ckpt = folder / "checkpoints" / "0"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "architectures": ["Eagle3DraftModel"]}))
+    if with_weights:
+        (ckpt / "model.safetensors").write_bytes(b"")
+
+
+# Each case: (id, config overrides, setup(run_dir, tmp_path) -> extra args or None, script, args, expected text)
+def _prompts(content: str):
+    def setup(run_dir, tmp):
+        path = tmp / "prompts.jsonl"
+        path.write_text(content)
+        return ["--set", f"data.prompts={path}"]
+    return setup
+
+
+def _set(*pairs):
+    return lambda run_dir, tmp: [a for p in pairs for a in ("--set", p)]
+
+
+def _not_a_model(run_dir, tmp):
+    (tmp / "model").mkdir()
+    return ["--set", f"verifier.path={tmp / 'model'}"]
+
+
+def _file_as_root(run_dir, tmp):
+    (tmp / "afile").write_text("x")
+    return ["--set", f"data_root={tmp / 'afile' / 'runs'}"]
+
+
+def _busy_port(run_dir, tmp):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    _busy_port.sock = sock  # keep it bound while the stage runs
+    return ["--set", f"serve.port={sock.getsockname()[1]}"]
+
+
+def _then(*setups):
+    def setup(run_dir, tmp):
+        args = []
+        for s in setups:
+            args += s(run_dir, tmp) or []
+        return args
+    return setup
+
+
+CASES = [
+    ("unknown-key", {"genration": {"max_tokens": 3}}, None, "01_generate_data.py", ["--dry-run"], "unknown key 'genration' in the top level"),
+    ("misspelt-nested-key", {"train": {"learning_rate": 1}}, None, "04_train.py", [], "unknown key 'learning_rate' in section 'train'"),
+    ("wrong-type", {"data": {"num_samples": "lots"}}, None, "01_generate_data.py", ["--dry-run"], "data.num_samples"),
+    ("negative-count", {"train": {"epochs": 0}}, None, "04_train.py", [], "train.epochs"),
+    ("bad-set-syntax", {}, _set("train.epochs"), "01_generate_data.py", ["--dry-run"], "expected dotted.key=value"),
+    ("verifier-missing", {}, _set("verifier.path=/nonexistent/model"), "01_generate_data.py", ["--dry-run"], "verifier.path: /nonexistent/model is not a directory"),
+    ("verifier-not-a-model", {}, _not_a_model, "01_generate_data.py", ["--dry-run"], "has no config.json"),
+    ("unknown-embedded-model", {}, _set("verifier.path=embedded:gpt-5"), "01_generate_data.py", ["--dry-run"], "unknown embedded model 'gpt-5'"),
+    ("prompts-missing", {}, _set("data.prompts=/nonexistent.jsonl"), "01_generate_data.py", ["--dry-run"], "data.prompts: /nonexistent.jsonl does not exist"),
+    ("prompts-empty", {}, _prompts(""), "01_generate_data.py", ["--dry-run"], "holds no prompts"),
+    ("prompts-malformed", {}, _prompts('{"prompt": "ok"}\n{not json\n'), "01_generate_data.py", ["--dry-run"], "prompts.jsonl:2: not valid JSON"),
+    ("prompts-wrong-field", {}, _prompts('{"question": "hi"}\n'), "01_generate_data.py", ["--dry-run"], "set data.prompt_field"),
+    ("too-many-samples", {"data": {"num_samples": 5000}}, None, "01_generate_data.py", ["--dry-run"], "data.num_samples: 5000 exceeds"),
+    ("data-root-not-writable", {}, _file_as_root, "01_generate_data.py", [], "is a file; choose another data_root"),
+    ("stage-before-its-input", {}, None, "04_train.py", [], "run 02_extract_hidden.py"),
+    ("layer-id-out-of-range", {"hidden_states": {"layer_ids": [2, 15, 30]}}, lambda r, t: fake_conversations(r), "02_extract_hidden.py", ["--dry-run"], "hidden_states.layer_ids: 30 is out of range for a 30-layer verifier"),
+    ("layer-id-duplicated", {"hidden_states": {"layer_ids": [2, 2, 27]}}, None, "02_extract_hidden.py", ["--dry-run"], "duplicates"),
+    ("seq-len-beyond-model", {"hidden_states": {"max_seq_len": 4096}}, lambda r, t: fake_conversations(r), "02_extract_hidden.py", ["--dry-run"], "hidden_states.max_seq_len"),
+    ("draft-vocab-too-large", {"vocab": {"draft_vocab_size": 60000}}, lambda r, t: fake_hidden_states(r), "03_build_vocab_map.py", ["--dry-run"], "vocab.draft_vocab_size: 60000 is larger than the target vocabulary (49152)"),
+    ("hidden-state-nan", {}, lambda r, t: (fake_hidden_states(r, "nan"), fake_vocab(r)), "04_train.py", [], "hs_1.safetensors: hidden states contain NaN"),
+    ("hidden-state-truncated", {}, lambda r, t: (fake_hidden_states(r, "truncated"), fake_vocab(r)), "04_train.py", [], "hs_1.safetensors: truncated"),
+    ("hidden-state-missing", {}, lambda r, t: (fake_hidden_states(r, "missing"), fake_vocab(r)), "04_train.py", [], "1 hidden-state files for 2 dataset rows"),
+    ("dataset-out-of-step", {}, lambda r, t: (fake_hidden_states(r, "out_of_step"), fake_vocab(r)), "04_train.py", [], "token ids differ from its dataset row"),
+    ("init-from-not-a-drafter", {"train": {"init_from": "/nonexistent/drafter"}}, lambda r, t: (fake_hidden_states(r), fake_vocab(r)), "04_train.py", [], "train.init_from: /nonexistent/drafter is not a drafter directory"),
+    ("checkpoint-without-weights", {}, lambda r, t: fake_trained(r, with_weights=False), "05_convert.py", [], "checkpoints/0"),
+    ("reference-drafter-not-a-model", {"convert": {"reference_dir": "/nonexistent/ref"}}, lambda r, t: fake_trained(r, with_weights=True), "05_convert.py", [], "convert.reference_dir: /nonexistent/ref has no config.json"),
+    ("serve-port-in-use", {}, _busy_port, "06_serve_test.py", [], "serve.port"),
+]
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file() and "logs" not in p.parts and p.name != "config.yaml"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_one_clear_line_and_loses_nothing(tmp_path, case):
+    name, overrides, setup, script, args, expected = case
+    root = tmp_path / "data"
+    run_dir = root / "r"
+    config = write_config(tmp_path / "run.yaml", data_root=str(root), run_name="r", **overrides)
+    extra = (setup(run_dir, tmp_path) if setup else None) or []
+    extra = extra if isinstance(extra, list) else []
+    before = snapshot(root)
+    result = run_stage(script, config, *args, *extra)
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error")]
+    assert result.returncode == 2, f"{name}: exit {result.returncode}\n{result.stderr[-2000:]}"
+    # Progress bars may precede it on stderr; the error itself is one line, the last one.
+    assert len(errors) == 1 and lines[-1] == errors[0] and errors[0].startswith("error: "), f"{name}:\n{result.stderr[-2000:]}"
+    assert expected in errors[0], f"{name}: {errors[0]!r} lacks {expected!r}"
+    assert snapshot(root) == before, f"{name}: files under the data root changed"
+
+
+def test_missing_required_value_from_a_full_config(tmp_path):
+    data = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    del data["data"]["num_samples"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = run_stage("01_generate_data.py", path, "--dry-run")
+    assert result.returncode == 2 and "data.num_samples is required" in result.stderr
+
+
+def test_config_that_extends_a_missing_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("extends: base-missing.yaml\nrun_name: x\n")
+    result = run_stage("01_generate_data.py", path, "--dry-run")
+    assert result.returncode == 2 and "base-missing.yaml: config file not found" in result.stderr
