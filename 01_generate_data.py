@@ -57,6 +57,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         **verifier.fingerprints(),
         "prompts": file_fingerprint(prompts_path) if prompts_path.is_file() else value_fingerprint(prompts),
         "generation": value_fingerprint(generation),
+        "engine": value_fingerprint([cfg.verifier.dtype, cfg.verifier.engine_args]),
         "seed": cfg.seed,
     }
     if not stage.prepare(inputs, samples=len(prompts)):

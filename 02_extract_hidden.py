@@ -107,6 +107,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "conversations": upstream_fingerprint(upstream),
         **verifier.fingerprints(),
         "layer_ids": layer_ids,
+        "engine": value_fingerprint([cfg.verifier.dtype, cfg.verifier.engine_args]),
         "storage_dtype": hs_cfg.storage_dtype,
         "max_seq_len": hs_cfg.max_seq_len,
     }

@@ -18,7 +18,7 @@ position, tokens/s per mode), responses.jsonl, logs/server-<mode>.log, manifest.
 import json
 import sys
 
-from eagle_pipeline import atomic, serving
+from eagle_pipeline import serving
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.prompts import load_prompts
@@ -82,10 +82,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     ok, message = verdict(report, s.min_acceptance_length)
     report["verdict"] = message
     report["prompt_ids"] = [p["id"] for p in prompts]
-    serving.write_report_json(stage.dir / "report.json", report)
-    serving.write_responses_jsonl(stage.dir / "responses.jsonl", [p["messages"] for p in prompts], report)
-    atomic.write_text(stage.dir / "report.md", serving.render_report_md(report))
-    atomic.write_bytes(stage.dir / "report.png", serving.render_report_png(report))
+    serving.write_report(stage.dir, report, [p["messages"] for p in prompts])
 
     counts = {k: report.get(k) for k in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
                                          "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match")}
