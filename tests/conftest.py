@@ -32,3 +32,28 @@ def run_stage(script: str, config: Path, *args: str, timeout: int = 900) -> subp
 @pytest.fixture
 def tiny_config(tmp_path: Path) -> Path:
     return write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="t")
+
+
+# A pipeline run small enough for tests: 6 conversations of at most 24 tokens, eager vLLM engines.
+SMALL = dict(
+    data={"num_samples": 6, "num_eval_prompts": 3},
+    generation={"max_tokens": 24, "batch_size": 4},
+    hidden_states={"batch_size": 2},
+    vocab={"draft_vocab_size": 512},
+    verifier={"cpu_kvcache_gib": 1},
+)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory):
+    """Stages 01-03 run for real once per test session: (root, config, run_dir)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    config = write_config(root / "run.yaml", data_root=str(root / "data"), run_name="t", **SMALL)
+    for script in ("01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py"):
+        ok(run_stage(script, config))
+    return root, config, root / "data" / "t"

@@ -11,39 +11,17 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, run_stage, write_config
+from conftest import REPO, SMALL, ok, run_stage, write_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-SMALL = dict(
-    data={"num_samples": 6},
-    generation={"max_tokens": 24, "batch_size": 4},
-    hidden_states={"batch_size": 2},
-    vocab={"draft_vocab_size": 512},
-    verifier={"cpu_kvcache_gib": 1},
-)
-
-
-def ok(result):
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    config = write_config(root / "run.yaml", data_root=str(root / "data"), run_name="t", **SMALL)
-    for script in ("01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py"):
-        ok(run_stage(script, config))
-    return root, config, root / "data" / "t"
 
 
 def manifest(folder):
     return json.loads((folder / "manifest.json").read_text())
 
 
-def test_outputs_are_complete_and_described(run):
-    _, _, run_dir = run
+def test_outputs_are_complete_and_described(small_run):
+    _, _, run_dir = small_run
     from datasets import load_from_disk
 
     conversations = load_from_disk(str(run_dir / "01_generate_data" / "conversations"))
@@ -69,8 +47,8 @@ def test_outputs_are_complete_and_described(run):
     assert (run_dir / "03_build_vocab_map" / "coverage.png").stat().st_size > 1000
 
 
-def test_speculators_data_loader_reads_stage_02_output_unchanged(run):
-    _, _, run_dir = run
+def test_speculators_data_loader_reads_stage_02_output_unchanged(small_run):
+    _, _, run_dir = small_run
     from speculators.train.data import ArrowDataset
 
     data = ArrowDataset(max_len=2048, datapath=str(run_dir / "02_extract_hidden" / "data"), on_missing="raise")
@@ -83,8 +61,8 @@ def test_speculators_data_loader_reads_stage_02_output_unchanged(run):
         assert sample["loss_mask"].sum() > 0
 
 
-def test_rerun_of_each_finished_stage_does_no_work(run):
-    _, config, run_dir = run
+def test_rerun_of_each_finished_stage_does_no_work(small_run):
+    _, config, run_dir = small_run
     for script, folder in (("01_generate_data.py", "01_generate_data"), ("02_extract_hidden.py", "02_extract_hidden"),
                            ("03_build_vocab_map.py", "03_build_vocab_map")):
         before = manifest(run_dir / folder)
@@ -95,15 +73,15 @@ def test_rerun_of_each_finished_stage_does_no_work(run):
         assert time.monotonic() - t0 < 60, "a finished stage must not start an engine"
 
 
-def test_changed_layer_ids_make_stage_02_refuse(run):
-    _, config, _ = run
+def test_changed_layer_ids_make_stage_02_refuse(small_run):
+    _, config, _ = small_run
     result = run_stage("02_extract_hidden.py", config, "--set", "hidden_states.layer_ids=[3, 15, 27]")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error:") and "'layer_ids' changed" in result.stderr
 
 
-def test_kill_stage_02_midway_then_rerun_gives_the_same_samples(run):
-    root, _, reference = run
+def test_kill_stage_02_midway_then_rerun_gives_the_same_samples(small_run):
+    root, _, reference = small_run
     config = write_config(root / "kill.yaml", data_root=str(root / "data"), run_name="k",
                           **{**SMALL, "hidden_states": {"batch_size": 1}})
     shutil.copytree(reference / "01_generate_data", root / "data" / "k" / "01_generate_data")

@@ -1,0 +1,74 @@
+"""Stages 04-06 for real on the small run of stages 01-03: train, convert + verify, serve and measure."""
+
+import json
+
+import pytest
+
+from conftest import ok, run_stage
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LATER = ["--set", "train.epochs=2", "--set", "convert.parity_prompts=2", "--set", "convert.parity_max_tokens=16",
+         "--set", "serve.max_tokens=24", "--set", "serve.min_acceptance_length=1.0", "--set", "serve.concurrency=2"]
+
+
+@pytest.fixture(scope="module")
+def finished(small_run):
+    root, config, run_dir = small_run
+    for script in ("04_train.py", "05_convert.py", "06_serve_test.py"):
+        ok(run_stage(script, config, *LATER, timeout=1800))
+    return config, run_dir
+
+
+def read(path):
+    return json.loads(path.read_text())
+
+
+def test_training_wrote_checkpoints_metrics_and_plots(finished):
+    _, run_dir = finished
+    train = run_dir / "04_train"
+    counts = read(train / "manifest.json")["counts"]
+    assert counts["epochs_completed"] == 2 and counts["train_tokens_per_s"] > 0 and counts["peak_rss_mb"] > 0
+    assert (train / "metrics.csv").read_text().count("\n") >= 3
+    assert (train / "loss_curves.png").stat().st_size > 1000
+    assert counts["best"]["checkpoint"].startswith("checkpoints/")
+
+
+def test_converted_drafter_passes_all_four_checks(finished):
+    _, run_dir = finished
+    result = read(run_dir / "05_convert" / "verify.json")
+    assert {name: check["ok"] for name, check in result["checks"].items()} == {
+        "shapes": True, "config": True, "vllm_load": True, "parity": True}
+    config = read(run_dir / "05_convert" / "vllm" / "config.json")
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert config["draft_vocab_size"] == 512 and config["vocab_size"] == 49152
+    from safetensors import safe_open
+
+    with safe_open(str(run_dir / "05_convert" / "vllm" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("d2t").dtype.is_floating_point is False
+    assert "d2t" in keys and "t2d" in keys and not any("embed_tokens" in k for k in keys)
+    assert any(k.startswith("midlayer.") for k in keys)
+
+
+def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
+    _, run_dir = finished
+    report = read(run_dir / "06_serve_test" / "report.json")
+    for field in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
+                  "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match"):
+        assert field in report
+    assert report["num_prompts"] == 3 and report["num_speculative_tokens"] == 3
+    assert len(report["per_position_acceptance"]) == 3
+    assert set(report["tokens_per_s"]) == {"eagle3", "none", "ngram"} and all(v > 0 for v in report["tokens_per_s"].values())
+    assert report["mean_acceptance_length"] >= 1.0
+    assert report["greedy_match"] is True
+    assert (run_dir / "06_serve_test" / "report.png").stat().st_size > 1000
+    assert "acceptance" in (run_dir / "06_serve_test" / "report.md").read_text().lower()
+
+
+def test_acceptance_below_the_floor_fails_the_stage(finished):
+    config, _ = finished
+    result = run_stage("06_serve_test.py", config, *LATER[:-4], "--set", "serve.min_acceptance_length=3.99",
+                       "--set", "serve.concurrency=2")
+    assert result.returncode == 1 and "FAIL: mean acceptance length" in result.stdout
