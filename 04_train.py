@@ -25,7 +25,7 @@ from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upst
 from eagle_pipeline.verifier import Verifier
 
 # Settings that may change between a run and its resumption without invalidating checkpoints.
-RESUMABLE = ("epochs", "keep_last", "num_workers")
+RESUMABLE = ("epochs", "keep_last", "num_workers", "threads")
 
 
 def checkpoint_bytes(params: int, keep: int) -> int:
@@ -106,10 +106,10 @@ def run(stage: Stage, dry_run: bool) -> None:
     )
     paths = dict(data_dir=hidden_dir, d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
                  verifier_dir=verifier.path, out_dir=stage.dir)
-    if cfg.hidden_states.storage_dtype == "fp8":
-        train_args["hidden_states_backend"] = "fp8"
+    # fp8 files carry per-token scales that only speculators' fp8 backend applies.
+    train_args["hidden_states_backend"] = "fp8" if cfg.hidden_states.storage_dtype == "fp8" else "file"
     if t.num_gpus == 0:
-        summary = training.train_drafter(**paths, **train_args, device="cpu")
+        summary = training.train_drafter(**paths, **train_args, device="cpu", threads=t.threads)
     else:
         command = training.torchrun_command(t.num_gpus, **paths, **train_args)
         print("running:", " ".join(command))

@@ -100,6 +100,7 @@ class TrainConfig(Section):
     val_ratio: float = Field(0.05, gt=0, lt=1)
     keep_last: int = Field(2, ge=1)
     num_workers: int = Field(2, ge=0)
+    threads: Optional[int] = Field(None, ge=1, description="torch threads for CPU training; None uses every core")
     num_gpus: int = Field(0, ge=0, description="0 trains on the CPU; >1 launches torchrun with FSDP")
     draft_shape: Optional[DraftShape] = Field(None, description="explicit drafter shape; None derives it from the verifier")
     # speculators' EAGLE-3 defaults; drafters trained with SpecForge (and SGLang) use all False.

@@ -1,0 +1,113 @@
+"""patches/speculators_cpu.py: version guard, upstream fingerprints, device pass-through, kimi_k2 configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from patches import speculators_cpu
+
+
+def test_refuses_another_speculators_version(monkeypatch):
+    monkeypatch.setattr(speculators_cpu, "installed_version", lambda: "0.9.1")
+    with pytest.raises(RuntimeError, match=r"targets speculators 0\.9\.0 but 0\.9\.1 is installed"):
+        speculators_cpu.apply()
+
+
+@pytest.mark.parametrize("qualified_name", sorted(speculators_cpu.UPSTREAM_SOURCE_SHA256))
+def test_upstream_source_is_the_one_the_patches_were_written_for(qualified_name):
+    # Fails when speculators changes a function that a patch replaces, wraps or relies on.
+    assert speculators_cpu.source_sha256(qualified_name) == speculators_cpu.UPSTREAM_SOURCE_SHA256[qualified_name]
+
+
+def test_fingerprints_see_through_the_installed_wrappers():
+    from speculators.train.trainer import Trainer
+
+    speculators_cpu.apply()
+    assert Trainer.__init__.__wrapped__ is not None
+    assert speculators_cpu.changed_upstream_sources() == []
+
+
+def test_apply_is_idempotent():
+    from speculators.train import checkpointer, trainer
+
+    speculators_cpu.apply()
+    wrapped = (trainer.Trainer.__init__, trainer.Trainer.train_epoch, trainer.get_local_rank,
+               checkpointer.get_current_device, trainer._StepTimer.mark)
+    speculators_cpu.apply()
+    assert (trainer.Trainer.__init__, trainer.Trainer.train_epoch, trainer.get_local_rank,
+            checkpointer.get_current_device, trainer._StepTimer.mark) == wrapped
+    # One layer of wrapping, not two.
+    assert not hasattr(trainer.Trainer.__init__.__wrapped__, "__wrapped__")
+
+
+def test_device_patches_act_only_without_an_accelerator(monkeypatch):
+    from speculators.train import checkpointer, trainer
+
+    speculators_cpu.apply()
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert trainer.get_local_rank() == torch.device("cpu")
+    assert checkpointer.get_current_device() == "cpu"
+
+    # With an accelerator the upstream functions answer, unchanged.
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert trainer.get_local_rank() == 0
+    assert checkpointer.get_current_device() == "cuda:0"  # upstream's own answer on this GPU-less host
+
+
+def test_step_timer_measures_without_an_accelerator():
+    from speculators.train.trainer import _StepTimer
+
+    speculators_cpu.apply()
+    timer = _StepTimer(enabled=True)
+    for name in ("start", "queue", "pre_h2d", "fetch", "fwd", "pre_clip", "bwd", "opt"):
+        timer.mark(name)
+    assert isinstance(timer.now(), float)
+    assert timer.profile(num_tokens=100)["step_ms"] >= 0
+    assert _StepTimer(enabled=False).now() is None
+
+
+def test_kimi_k2_configs_load_through_autoconfig(tmp_path):
+    from transformers import AutoConfig, DeepseekV3Config
+
+    speculators_cpu.apply()
+    # Kimi-K2's config.json points AutoConfig at remote code; speculators never trusts remote code.
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "kimi_k2",
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
+                "hidden_size": 7168,
+                "num_hidden_layers": 61,
+                "vocab_size": 163840,
+                "qk_rope_head_dim": 64,
+            }
+        )
+    )
+    config = AutoConfig.from_pretrained(tmp_path, trust_remote_code=False)
+    assert isinstance(config, DeepseekV3Config)
+    assert config.model_type == "kimi_k2"
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (7168, 61, 163840)
+
+
+def test_kimi_k25_nested_config_loads_with_kimi_k2_text_config(tmp_path):
+    from speculators.models.utils import get_verifier_config
+    from transformers import DeepseekV3Config
+
+    speculators_cpu.apply()
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "kimi_k25",
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "text_config": {"model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61,
+                                "vocab_size": 163840},
+            }
+        )
+    )
+    text_config = get_verifier_config(str(tmp_path))
+    assert isinstance(text_config, DeepseekV3Config)
+    assert (text_config.hidden_size, text_config.num_hidden_layers) == (7168, 61)
