@@ -129,8 +129,10 @@ class Stage:
         self.inputs = inputs
         old = read_manifest(self.dir)
         if old is not None and self.force:
-            log.info("--force: removing %s", self.dir)
-            shutil.rmtree(self.dir)
+            log.info("--force: removing the output in %s (logs are kept)", self.dir)
+            for child in self.dir.iterdir():
+                if child.name != "logs":
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
             old = None
         if old is not None:
             changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs", {}).get(k) != inputs.get(k))

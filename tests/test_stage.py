@@ -48,9 +48,12 @@ def test_force_removes_old_output(cfg):
     stage = Stage(3, cfg, force=False)
     stage.prepare({"a": "1"})
     (stage.dir / "old.bin").write_bytes(b"x")
+    (stage.dir / "logs").mkdir()
+    (stage.dir / "logs" / "03_build_vocab_map.log").write_text("earlier run")
     stage.finish({}, output_fingerprint="x")
     assert Stage(3, cfg, force=True).prepare({"a": "2"}) is True
     assert not (stage.dir / "old.bin").exists()
+    assert (stage.dir / "logs" / "03_build_vocab_map.log").read_text() == "earlier run", "logs survive --force"
 
 
 def test_sample_count_up_resumes_and_down_is_refused(cfg):
