@@ -31,7 +31,7 @@ def _header(path: Path) -> tuple[dict, int]:
 
 def check_sample_file(path: Path, input_ids: list[int], num_states: int, hidden_size: int, values: bool) -> None:
     import torch
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     if not path.exists():
         raise BadInput(f"{path}: hidden-state file missing for its dataset row; rerun stage 02 to capture it")
@@ -46,10 +46,12 @@ def check_sample_file(path: Path, input_ids: list[int], num_states: int, hidden_
     if shape != [len(input_ids), num_states, hidden_size]:
         raise BadInput(f"{path}: hidden_states shape {shape}, expected {[len(input_ids), num_states, hidden_size]}: "
                        f"dataset and hidden-state files are out of step; rerun stage 02")
-    tensors = load_file(str(path))
-    if tensors["token_ids"].tolist() != list(input_ids):
+    with safe_open(str(path), framework="pt") as f:  # token ids only: a few KB, not the hidden states
+        token_ids = f.get_tensor("token_ids")
+        hidden = f.get_tensor("hidden_states") if values else None
+    if token_ids.tolist() != list(input_ids):
         raise BadInput(f"{path}: token ids differ from its dataset row: dataset and hidden-state files are out of step; rerun stage 02")
-    if values and not torch.isfinite(tensors["hidden_states"].float()).all():
+    if hidden is not None and not torch.isfinite(hidden.float()).all():
         raise BadInput(f"{path}: hidden states contain NaN or infinite values; delete the file and rerun stage 02")
 
 
