@@ -101,6 +101,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         draft_shape=shape or None,
         init_from=str(init_from) if init_from else None,
         epochs=t.epochs, lr=t.lr, optimizer=t.optimizer, total_seq_len=t.total_seq_len, ttt_steps=t.ttt_steps,
+        ttt_step_loss_decay=t.ttt_step_loss_decay,
         train_ratio=1 - t.val_ratio, keep_last=t.keep_last, dtype=t.dtype, num_workers=t.num_workers, seed=cfg.seed,
         norm_before_residual=t.norm_before_residual, norm_before_fc=t.norm_before_fc, fc_norm=t.fc_norm, norm_output=t.norm_output,
     )

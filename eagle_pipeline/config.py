@@ -97,6 +97,9 @@ class TrainConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     total_seq_len: int = Field(2048, ge=8, description="tokens per packed batch")
     ttt_steps: int = Field(3, ge=1)
+    # Loss weight of draft position k is decay**k; below 1 it spends the drafter's capacity on the early
+    # positions, which decide most of the acceptance length.
+    ttt_step_loss_decay: float = Field(1.0, gt=0, le=1)
     val_ratio: float = Field(0.05, gt=0, lt=1)
     keep_last: int = Field(2, ge=1)
     num_workers: int = Field(2, ge=0)

@@ -118,6 +118,7 @@ class TrainSpec:
     optimizer: str = "adamw"
     total_seq_len: int = 1024
     ttt_steps: int = 3
+    ttt_step_loss_decay: float = 1.0
     train_ratio: float = 0.95
     keep_last: int = 2
     device: str = "cpu"
@@ -166,6 +167,7 @@ def train_drafter(
     optimizer: str = "adamw",
     total_seq_len: int = 1024,
     ttt_steps: int = 3,
+    ttt_step_loss_decay: float = 1.0,
     train_ratio: float = 0.95,
     keep_last: int = 2,
     device: str = "cpu",
@@ -270,6 +272,8 @@ def _check_inputs(spec: TrainSpec) -> Any:
     for name in ("epochs", "keep_last", "total_seq_len", "ttt_steps"):
         if int(getattr(spec, name)) < 1:
             raise BadInput(f"train.{name}: must be at least 1, got {getattr(spec, name)}")
+    if not 0.0 < spec.ttt_step_loss_decay <= 1.0:
+        raise BadInput(f"train.ttt_step_loss_decay: must be in (0, 1], got {spec.ttt_step_loss_decay}")
     if not 0.0 < spec.train_ratio < 1.0:
         raise BadInput(f"train.train_ratio: must be between 0 and 1 (exclusive), got {spec.train_ratio}")
     if spec.norm_before_fc and spec.fc_norm:
@@ -810,6 +814,7 @@ def speculators_argv(spec: TrainSpec) -> list[str]:
         "--optimizer", spec.optimizer,
         "--total-seq-len", str(spec.total_seq_len),
         "--ttt-steps", str(spec.ttt_steps),
+        "--ttt-step-loss-decay", str(spec.ttt_step_loss_decay),
         "--train-data-ratio", str(spec.train_ratio),
         "--hidden-states-dtype", spec.dtype,
         "--num-workers", str(spec.num_workers),

@@ -28,7 +28,7 @@ def test_later_stage_before_earlier_one_says_what_to_run(tiny_config):
 
 def test_dry_run_prints_plan_without_writing(tiny_config, tmp_path):
     result = run_stage("01_generate_data.py", tiny_config, "--dry-run")
-    assert result.returncode == 0 and "generate 300 conversations" in result.stdout
+    assert result.returncode == 0 and "generate 500 conversations" in result.stdout
     assert not (tmp_path / "data").exists()
 
 

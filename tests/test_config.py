@@ -85,3 +85,17 @@ def test_config_fingerprint_changes_with_any_value(tmp_path):
     base = load_config(write_config(tmp_path / "c.yaml"))
     other = load_config(write_config(tmp_path / "c.yaml"), ["generation.max_tokens=7"])
     assert base.fingerprint() != other.fingerprint()
+
+
+def test_prompt_files_have_unique_ids_and_share_no_prompt():
+    import json
+
+    def rows(name):
+        return [json.loads(line) for line in (REPO / "data" / name).read_text().splitlines() if line.strip()]
+
+    train, held_out = rows("prompts_train.jsonl"), rows("prompts_eval.jsonl")
+    for group in (train, held_out):
+        assert len({r["id"] for r in group}) == len(group)
+        assert len({r["prompt"] for r in group}) == len(group)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert load_config(REPO / "configs" / "tiny.yaml").data.num_samples <= len(train)

@@ -350,3 +350,15 @@ def test_kimi_k25_nested_verifier_trains_a_head_dim_128_drafter(tmp_path):
     assert tensors["layers.0.self_attn.o_proj.weight"].shape == (HIDDEN, 4 * 128)
     assert torch.equal(tensors["embed_tokens.weight"],
                        weights["language_model.model.embed_tokens.weight"].to(torch.bfloat16))
+
+
+def test_loss_decay_reaches_speculators_config(llama_case, tmp_path):
+    from speculators.train.config import TrainConfig
+
+    spec = training.make_spec(**llama_case.paths(tmp_path / "04_train"), **{**FAST, "ttt_step_loss_decay": 0.8})
+    training.prepare(spec)
+    resolved = TrainConfig.resolve(training.speculators_argv(spec))
+    assert resolved.model_dump_json().count('"ttt_step_loss_decay":0.8') == 1
+
+    with pytest.raises(BadInput, match=r"train.ttt_step_loss_decay: must be in \(0, 1\], got 1.5"):
+        training.train_drafter(**llama_case.paths(tmp_path / "b"), **{**FAST, "ttt_step_loss_decay": 1.5})
