@@ -39,6 +39,11 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp, final)
         _fsync_dir(final.parent)
+    except OSError as e:
+        # A failed write() names no file; the stage's "disk full" message should name the one it was writing.
+        if e.filename is None:
+            e.filename = str(final)
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -311,12 +311,15 @@ def write_sample(
     storage_dtype: str = "bf16",
 ) -> Path:
     """Check a captured sample and write it atomically to out_dir/hs_<row>.safetensors; returns the path."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = Path(out_dir) / sample_filename(row)
     check_sample(sample, expected_token_ids, num_states=num_states, hidden_size=hidden_size, where=str(path))
-    tensors = encode_sample(sample, storage_dtype)
-    atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp)))
+    # Serialized in memory and written by Python (the same bytes save_file writes): a full disk then raises
+    # OSError(ENOSPC), which the stage reports as "disk full", where safetensors' own writer raises a
+    # SafetensorError that says only "I/O error".
+    data = save(encode_sample(sample, storage_dtype))
+    atomic.write_bytes(path, data)
     return path
 
 

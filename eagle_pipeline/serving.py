@@ -89,12 +89,82 @@ def check_port_free(port: int) -> None:
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: if our Python process is killed outright, the server gets SIGTERM
-    and shuts its engine down instead of living on as an orphan. Linux only; elsewhere a no-op."""
+    at once. Linux only; elsewhere a no-op. Not enough on its own: see _ServerGuard."""
     PR_SET_PDEATHSIG = 1
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+# The guard's program (python -c). Its stdin is a pipe whose write end only the stage holds: the stage
+# writes "stopped" once it has stopped the server itself, so EOF without that word means the stage died
+# (SIGKILL, the OOM killer). The guard then does what VllmServer.stop() would have done: SIGTERM to the
+# API server and, after the grace period, SIGKILL to the server's whole process group.
+_GUARD_PROGRAM = """
+import os, signal, sys, time
+
+server, grace_s = int(sys.argv[1]), float(sys.argv[2])
+if sys.stdin.buffer.read() == b"stopped":
+    sys.exit(0)
+
+
+def group_alive():
+    try:
+        os.killpg(server, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+try:
+    os.kill(server, signal.SIGTERM)
+except ProcessLookupError:
+    pass
+deadline = time.monotonic() + grace_s
+while group_alive() and time.monotonic() < deadline:
+    time.sleep(0.2)
+try:
+    os.killpg(server, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+class _ServerGuard:
+    """A small process that stops the server's process group if this process dies without doing so.
+
+    The parent-death SIGTERM is not enough: vLLM's API server does not act on SIGTERM while its engine
+    starts (it goes on to serve), and its engine core and workers get no signal of their own, so a stage
+    killed during a server start would leave a live server behind. The guard runs in a session of its own,
+    so a signal to the stage's process group does not take it along.
+    """
+
+    def __init__(self, server_pid: int, grace_s: float, log_path: Path):
+        read_end, self._write_end = os.pipe()  # neither end is inherited by later children
+        try:
+            with open(log_path, "ab") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", _GUARD_PROGRAM, str(server_pid), str(grace_s)],
+                    stdin=read_end, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+        except BaseException:
+            os.close(self._write_end)
+            raise
+        finally:
+            os.close(read_end)
+
+    def release(self) -> None:
+        """The server is stopped: the guard exits without signalling anything."""
+        try:
+            os.write(self._write_end, b"stopped")
+        finally:
+            os.close(self._write_end)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -110,8 +180,9 @@ class VllmServer:
     and on leaving (normally, on an exception or on Ctrl-C) stops the whole process group: SIGTERM, then
     SIGKILL after `stop_grace_s`.
 
-    Start it from the main thread: the kernel's parent-death signal that guards against orphans when this
-    process is killed outright fires when the *thread* that started the server exits.
+    If this process is killed outright, the server still stops: it gets the kernel's parent-death SIGTERM,
+    and a guard process stops its group as stop() would (see _ServerGuard). Start it from the main
+    thread: the parent-death signal fires when the *thread* that started the server exits.
     """
 
     def __init__(
@@ -140,6 +211,7 @@ class VllmServer:
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.process: subprocess.Popen | None = None
+        self._guard: _ServerGuard | None = None
         self.start_seconds: float | None = None
 
     @property
@@ -205,6 +277,7 @@ class VllmServer:
                 preexec_fn=_die_with_parent,
             )
         try:
+            self._guard = _ServerGuard(self.process.pid, self.stop_grace_s, self.log_path)
             self._wait_until_healthy(started)
         except BaseException:
             # Includes KeyboardInterrupt during the (long) start: __exit__ does not run for a failed
@@ -238,6 +311,7 @@ class VllmServer:
     def stop(self) -> None:
         """Stop the server's process group; idempotent. A second Ctrl-C during the grace period kills."""
         process, self.process = self.process, None
+        guard, self._guard = self._guard, None
         if process is None:
             return
         group = process.pid  # start_new_session made the server its group's leader
@@ -252,9 +326,13 @@ class VllmServer:
                 pass
         finally:
             # Whatever happened above (timeout, a second Ctrl-C), nothing of the group survives this.
-            _signal_group(group, signal.SIGKILL)
-            process.wait()
-            _wait_group_gone(group, timeout=10.0)
+            try:
+                _signal_group(group, signal.SIGKILL)
+                process.wait()
+                _wait_group_gone(group, timeout=10.0)
+            finally:
+                if guard is not None:
+                    guard.release()
 
 
 def _signal_group(group: int, sig: int) -> None:

@@ -57,3 +57,17 @@ def small_run(tmp_path_factory):
     for script in ("01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py"):
         ok(run_stage(script, config))
     return root, config, root / "data" / "t"
+
+
+# Stages 04-06 on the small run: short training and serving, and an acceptance floor any drafter passes.
+LATER = ["--set", "train.epochs=2", "--set", "convert.parity_prompts=2", "--set", "convert.parity_max_tokens=16",
+         "--set", "serve.max_tokens=24", "--set", "serve.min_acceptance_length=1.0", "--set", "serve.concurrency=2"]
+
+
+@pytest.fixture(scope="session")
+def finished_small_run(small_run):
+    """The small run with stages 04-06 done as well, once per test session: (config, run_dir)."""
+    root, config, run_dir = small_run
+    for script in ("04_train.py", "05_convert.py", "06_serve_test.py"):
+        ok(run_stage(script, config, *LATER, timeout=1800))
+    return config, run_dir

@@ -3,6 +3,7 @@ lifecycle (busy port, early death, Ctrl-C, no orphans), and real vLLM serving ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -375,6 +376,62 @@ def test_busy_port_is_bad_input_naming_the_port_and_field(tmp_path):
 def test_free_port_passes_the_check():
     port = serving.find_free_port()
     serving.check_port_free(port)
+
+
+def _group_members(group: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def _stubborn_server() -> subprocess.Popen:
+    """A process group like a vLLM server's during its start: a leader that ignores SIGTERM, and a child."""
+    program = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)")
+    server = subprocess.Popen([sys.executable, "-c", program], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while len(_group_members(server.pid)) < 2:
+        assert time.monotonic() < deadline, "the stand-in server did not start its child"
+        time.sleep(0.05)
+    return server
+
+
+def test_guard_stops_the_server_group_when_its_owner_dies_without_stopping_it(tmp_path):
+    server = _stubborn_server()
+    try:
+        guard = serving._ServerGuard(server.pid, 1.0, tmp_path / "server.log")
+        os.close(guard._write_end)  # what the kernel does when this process is killed
+        assert guard.process.wait(timeout=30) == 0
+        assert server.wait(timeout=10) == -signal.SIGKILL  # SIGTERM ignored: killed after the grace period
+        deadline = time.monotonic() + 10
+        while _group_members(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _group_members(server.pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_released_guard_leaves_the_server_alone(tmp_path):
+    server = _stubborn_server()
+    try:
+        guard = serving._ServerGuard(server.pid, 1.0, tmp_path / "server.log")
+        guard.release()
+        assert guard.process.returncode == 0
+        time.sleep(0.5)
+        assert server.poll() is None and len(_group_members(server.pid)) == 2
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 # ----------------------------------------------------------------------------------------------------

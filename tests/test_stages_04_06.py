@@ -4,20 +4,14 @@ import json
 
 import pytest
 
-from conftest import ok, run_stage
+from conftest import LATER, run_stage
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-LATER = ["--set", "train.epochs=2", "--set", "convert.parity_prompts=2", "--set", "convert.parity_max_tokens=16",
-         "--set", "serve.max_tokens=24", "--set", "serve.min_acceptance_length=1.0", "--set", "serve.concurrency=2"]
-
 
 @pytest.fixture(scope="module")
-def finished(small_run):
-    root, config, run_dir = small_run
-    for script in ("04_train.py", "05_convert.py", "06_serve_test.py"):
-        ok(run_stage(script, config, *LATER, timeout=1800))
-    return config, run_dir
+def finished(finished_small_run):
+    return finished_small_run
 
 
 def read(path):

@@ -1,0 +1,428 @@
+"""BENCHMARKS.md from benchmark results: figures read from a finished pipeline run, and the markdown.
+
+`read_pipeline_run` reads what a finished run already measured once (stage wall times, generation speed,
+storage, training); `render_markdown` lays out every figure with its baseline beside it. Both are pure
+(files in, dict or text out) so that they can be tested without running a model.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from eagle_pipeline.config import RunConfig
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.stage import STAGES, read_manifest
+
+# --------------------------------------------------------------------------------------------------------
+# Reading finished stages
+
+
+def read_pipeline_run(cfg: RunConfig, config_arg: str) -> dict[str, Any]:
+    """Every stage's manifest of the run `cfg` names; all six must be complete."""
+    manifests = {name: read_manifest(cfg.stage_dir(name)) for name in STAGES.values()}
+    missing = [name for name, m in manifests.items() if not m or m.get("status") != "complete"]
+    if missing:
+        raise BadInput(f"{cfg.run_dir}: no finished pipeline run to benchmark ({', '.join(missing)} not complete); "
+                       f"run `scripts/run_pipeline.sh {config_arg}` first")
+    return manifests
+
+
+def pipeline_figures(manifests: dict[str, dict], run_dir: Path) -> dict[str, Any]:
+    """Figures 2 and 6 and the pipeline's own training, storage and serving figures, from the manifests."""
+    gen = manifests["01_generate_data"]
+    gen_counts, gen_config = gen["counts"], gen["config"]
+    stages = {name: m.get("wall_time_s") for name, m in manifests.items()}
+    train_dir = run_dir / "04_train"
+    report_path = run_dir / "06_serve_test" / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    return {
+        "run_dir": str(run_dir),
+        "finished_at": manifests["06_serve_test"].get("finished_at"),
+        "config": gen_config,
+        "stages_wall_s": stages,
+        "total_wall_s": sum(v or 0 for v in stages.values()),
+        "generation": {
+            "output_tokens_per_s": gen_counts.get("output_tokens_per_s"),
+            "batch_size": gen_config["generation"]["batch_size"],
+            "max_tokens": gen_config["generation"]["max_tokens"],
+            "samples": gen_counts.get("samples"),
+            "prompt_tokens": gen_counts.get("prompt_tokens"),
+            "completion_tokens": gen_counts.get("completion_tokens"),
+            "generation_seconds": gen_counts.get("generation_seconds"),
+        },
+        "capture": {k: manifests["02_extract_hidden"]["counts"].get(k)
+                    for k in ("capture_tokens_per_s", "bytes_per_token", "tokens", "samples", "stored_bytes")},
+        "training": training_figures(manifests["04_train"], train_dir),
+        "serving": {k: report.get(k) for k in ("num_prompts", "mean_acceptance_length", "per_position_acceptance",
+                                               "tokens_per_s", "speedup", "greedy_match", "concurrency", "verdict")},
+    }
+
+
+def training_figures(manifest: dict[str, Any], train_dir: Path) -> dict[str, Any]:
+    """Throughput, step rate and memory of one stage-04 run, from its manifest, run_stats.json and metrics.csv.
+
+    tokens/s is the median over optimizer steps of each step's own rate (the stage's manifest gives the
+    mean); steps/s counts step time only (batch fetch, forward, backward, optimizer), not validation or
+    checkpoint saving, which the stage's wall time includes.
+    """
+    counts = manifest["counts"]
+    stats_path = train_dir / "run_stats.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
+    step_rates = []
+    metrics_path = train_dir / "metrics.csv"
+    if metrics_path.is_file():
+        with open(metrics_path, newline="") as f:
+            step_rates = [float(row["tokens_per_s"]) for row in csv.DictReader(f)
+                          if row.get("split") == "train" and row.get("tokens_per_s")]
+    steps, step_seconds = stats.get("steps"), stats.get("train_step_seconds")
+    val = counts.get("final_val") or {}
+    return {
+        "epochs": counts.get("epochs_completed"),
+        "steps": steps,
+        "tokens_per_s_median_step": statistics.median(step_rates) if step_rates else None,
+        "tokens_per_s_mean": counts.get("train_tokens_per_s"),
+        "steps_per_s": steps / step_seconds if steps and step_seconds else None,
+        "peak_rss_mb": counts.get("peak_rss_mb"),
+        "wall_s": manifest.get("wall_time_s"),
+        "val_full_acc": [float(val[k]) for k in sorted(k for k in val if k.startswith("full_acc_"))],
+    }
+
+
+def storage_figures(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Bytes per token and per 1,000 samples of one stage-02 output (as written: headers and token ids too)."""
+    c = manifest["counts"]
+    return {
+        "storage_dtype": manifest["config"]["hidden_states"]["storage_dtype"],
+        "samples": c["samples"],
+        "tokens": c["tokens"],
+        "stored_bytes": c["stored_bytes"],
+        "bytes_per_token": c["stored_bytes"] / c["tokens"],
+        "bytes_per_1k_samples": c["stored_bytes"] / c["samples"] * 1000,
+        "num_hidden_states": c["num_hidden_states"],
+        "hidden_size": c["hidden_size"],
+        "capture_tokens_per_s": c.get("capture_tokens_per_s"),
+    }
+
+
+def fp8_verdict(difference: float | None, stderr: float | None, bf16_length: float | None, default_storage: str) -> str:
+    """One sentence on what fp8 storage cost in acceptance length, judged against the measurement's noise."""
+    default = f"The embedded default stores hidden states as {default_storage}."
+    if difference is None or stderr is None:
+        return f"No acceptance was measured for one of the drafters. {default}"
+    share = f" ({difference / (bf16_length - 1):+.0%} of the accepted draft tokens)" if bf16_length and bf16_length > 1 else ""
+    if abs(difference) <= 2 * stderr:
+        return (f"The difference{share} is within two standard errors ({2 * stderr:.3f}): no cost is measurable at "
+                f"this size, so a larger run has to show whether it is negligible. {default}")
+    if difference < 0:
+        return f"fp8 storage loses {-difference:.3f} accepted tokens per step{share}, beyond the noise. {default}"
+    return f"fp8 storage measured {difference:.3f} higher{share}, beyond the noise. {default}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def num(value: Any, digits: int = 0) -> str:
+    """A number with thousands separators, or '-' when missing."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:,.{digits}f}"
+
+
+def med(figure: dict[str, Any] | None, digits: int = 0) -> str:
+    """'median [min-max]' of a spread() dict; just the value when there was one repetition."""
+    if not figure:
+        return "-"
+    if figure.get("n", 1) == 1:
+        return num(figure["median"], digits)
+    return f"{num(figure['median'], digits)} [{num(figure['min'], digits)}-{num(figure['max'], digits)}]"
+
+
+def med_ratio(figure: dict[str, Any] | None, digits: int = 2) -> str:
+    """A ratio's 'median x [min-max]'."""
+    if not figure:
+        return "-"
+    if figure.get("n", 1) == 1:
+        return ratio(figure["median"], digits)
+    return f"{ratio(figure['median'], digits)} [{num(figure['min'], digits)}-{num(figure['max'], digits)}]"
+
+
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def ratio(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}x"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _fraction(value: float | None, ceiling: float | None) -> float | None:
+    return value / ceiling if value is not None and ceiling else None
+
+
+# --------------------------------------------------------------------------------------------------------
+# The document
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Every figure below comes from one run of `{meta['command']}` ({meta['mode']} mode), which read the finished "
+        f"pipeline run `{meta['pipeline_run']}` and measured the rest itself in `{meta['work_dir']}`. Rerun it to "
+        f"rewrite this file; its raw numbers are in `{meta['json']}`.",
+        "",
+        f"- Date: {meta['date']}; the benchmark took {num(meta['total_s'] / 60, 1)} min.",
+        f"- Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, {num(meta['machine']['ram_gib'], 1)} GiB RAM, "
+        f"no GPU; {meta['machine']['os']}.",
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
+        f"- Target: `{meta['verifier']}` in {meta['dtype']} ({meta['config']}).",
+        "",
+        "How to read: an A/B figure is measured in one process run with its sides interleaved (A B, then B A, ...). "
+        "Each side's figure is the median over the repetitions, with [min-max] beside it; each ratio is taken "
+        "pair by pair within a repetition and the median quoted. Loading engines and models is timed apart and "
+        "never counts in a throughput. Figures marked *pipeline run* are single measurements from that run's "
+        "manifests.",
+        "",
+    ]
+    lines += _summary(results)
+    lines += _capture_section(results)
+    lines += _generation_section(results)
+    lines += _training_section(results)
+    lines += _serving_section(results)
+    lines += _storage_section(results)
+    lines += _pipeline_section(results)
+    lines += _parts_section(results)
+    return "\n".join(lines) + "\n"
+
+
+def _summary(results: dict[str, Any]) -> list[str]:
+    cap, gen = results["capture"], results["generation"]
+    train, serve, store, fp8 = results["training"], results["serving"]["modes"], results["storage"], results["fp8_cost"]
+    pipe = results["pipeline"]
+    rows = [
+        ["1", "hidden-state capture, tokens/s (vLLM, stage 02's path)", med(cap["tokens_per_s"]["vllm"]),
+         f"HF transformers {med(cap['tokens_per_s']['hf'])}", ratio(cap["ratio_vllm_over_hf"]["median"])],
+        ["1", "capture against the fp32 matmul ceiling, tokens/s", num(cap["tokens_per_s"]["vllm"]["median"]),
+         f"ceiling {num(cap['ceiling_tokens_per_s']['float32'])}", num(cap["fraction_of_ceiling"]["float32"], 2)],
+        ["2", f"generation (stage 01), output tokens/s at batch {gen['batch_size']} *pipeline run*",
+         num(gen["output_tokens_per_s"]), f"fp32 compute ceiling {num(gen['ceiling_tokens_per_s']['float32'])}",
+         num(gen["fraction_of_ceiling"]["float32"], 2)],
+        ["3", "training (stage 04), tokens/s, bf16 storage", num(train["bf16"]["tokens_per_s_median_step"]),
+         f"fp8 storage {num(train['fp8']['tokens_per_s_median_step'])}", ratio(train["ratio_bf16_over_fp8"])],
+        ["4", "serving, output tokens/s with the drafter", med(serve["eagle3"]["tokens_per_s"], 1),
+         f"none {med(serve['none']['tokens_per_s'], 1)}; n-gram {med(serve['ngram']['tokens_per_s'], 1)}",
+         f"{ratio(serve['eagle3']['ratio_to_baseline']['median'])} of none"],
+        ["4", "mean acceptance length, drafter", num(serve["eagle3"]["mean_acceptance_length"], 2),
+         f"n-gram {num(serve['ngram']['mean_acceptance_length'], 2)}", "-"],
+        ["5", "training data, bytes per token, bf16 storage", num(store["bf16"]["bytes_per_token"]),
+         f"fp8 {num(store['fp8']['bytes_per_token'])}", ratio(store["ratio_fp8_over_bf16"])],
+        ["5", f"mean acceptance length, fp8 storage ({fp8['epochs']}-epoch drafters)", num(fp8["fp8"], 3),
+         f"bf16 storage {num(fp8['bf16'], 3)}", f"{fp8['difference']:+.3f} (±{num(fp8['stderr'], 3)})"],
+        ["6", "whole pipeline, wall time (s) *pipeline run*", num(pipe["total_wall_s"]), "-", "-"],
+    ]
+    return ["## Summary", "", *table(["#", "figure", "measured", "baseline", "ratio"], rows), ""]
+
+
+def _capture_section(results: dict[str, Any]) -> list[str]:
+    cap, ceil = results["capture"], results["ceiling"]
+    agreement = cap["agreement"]
+    rows = [
+        ["vLLM, `HiddenStateCapture` (stage 02's path)", med(cap["tokens_per_s"]["vllm"]), num(cap["load_s"]["vllm"], 1),
+         "1.00x"],
+        ["HF transformers, forward with `output_hidden_states`", med(cap["tokens_per_s"]["hf"]), num(cap["load_s"]["hf"], 1),
+         ratio(1 / cap["ratio_vllm_over_hf"]["median"])],
+    ]
+    for dtype in ("float32", "bfloat16"):
+        rows.append([f"ceiling: {dtype} matmul peak / FLOPs per token", num(cap["ceiling_tokens_per_s"][dtype]), "-",
+                     f"capture reaches {num(cap['fraction_of_ceiling'][dtype], 2)}"])
+    agree = (f"the two sides return the same layers (relative error per slot "
+             f"{', '.join(f'{e:.1e}' for e in agreement['relative_error_per_slot'])})"
+             if agreement.get("same_shape") else f"the two sides returned different shapes: {agreement}")
+    return [
+        "## 1. Hidden-state capture",
+        "",
+        f"The same {cap['samples']} training samples ({num(cap['tokens'])} tokens) of the pipeline run, aux layers "
+        f"{cap['layer_ids']} + the final layer before its norm, {cap['dtype']}, {cap['threads']} threads, "
+        f"{plural(cap['repetitions'], 'interleaved repetition')}. Timed: token ids in, `[seq, n, H]` tensors out in the "
+        f"benchmark's process (for vLLM {cap['vllm_batch_size']} sequences per engine call, the connector's file round "
+        "trip included, as stage 02 runs it; for HF one sequence per forward pass, no padding, logits for the last "
+        "position only). Not timed: loading (column 3), writing training files.",
+        "",
+        *table(["side", "tokens/s", "load s", "vLLM / side"], rows),
+        "",
+        f"Warm-up check: {agree}.",
+        "",
+        f"The ceiling is the machine's matmul throughput divided by the forward FLOPs per token (2 x "
+        f"{num(cap['decoder_params'] / 1e6, 1)}M decoder weights + causal attention at these sequence lengths = "
+        f"{num(cap['flops_per_token'] / 1e6, 1)} MFLOP). The throughput is the faster kernel's on {ceil['size']}x{ceil['size']} "
+        f"matrices with {ceil['threads']} threads, measured in every repetition between the two capture sides, and the "
+        "share of the ceiling is taken per repetition:",
+        "",
+        *table(["dtype", *[f"{k} GFLOP/s" for k in ceil["kernels"]["float32"]], "peak GFLOP/s"],
+               [[d, *[med(_gflops(f)) for f in ceil["kernels"][d].values()], med(_gflops(ceil["flops_per_s"][d]))]
+                for d in ceil["flops_per_s"]]),
+        "",
+        "`torch` is torch.matmul (MKL for float32), `onednn` the oneDNN GEMM that vLLM's CPU linear layers run.",
+        "",
+    ]
+
+
+def _gflops(figure: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v / 1e9 if k in ("median", "min", "max") else v) for k, v in figure.items()}
+
+
+def _generation_section(results: dict[str, Any]) -> list[str]:
+    gen = results["generation"]
+    rows = [
+        [f"vLLM offline engine, batch {gen['batch_size']}, {gen['max_tokens']} max tokens *pipeline run*",
+         num(gen["output_tokens_per_s"], 1), "-"],
+        ["ceiling: float32 matmul peak / FLOPs per output token", num(gen["ceiling_tokens_per_s"]["float32"]),
+         num(gen["fraction_of_ceiling"]["float32"], 2)],
+        ["ceiling: bfloat16 matmul peak / FLOPs per output token", num(gen["ceiling_tokens_per_s"]["bfloat16"]),
+         num(gen["fraction_of_ceiling"]["bfloat16"], 2)],
+    ]
+    return [
+        "## 2. Generation (stage 01)",
+        "",
+        f"{num(gen['completion_tokens'])} answer tokens for {gen['samples']} prompts in {num(gen['generation_seconds'])} s "
+        "(engine start not counted), from the pipeline run's stage 01 manifest. FLOPs per output token: decoder + "
+        f"lm_head + attention, with each prompt's prefill spread over its answer: {num(gen['flops_per_token'] / 1e6, 1)} MFLOP.",
+        "",
+        *table(["", "output tokens/s", "share of the ceiling"], rows),
+        "",
+    ]
+
+
+def _training_section(results: dict[str, Any]) -> list[str]:
+    train = results["training"]
+    rows = []
+    for name, label in (("bf16", "bf16 storage"), ("fp8", "fp8 storage"), ("pipeline", "the pipeline run's own *pipeline run*")):
+        t = train[name]
+        rows.append([label, str(t["epochs"]), num(t["tokens_per_s_median_step"]), num(t["steps_per_s"], 2),
+                     num(t["peak_rss_mb"]), num(t["wall_s"]),
+                     " / ".join(f"{a:.3f}" for a in t["val_full_acc"]) or "-"])
+    return [
+        "## 3. Training (stage 04)",
+        "",
+        f"The two drafters of figure 5's storage comparison: the same conversations (the first "
+        f"{results['storage']['bf16']['samples']} of the pipeline run's), vocabulary, seed and settings "
+        f"({plural(train['bf16']['epochs'], 'epoch')}), only the stored hidden states differ. They train one after the other (a "
+        "run cannot be paused between steps without changing it), so their ratio is not interleaved; tokens/s is the "
+        "median over optimizer steps of each step's rate. Steps/s counts step time only (batch, forward, backward, "
+        "optimizer); wall time adds start-up, validation and checkpoints. Peak memory is the training process's "
+        f"maximum RSS. Ratio bf16 / fp8 tokens/s: {ratio(train['ratio_bf16_over_fp8'])}.",
+        "",
+        *table(["run", "epochs", "tokens/s", "steps/s", "peak RSS MB", "wall s", "validation full acc per position"], rows),
+        "",
+    ]
+
+
+def _serving_section(results: dict[str, Any]) -> list[str]:
+    serve = results["serving"]
+    modes = serve["modes"]
+    labels = {"none": "no speculation", "ngram": "n-gram", "eagle3": "EAGLE-3, the pipeline's drafter"}
+    rows = _serving_rows(serve, labels)
+    eagle = modes.get("eagle3", {})
+    lines = [
+        "## 4. Serving (stage 06's measurement, interleaved)",
+        "",
+        f"{serve['num_prompts']} held-out prompts, {serve['max_tokens']} tokens each, temperature {serve['temperature']}, "
+        f"concurrency {serve['concurrency']}, {results['meta']['num_speculative_tokens']} speculative tokens. One vLLM "
+        f"server per row, all up at once; the prompts go in {plural(serve['rounds'], 'round')}, each round's chunk to every server "
+        "in turn (order rotating), so each ratio to no speculation compares the same prompts back to back. "
+        "Acceptance comes from the servers' spec-decode counters, as in stage 06.",
+        "",
+        *table(["server", "output tokens/s", "ratio to none", *SERVING_COLUMNS], rows),
+        "",
+    ]
+    if results["meta"].get("device") == "cpu" and (eagle.get("ratio_to_baseline") or {}).get("median", 2) < 1:
+        lines += ["On a CPU a target this small decodes about as fast as the drafter's extra forward passes cost, so "
+                  "even a good drafter does not speed it up here; the speed-up figure matters on the GPU host.", ""]
+    pipe = results["pipeline"]["serving"]
+    if pipe.get("mean_acceptance_length") is not None:
+        lines += [f"The pipeline run's own stage 06 (one pass per mode, one after another) measured a mean acceptance "
+                  f"length of {num(pipe['mean_acceptance_length'], 3)} and tokens/s "
+                  + ", ".join(f"{k} {num(v, 1)}" for k, v in (pipe.get("tokens_per_s") or {}).items() if v is not None)
+                  + (f"; its verdict: {pipe['verdict']}" if pipe.get("verdict") else "") + ".", ""]
+    return lines
+
+
+SERVING_COLUMNS = ["mean acceptance length", "acceptance per position", "greedy texts differing from none"]
+
+
+def _serving_rows(serve: dict[str, Any], labels: dict[str, str]) -> list[list[str]]:
+    rows = []
+    for name, m in serve["modes"].items():
+        per = m.get("per_position_acceptance") or []
+        rows.append([
+            labels.get(name, name), med(m["tokens_per_s"], 1),
+            "1.00x" if name == serve["baseline"] else med_ratio(m["ratio_to_baseline"]),
+            num(m.get("mean_acceptance_length"), 3), " / ".join(f"{p:.3f}" for p in per) or "-",
+            "-" if m.get("greedy_mismatches") is None else f"{len(m['greedy_mismatches'])} of {serve['num_prompts']}",
+        ])
+    return rows
+
+
+def _storage_section(results: dict[str, Any]) -> list[str]:
+    store, fp8 = results["storage"], results["fp8_cost"]
+    rows = []
+    for name in ("bf16", "fp8"):
+        s = store[name]
+        rows.append([name, num(s["bytes_per_token"]), num(s["bytes_per_1k_samples"] / 1e6, 1), str(s["samples"]),
+                     num(s["tokens"])])
+    b = store["bf16"]
+    verdict = fp8["verdict"]
+    return [
+        "## 5. Storage of training data, and what fp8 storage costs",
+        "",
+        f"Stage 02 output of the same {b['samples']} conversations stored both ways (`hidden_states.storage_dtype`), "
+        f"{b['num_hidden_states']} states x {b['hidden_size']} per token, so {b['num_hidden_states'] * b['hidden_size'] * 2:,} B "
+        f"of bf16 or {b['num_hidden_states'] * b['hidden_size']:,} B of fp8 (+ a 4 B scale) before the token ids and file "
+        f"headers, which the measured bytes include. Per 1k samples at this data's {num(b['tokens'] / b['samples'])} tokens per sample. "
+        f"fp8 / bf16: {ratio(store['ratio_fp8_over_bf16'])}.",
+        "",
+        *table(["storage", "bytes per token", "MB per 1k samples", "samples", "tokens"], rows),
+        "",
+        f"What it costs: the two {fp8['epochs']}-epoch drafters of figure 3, converted for vLLM and served like figure "
+        "4 (the same prompts and settings, both servers up, rounds interleaved). Mean acceptance length with bf16 "
+        f"storage {num(fp8['bf16'], 3)}, with fp8 storage {num(fp8['fp8'], 3)}: difference {fp8['difference']:+.3f} "
+        f"± {num(fp8['stderr'], 3)} (one standard error, treating draft steps as independent). {verdict}",
+        "",
+        *table(["drafter", "output tokens/s", "ratio to bf16", *SERVING_COLUMNS],
+               _serving_rows(results["storage_serving"], {"eagle3-bf16": "bf16 storage", "eagle3-fp8": "fp8 storage"})),
+        "",
+    ]
+
+
+def _pipeline_section(results: dict[str, Any]) -> list[str]:
+    pipe = results["pipeline"]
+    total = pipe["total_wall_s"] or 0
+    rows = [[name, num(s, 1), f"{s / total:.0%}" if s and total else "-"] for name, s in pipe["stages_wall_s"].items()]
+    rows.append(["total", num(total, 1), "100%"])
+    return [
+        "## 6. Whole pipeline *pipeline run*",
+        "",
+        f"`wall_time_s` of each stage's manifest in `{pipe['run_dir']}` (finished {pipe['finished_at']}); the lines "
+        "`run_pipeline.sh` prints also include each interpreter's start-up.",
+        "",
+        *table(["stage", "wall time s", "share"], rows),
+        "",
+    ]
+
+
+def _parts_section(results: dict[str, Any]) -> list[str]:
+    parts = results["meta"]["parts_s"]
+    rows = [[name, num(s, 1)] for name, s in parts.items()]
+    rows.append(["total", num(results["meta"]["total_s"], 1)])
+    return ["## How long the benchmark took", "", *table(["part", "seconds"], rows), ""]
