@@ -413,8 +413,9 @@ def _pipeline_section(results: dict[str, Any]) -> list[str]:
     return [
         "## 6. Whole pipeline *pipeline run*",
         "",
-        f"`wall_time_s` of each stage's manifest in `{pipe['run_dir']}` (finished {pipe['finished_at']}); the lines "
-        "`run_pipeline.sh` prints also include each interpreter's start-up.",
+        f"`wall_time_s` of each stage's manifest in `{pipe['run_dir']}` (finished {pipe['finished_at']}), the run that "
+        "`scripts/run_pipeline.sh` made; the lines it prints also include each interpreter's start-up, and its "
+        "first run in a fresh clone also builds `.venv/` (about 75 s).",
         "",
         *table(["stage", "wall time s", "share"], rows),
         "",
