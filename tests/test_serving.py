@@ -499,6 +499,10 @@ def test_ctrl_c_while_starting_stops_the_server(tmp_path, target_dir):
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # A user's Ctrl-C reaches a fresh stage process; this one has run other tests' in-process engines, so
+    # make sure SIGINT is neither blocked nor handled elsewhere here (threads inherit the mask at creation).
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     timer = threading.Thread(target=interrupt_soon_after_launch, daemon=True)
     timer.start()
     try:
@@ -507,6 +511,8 @@ def test_ctrl_c_while_starting_stops_the_server(tmp_path, target_dir):
                 pytest.fail("the server cannot be healthy 1 s after launch")
     finally:
         timer.join(timeout=130)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        signal.signal(signal.SIGINT, previous_handler)
     assert server.process is None
     assert _wait_until_gone(marker) == []
 
