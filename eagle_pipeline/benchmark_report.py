@@ -11,7 +11,7 @@ import csv
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.errors import BadInput
@@ -135,22 +135,19 @@ def num(value: Any, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def med(figure: dict[str, Any] | None, digits: int = 0) -> str:
-    """'median [min-max]' of a spread() dict; just the value when there was one repetition."""
+def med(figure: dict[str, Any] | None, digits: int = 0, fmt: Callable[[Any, int], str] = num) -> str:
+    """'median [min-max]' of a spread() dict (the median written by fmt); just the median for one repetition."""
     if not figure:
         return "-"
+    median = fmt(figure["median"], digits)
     if figure.get("n", 1) == 1:
-        return num(figure["median"], digits)
-    return f"{num(figure['median'], digits)} [{num(figure['min'], digits)}-{num(figure['max'], digits)}]"
+        return median
+    return f"{median} [{num(figure['min'], digits)}-{num(figure['max'], digits)}]"
 
 
 def med_ratio(figure: dict[str, Any] | None, digits: int = 2) -> str:
     """A ratio's 'median x [min-max]'."""
-    if not figure:
-        return "-"
-    if figure.get("n", 1) == 1:
-        return ratio(figure["median"], digits)
-    return f"{ratio(figure['median'], digits)} [{num(figure['min'], digits)}-{num(figure['max'], digits)}]"
+    return med(figure, digits, fmt=ratio)
 
 
 def plural(count: int, word: str) -> str:

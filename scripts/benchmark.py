@@ -118,7 +118,7 @@ def copy_conversations(source_stage: Path, target_stage: Path, num_samples: int)
         conversations = conversations.select(range(num_samples))
     target_stage.mkdir(parents=True)
     conversations.save_to_disk(str(target_stage / "conversations"))
-    manifest = json.loads((source_stage / "manifest.json").read_text())
+    manifest = read_manifest(source_stage)
     manifest["counts"] = {**manifest["counts"], "samples": len(conversations), "copied_from": str(source_stage)}
     atomic.write_json(target_stage / "manifest.json", manifest)
     return len(conversations)
