@@ -18,7 +18,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -107,12 +106,14 @@ def server_ports(stage_dir: Path) -> list[int]:
 
 
 def port_in_use(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return True
+    """The probe stage 06 itself runs before it starts a server on a fixed port."""
+    from eagle_pipeline.errors import BadInput
+    from eagle_pipeline.serving import check_port_free
+
+    try:
+        check_port_free(port)
+    except BadInput:
+        return True
     return False
 
 
