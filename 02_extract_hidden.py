@@ -25,19 +25,12 @@ from pathlib import Path
 
 from eagle_pipeline import atomic, plots
 from eagle_pipeline.chat_tokens import tokenize_conversation
-from eagle_pipeline.datacheck import check_sample_file
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.layer_ids import resolve_layer_ids
+from eagle_pipeline.samples import SAMPLES_DIR, estimate_bytes, sample_files, sample_matches, sample_path
 from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
-
-STORAGE_BYTES = {"bfloat16": 2, "fp8": 1}
-STORAGE_NAMES = {"bfloat16": "bf16", "fp8": "fp8"}  # as eagle_pipeline.capture names them
-
-
-def estimate_bytes(num_tokens: int, num_states: int, hidden_size: int, storage_dtype: str) -> int:
-    return num_tokens * num_states * hidden_size * STORAGE_BYTES[storage_dtype]
-
 
 def write_dataset(rows: list[dict], data_dir: Path) -> None:
     """Write the arrow dataset into data_dir beside hidden_states/, replacing any older dataset files."""
@@ -56,15 +49,6 @@ def write_dataset(rows: list[dict], data_dir: Path) -> None:
             os.replace(tmp / name, data_dir / name)
 
 
-def stored_sample_matches(path: Path, input_ids: list[int], num_states: int, hidden_size: int) -> bool:
-    """Cheap resume check: a complete file whose shape is right and whose token ids equal the row's."""
-    try:
-        check_sample_file(path, input_ids, num_states, hidden_size, values=False)
-    except BadInput:
-        return False
-    return True
-
-
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     upstream = require_complete(cfg, 1)
@@ -75,7 +59,7 @@ def run(stage: Stage, dry_run: bool) -> None:
             f"({cfg.verifier.max_model_len}); the engine needs room for one sampled token"
         )
     verifier = Verifier.from_config(cfg)
-    layer_ids = verifier.layer_ids(hs_cfg.layer_ids)
+    layer_ids = resolve_layer_ids(hs_cfg.layer_ids, verifier.num_layers)
     num_states = len(layer_ids) + 1
     hidden_size = verifier.hidden_size
 
@@ -113,24 +97,22 @@ def run(stage: Stage, dry_run: bool) -> None:
         return
 
     data_dir = stage.dir / "data"
-    hs_dir = data_dir / "hidden_states"
+    hs_dir = data_dir / SAMPLES_DIR
     hs_dir.mkdir(parents=True, exist_ok=True)
     write_dataset(rows, data_dir)
 
     # -- resume: keep files whose token ids still match their row -------------------------------------
     from tqdm import tqdm
 
-    from eagle_pipeline.capture import sample_filename
-
     todo = []
     for row_index, row in enumerate(tqdm(rows, desc="check existing", unit="file", leave=False)):
-        path = hs_dir / sample_filename(row_index)
-        if path.exists() and stored_sample_matches(path, row["input_ids"], num_states, hidden_size):
+        path = sample_path(hs_dir, row_index)
+        if path.exists() and sample_matches(path, row["input_ids"], num_states, hidden_size):
             continue
         path.unlink(missing_ok=True)
         todo.append(row_index)
-    for stray in hs_dir.glob("hs_*.safetensors"):  # rows beyond the current sample count
-        if int(stray.stem.split("_")[1]) >= len(rows):
+    for row_index, stray in sample_files(hs_dir).items():  # rows beyond the current sample count
+        if row_index >= len(rows):
             stray.unlink()
     todo_tokens = sum(rows[i]["seq_len"] for i in todo)
     check_disk(hs_dir, estimate_bytes(todo_tokens, num_states, hidden_size, hs_cfg.storage_dtype), f"hidden states for {len(todo)} samples")
@@ -139,7 +121,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     # -- capture with vLLM ----------------------------------------------------------------------------
     capture_seconds = 0.0
     if todo:
-        from eagle_pipeline.capture import HiddenStateCapture, write_sample
+        from eagle_pipeline.capture import HiddenStateCapture
+        from eagle_pipeline.samples import write_sample
         from eagle_pipeline.engine import apply_engine_env
 
         apply_engine_env(cfg)
@@ -157,13 +140,13 @@ def run(stage: Stage, dry_run: bool) -> None:
                 samples = engine.capture([rows[i]["input_ids"] for i in batch])
                 for row_index, sample in zip(batch, samples):
                     write_sample(hs_dir, row_index, sample, rows[row_index]["input_ids"], num_states=num_states,
-                                 hidden_size=hidden_size, storage_dtype=STORAGE_NAMES[hs_cfg.storage_dtype])
+                                 hidden_size=hidden_size, storage_dtype=hs_cfg.storage_dtype)
                     bar.update(rows[row_index]["seq_len"])
             capture_seconds = time.monotonic() - t0
         shutil.rmtree(stage.dir / "connector_scratch", ignore_errors=True)
 
     # -- summary --------------------------------------------------------------------------------------
-    stored = sum((hs_dir / sample_filename(i)).stat().st_size for i in range(len(rows)))
+    stored = sum(sample_path(hs_dir, i).stat().st_size for i in range(len(rows)))
     plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length", "tokens")
     counts = {
         "samples": len(rows),

@@ -5,15 +5,9 @@ the requested layer ids into a KV cache group; a hidden-states KV connector writ
 slice to a safetensors file in `shared_storage_path`. We read that file, delete it, check it, and write the
 sample to `hs_<row>.safetensors` in speculators' offline format.
 
-Layer ids are HF `output_hidden_states` indices: id k is the residual stream entering layer k. vLLM gets
-`layer_ids + [num_layers]`; id `num_layers` is the final layer's output before the final norm, which
-speculators expects in the last slot (`verifier_last_hidden_states`).
-
-Stored sample (bf16): `hidden_states` bf16 [seq, n_aux + 1, H], `token_ids` int64 [seq].
-Stored sample (fp8): `hidden_states` float8_e4m3fn [seq, n_aux + 1, H], `hidden_states_scales` fp32
-[seq, 1, 1], `token_ids` int64 [seq]: the format of hs_connectors' FP8HiddenStatesConnector. speculators
-reads it only through its fp8 backend (`--hidden-states-backend fp8`, i.e. hs_connectors.FP8Transfer); the
-default file backend would hand the raw fp8 values to training without their scales.
+Layer ids follow eagle_pipeline.layer_ids (HF `output_hidden_states` indices); vLLM is asked for the aux
+ids plus the final layer (its output before the final norm), which speculators expects in the last slot
+(`verifier_last_hidden_states`). The stored sample format belongs to eagle_pipeline.samples.
 
 The engine runs once per `HiddenStateCapture` context; vLLM spawns worker processes, so the calling script
 must guard its entry point with `if __name__ == "__main__":`.
@@ -33,42 +27,18 @@ import torch
 
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.layer_ids import capture_layer_ids
+from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
-STORAGE_DTYPES = ("bf16", "fp8")
-FP8_SCALES_KEY = "hidden_states_scales"  # = hs_connectors.fp8_utils.SCALES_KEY
-
-
-class BadSample(ValueError):
-    """A captured or stored hidden-states sample failed its check; the message names the sample or file."""
-
-
-def sample_filename(row: int) -> str:
-    return f"hs_{row}.safetensors"
-
-
-def vllm_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """The ids to pass to vLLM: the aux ids plus `num_layers` (final layer output, pre-norm)."""
-    ids = list(layer_ids)
-    if not ids or any(not isinstance(k, int) or isinstance(k, bool) for k in ids):
-        raise BadInput(f"layer_ids: expected a non-empty list of integers, got {ids!r}")
-    # vLLM returns the states in layer order whatever order the ids come in, and merges duplicates.
-    if ids != sorted(set(ids)):
-        raise BadInput(f"layer_ids: must be strictly increasing (vLLM returns them in layer order), got {ids}")
-    if ids[0] < 0 or ids[-1] >= num_layers:
-        raise BadInput(
-            f"layer_ids: {ids} must lie in [0, {num_layers - 1}] for a verifier with {num_layers} layers "
-            f"(HF hidden_states indices; the final layer {num_layers} is always added as the last slot)"
-        )
-    return ids + [num_layers]
 
 
 def speculative_config(layer_ids: Sequence[int], num_layers: int) -> dict[str, Any]:
     return {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(layer_ids, num_layers)}},
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture_layer_ids(layer_ids, num_layers)}},
     }
 
 
@@ -123,7 +93,7 @@ class HiddenStateCapture:
         self.verifier_dir = Path(verifier_dir)
         self.layer_ids = list(layer_ids)
         self.num_layers = num_layers
-        self.vllm_ids = vllm_layer_ids(self.layer_ids, num_layers)
+        self.vllm_ids = capture_layer_ids(self.layer_ids, num_layers)
         self.tensor_parallel_size = tensor_parallel_size
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -241,114 +211,6 @@ class HiddenStateCapture:
         return samples
 
 
-def check_sample(
-    sample: dict[str, torch.Tensor],
-    expected_token_ids: torch.Tensor | Sequence[int],
-    *,
-    num_states: int | None = None,
-    hidden_size: int | None = None,
-    where: str,
-) -> None:
-    """Raise BadSample (naming `where`) unless the sample's tokens equal the input and its states are sane."""
-    missing = {"hidden_states", "token_ids"} - sample.keys()
-    if missing:
-        raise BadSample(f"{where}: missing tensors {sorted(missing)}")
-    hidden, tokens = sample["hidden_states"], sample["token_ids"]
-    expected = torch.as_tensor(expected_token_ids, dtype=torch.long)
-    if tokens.dim() != 1 or tokens.shape[0] != expected.shape[0]:
-        raise BadSample(f"{where}: {tuple(tokens.shape)} token ids, expected {expected.shape[0]}")
-    mismatch = (tokens.long() != expected).nonzero()
-    if len(mismatch):
-        pos = int(mismatch[0])
-        raise BadSample(
-            f"{where}: token ids differ from the input at position {pos} "
-            f"({int(tokens[pos])} != {int(expected[pos])}, {len(mismatch)} positions in all)"
-        )
-    if hidden.dim() != 3 or hidden.shape[0] != expected.shape[0]:
-        raise BadSample(f"{where}: hidden_states shape {tuple(hidden.shape)}, expected [{expected.shape[0]}, n, H]")
-    if num_states is not None and hidden.shape[1] != num_states:
-        raise BadSample(f"{where}: {hidden.shape[1]} hidden-state slots, expected {num_states} (aux ids + final)")
-    if hidden_size is not None and hidden.shape[2] != hidden_size:
-        raise BadSample(f"{where}: hidden size {hidden.shape[2]}, expected {hidden_size}")
-    if not torch.isfinite(hidden.float()).all():
-        raise BadSample(f"{where}: hidden_states contain NaN or infinite values")
-
-
-def encode_sample(sample: dict[str, torch.Tensor], storage_dtype: str = "bf16") -> dict[str, torch.Tensor]:
-    """The tensors to store: bf16 as speculators' file backend reads them, or hs_connectors' fp8 format."""
-    hidden = sample["hidden_states"].to(torch.bfloat16).contiguous()
-    tokens = sample["token_ids"].to(torch.int64).contiguous()
-    if storage_dtype == "bf16":
-        return {"hidden_states": hidden, "token_ids": tokens}
-    if storage_dtype == "fp8":
-        from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
-
-        assert SCALES_KEY == FP8_SCALES_KEY
-        fp8, scales = quantize_tensor_to_fp8(hidden)
-        return {"hidden_states": fp8, SCALES_KEY: scales, "token_ids": tokens}
-    raise BadInput(f"storage_dtype: {storage_dtype!r} is not one of {list(STORAGE_DTYPES)}")
-
-
-def decode_sample(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of encode_sample, as hs_connectors.FP8Transfer does it: fp8 files come back as bf16."""
-    if FP8_SCALES_KEY not in tensors:
-        return tensors
-    from hs_connectors.fp8_utils import dequantize_fp8_tensor
-
-    decoded = {k: v for k, v in tensors.items() if k != FP8_SCALES_KEY}
-    decoded["hidden_states"] = dequantize_fp8_tensor(tensors["hidden_states"], tensors[FP8_SCALES_KEY])
-    return decoded
-
-
-def write_sample(
-    out_dir: str | os.PathLike,
-    row: int,
-    sample: dict[str, torch.Tensor],
-    expected_token_ids: torch.Tensor | Sequence[int],
-    *,
-    num_states: int,
-    hidden_size: int | None = None,
-    storage_dtype: str = "bf16",
-) -> Path:
-    """Check a captured sample and write it atomically to out_dir/hs_<row>.safetensors; returns the path."""
-    from safetensors.torch import save
-
-    path = Path(out_dir) / sample_filename(row)
-    check_sample(sample, expected_token_ids, num_states=num_states, hidden_size=hidden_size, where=str(path))
-    # Serialized in memory and written by Python (the same bytes save_file writes): a full disk then raises
-    # OSError(ENOSPC), which the stage reports as "disk full", where safetensors' own writer raises a
-    # SafetensorError that says only "I/O error".
-    data = save(encode_sample(sample, storage_dtype))
-    atomic.write_bytes(path, data)
-    return path
-
-
-def read_sample(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Load a stored sample (bf16 or fp8) as bf16 hidden_states and int64 token_ids."""
-    from safetensors.torch import load_file
-
-    if not Path(path).is_file():
-        raise BadSample(f"{path}: missing")
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for torn or foreign files
-        raise BadSample(f"{path}: unreadable safetensors file ({type(e).__name__}: {e}); delete it to recapture") from e
-    return decode_sample(tensors)
-
-
-def verify_sample_file(
-    path: str | os.PathLike,
-    expected_token_ids: torch.Tensor | Sequence[int],
-    *,
-    num_states: int,
-    hidden_size: int | None = None,
-) -> None:
-    """Raise BadSample naming `path` unless the stored sample is readable and matches the input."""
-    check_sample(
-        read_sample(path), expected_token_ids, num_states=num_states, hidden_size=hidden_size, where=str(path)
-    )
-
-
 def _main(argv: Sequence[str] | None = None) -> None:
     """Capture a JSON list of token id lists into OUT/hs_<i>.safetensors (a tool for checks and timing)."""
     import argparse
@@ -363,7 +225,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="folder for hs_<i>.safetensors and timing.json")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--storage-dtype", choices=STORAGE_DTYPES, default="bf16")
+    parser.add_argument("--storage-dtype", choices=[d.value for d in StorageDtype], default=StorageDtype.BFLOAT16.value)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--extra-engine-args", default="{}", help="JSON dict passed on to vllm.LLM")
     parser.add_argument("--storage-path", default=None, help="connector scratch folder (default: a temp folder)")

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.layer_ids import order_problem
+from eagle_pipeline.samples import StorageDtype
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,18 +60,17 @@ class GenerationConfig(Section):
 
 class HiddenStatesConfig(Section):
     layer_ids: Optional[list[int]] = Field(None, description="aux layer ids (HF hidden_states indices); default (2, L//2, L-3)")
-    storage_dtype: Literal["bfloat16", "fp8"] = "bfloat16"
+    storage_dtype: StorageDtype = Field(StorageDtype.BFLOAT16, description="bfloat16, or fp8 with per-token scales (half the disk)")
     max_seq_len: int = Field(2048, ge=8)
     batch_size: int = Field(16, ge=1)
 
     @field_validator("layer_ids")
     @classmethod
-    def _distinct(cls, ids):
-        if ids is not None:
-            if not ids:
-                raise ValueError("must not be empty; leave it out for the default (2, L//2, L-3)")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"has duplicates {ids}; give each layer once")
+    def _ordered(cls, ids):
+        # The range check needs the verifier's depth: eagle_pipeline.layer_ids.check_layer_ids at stage start.
+        problem = None if ids is None else order_problem(ids)
+        if problem:
+            raise ValueError(problem)
         return ids
 
 

@@ -74,22 +74,6 @@ class Verifier:
     def architecture(self) -> str:
         return (self.raw_config.get("architectures") or ["?"])[0]
 
-    def default_layer_ids(self) -> list[int]:
-        n = self.num_layers
-        return [2, n // 2, n - 3]
-
-    def layer_ids(self, configured: list[int] | None) -> list[int]:
-        """Aux layer ids as HF hidden_states indices, checked against the verifier's depth."""
-        ids = list(configured) if configured is not None else self.default_layer_ids()
-        n = self.num_layers
-        for i in ids:
-            if not 0 < i < n:
-                raise BadInput(
-                    f"hidden_states.layer_ids: {i} is out of range for a {n}-layer verifier; use ids in 1..{n - 1} "
-                    f"(the final layer {n} is always captured as well)"
-                )
-        return ids
-
     @cached_property
     def tokenizer(self):
         from transformers import AutoTokenizer

@@ -1,0 +1,75 @@
+"""Aux hidden-state layer ids: the one rule for what an id means, which ids are valid, and how each engine
+spells them (docs/layer_ids.md).
+
+The pipeline keeps ids in one convention everywhere, HF `output_hidden_states` indices: id k is the
+residual stream entering decoder layer k (= the output of layer k-1). vLLM and speculators read ids the
+same way. SGLang and SpecForge read id k as the *output* of layer k, i.e. HF index k+1; an id written in
+the wrong convention makes the drafter read a layer one off from the one it was trained on, which loads
+without any error and only shows as low acceptance.
+
+The final layer (id L, its output before the final norm) is always captured as the last slot, so valid
+aux ids lie in 1..L-1, strictly increasing (vLLM returns states in layer order and merges duplicates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from eagle_pipeline.errors import BadInput
+
+Convention = Literal["hf", "vllm", "sglang"]
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """(2, L//2, L-3): early, middle and late layers; (2, 30, 58) for Kimi-K2.5's 61 layers."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def order_problem(ids: Sequence[object]) -> str | None:
+    """What is wrong with a list of ids before the model's depth is known, or None."""
+    if not ids:
+        return "must not be empty; leave it out for the default (2, L//2, L-3)"
+    if any(not isinstance(k, int) or isinstance(k, bool) for k in ids):
+        return f"expected a list of integers, got {list(ids)!r}"
+    if len(set(ids)) != len(ids):
+        return f"has duplicates {list(ids)}; give each layer once"
+    if list(ids) != sorted(ids):
+        return f"must be in increasing order (vLLM returns the states in layer order), got {list(ids)}; sort them"
+    return None
+
+
+def check_layer_ids(ids: Sequence[int], num_layers: int, field: str = "hidden_states.layer_ids") -> list[int]:
+    """Validated aux ids (HF convention) for a `num_layers`-layer target; BadInput names `field` otherwise."""
+    problem = order_problem(ids)
+    if problem:
+        raise BadInput(f"{field}: {problem}")
+    for k in ids:
+        if not 0 < k < num_layers:
+            raise BadInput(
+                f"{field}: {k} is out of range for a {num_layers}-layer verifier; use ids in 1..{num_layers - 1} "
+                f"(the final layer {num_layers} is always captured as well)"
+            )
+    return [int(k) for k in ids]
+
+
+def resolve_layer_ids(configured: Sequence[int] | None, num_layers: int, field: str = "hidden_states.layer_ids") -> list[int]:
+    """The configured ids, or the default ones, checked against the target's depth."""
+    return check_layer_ids(list(configured) if configured is not None else default_layer_ids(num_layers), num_layers, field)
+
+
+def capture_layer_ids(aux_ids: Sequence[int], num_layers: int) -> list[int]:
+    """What vLLM's extract_hidden_states is asked for: the aux ids plus the final layer (pre-norm) last."""
+    return check_layer_ids(aux_ids, num_layers, field="layer_ids") + [num_layers]
+
+
+def to_convention(ids: Sequence[int], convention: Convention) -> list[int]:
+    """Pipeline (HF-index) ids as `convention` writes them."""
+    shift = -1 if convention == "sglang" else 0
+    return [int(k) + shift for k in ids]
+
+
+def from_convention(ids: Sequence[int], convention: Convention) -> list[int]:
+    """Ids written in `convention` as pipeline (HF-index) ids."""
+    shift = 1 if convention == "sglang" else 0
+    return [int(k) + shift for k in ids]

@@ -1,0 +1,263 @@
+"""The hidden-state sample: stage 02 writes it, stage 04 (through speculators) reads it (docs/formats.md).
+
+A run's training data is speculators' offline format: an arrow dataset (`sample_id`, `input_ids`,
+`loss_mask`, `seq_len`) and, for dataset row i, `hidden_states/hs_<i>.safetensors` holding
+- `hidden_states` [seq, n_aux + 1, H]: the aux layers in id order, then the final layer before its norm;
+- `token_ids` int64 [seq]: the row's input ids, so a file can be matched to its row without the dataset.
+
+Two storage dtypes (`hidden_states.storage_dtype`):
+- bfloat16: `hidden_states` as bf16, read by speculators' default file backend;
+- fp8: `hidden_states` float8_e4m3fn plus `hidden_states_scales` fp32 [seq, 1, 1], the format of
+  hs_connectors' FP8HiddenStatesConnector. speculators reads it only through its fp8 backend
+  (hs_connectors.FP8Transfer); the file backend would hand raw fp8 values to training without their scales.
+
+This module owns the file name, the encoding and every check of a sample file.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eagle_pipeline import atomic
+from eagle_pipeline.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
+
+SAMPLES_DIR = "hidden_states"
+FP8_SCALES_KEY = "hidden_states_scales"  # = hs_connectors.fp8_utils.SCALES_KEY
+# A safetensors header this size describes hundreds of thousands of tensors; a larger length field means the
+# file is not a sample at all, and reading it would try to allocate that much memory.
+MAX_HEADER_BYTES = 16 * 2**20
+
+
+class StorageDtype(str, enum.Enum):
+    """How stage 02 stores hidden states: the config's `hidden_states.storage_dtype` values."""
+
+    BFLOAT16 = "bfloat16"
+    FP8 = "fp8"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def bytes_per_value(self) -> int:
+        return 2 if self is StorageDtype.BFLOAT16 else 1
+
+    @property
+    def speculators_backend(self) -> str:
+        """The name speculators' `--hidden-states-backend` gives the reader of this storage."""
+        return "file" if self is StorageDtype.BFLOAT16 else "fp8"
+
+
+class BadSample(ValueError):
+    """A captured or stored hidden-states sample failed its check; the message names the sample or file."""
+
+
+def sample_filename(row: int) -> str:
+    return f"hs_{row}.safetensors"
+
+
+def sample_path(samples_dir: str | os.PathLike, row: int) -> Path:
+    return Path(samples_dir) / sample_filename(row)
+
+
+def sample_row(path: str | os.PathLike) -> int | None:
+    """The dataset row a sample file belongs to, or None for a file that is not a sample."""
+    stem = Path(path).name.removesuffix(".safetensors")
+    prefix, _, row = stem.partition("_")
+    return int(row) if prefix == "hs" and row.isdigit() and Path(path).name.endswith(".safetensors") else None
+
+
+def sample_files(samples_dir: str | os.PathLike) -> dict[int, Path]:
+    """Row -> file of every sample file in the folder (temporaries and strays left out)."""
+    folder = Path(samples_dir)
+    if not folder.is_dir():
+        return {}
+    found = {sample_row(p): p for p in folder.iterdir()}
+    return {row: found[row] for row in sorted(r for r in found if r is not None)}
+
+
+def estimate_bytes(num_tokens: int, num_states: int, hidden_size: int, storage_dtype: str | StorageDtype) -> int:
+    """Disk for that many tokens' samples (the hidden states dominate; token ids and headers are ignored)."""
+    return num_tokens * num_states * hidden_size * StorageDtype(storage_dtype).bytes_per_value
+
+
+# ---------------------------------------------------------------------------------------------------
+# In memory: check, encode, decode.
+
+
+def check_sample(
+    sample: dict[str, torch.Tensor],
+    expected_token_ids: torch.Tensor | Sequence[int],
+    *,
+    num_states: int | None = None,
+    hidden_size: int | None = None,
+    where: str,
+) -> None:
+    """Raise BadSample (naming `where`) unless the sample's tokens equal the input and its states are sane."""
+    import torch
+
+    missing = {"hidden_states", "token_ids"} - sample.keys()
+    if missing:
+        raise BadSample(f"{where}: missing tensors {sorted(missing)}")
+    hidden, tokens = sample["hidden_states"], sample["token_ids"]
+    expected = torch.as_tensor(expected_token_ids, dtype=torch.long)
+    if tokens.dim() != 1 or tokens.shape[0] != expected.shape[0]:
+        raise BadSample(f"{where}: {tuple(tokens.shape)} token ids, expected {expected.shape[0]}")
+    mismatch = (tokens.long() != expected).nonzero()
+    if len(mismatch):
+        pos = int(mismatch[0])
+        raise BadSample(
+            f"{where}: token ids differ from the input at position {pos} "
+            f"({int(tokens[pos])} != {int(expected[pos])}, {len(mismatch)} positions in all)"
+        )
+    if hidden.dim() != 3 or hidden.shape[0] != expected.shape[0]:
+        raise BadSample(f"{where}: hidden_states shape {tuple(hidden.shape)}, expected [{expected.shape[0]}, n, H]")
+    if num_states is not None and hidden.shape[1] != num_states:
+        raise BadSample(f"{where}: {hidden.shape[1]} hidden-state slots, expected {num_states} (aux ids + final)")
+    if hidden_size is not None and hidden.shape[2] != hidden_size:
+        raise BadSample(f"{where}: hidden size {hidden.shape[2]}, expected {hidden_size}")
+    if not torch.isfinite(hidden.float()).all():
+        raise BadSample(f"{where}: hidden_states contain NaN or infinite values")
+
+
+def encode_sample(sample: dict[str, torch.Tensor], storage_dtype: str | StorageDtype = StorageDtype.BFLOAT16) -> dict[str, torch.Tensor]:
+    """The tensors to store: bf16 as speculators' file backend reads them, or hs_connectors' fp8 format."""
+    import torch
+
+    try:
+        storage = StorageDtype(storage_dtype)
+    except ValueError:
+        raise BadInput(f"storage_dtype: {storage_dtype!r} is not one of {[s.value for s in StorageDtype]}") from None
+    hidden = sample["hidden_states"].to(torch.bfloat16).contiguous()
+    tokens = sample["token_ids"].to(torch.int64).contiguous()
+    if storage is StorageDtype.BFLOAT16:
+        return {"hidden_states": hidden, "token_ids": tokens}
+    from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
+
+    assert SCALES_KEY == FP8_SCALES_KEY
+    fp8, scales = quantize_tensor_to_fp8(hidden)
+    return {"hidden_states": fp8, SCALES_KEY: scales, "token_ids": tokens}
+
+
+def decode_sample(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of encode_sample, as hs_connectors.FP8Transfer does it: fp8 files come back as bf16."""
+    if FP8_SCALES_KEY not in tensors:
+        return tensors
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    decoded = {k: v for k, v in tensors.items() if k != FP8_SCALES_KEY}
+    decoded["hidden_states"] = dequantize_fp8_tensor(tensors["hidden_states"], tensors[FP8_SCALES_KEY])
+    return decoded
+
+
+# ---------------------------------------------------------------------------------------------------
+# On disk: write, read, check.
+
+
+def write_sample(
+    samples_dir: str | os.PathLike,
+    row: int,
+    sample: dict[str, torch.Tensor],
+    expected_token_ids: torch.Tensor | Sequence[int],
+    *,
+    num_states: int,
+    hidden_size: int | None = None,
+    storage_dtype: str | StorageDtype = StorageDtype.BFLOAT16,
+) -> Path:
+    """Check a captured sample and write it atomically to samples_dir/hs_<row>.safetensors; returns the path."""
+    from safetensors.torch import save
+
+    path = sample_path(samples_dir, row)
+    check_sample(sample, expected_token_ids, num_states=num_states, hidden_size=hidden_size, where=str(path))
+    # Serialized in memory and written by Python (the same bytes save_file writes): a full disk then raises
+    # OSError(ENOSPC), which the stage reports as "disk full", where safetensors' own writer raises a
+    # SafetensorError that says only "I/O error".
+    atomic.write_bytes(path, save(encode_sample(sample, storage_dtype)))
+    return path
+
+
+def read_sample(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load a stored sample (bf16 or fp8) as bf16 hidden_states and int64 token_ids."""
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise BadSample(f"{path}: missing")
+    try:
+        read_header(Path(path))
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for torn or foreign files
+        raise BadSample(f"{path}: unreadable safetensors file ({type(e).__name__}: {e}); delete it to recapture") from e
+    return decode_sample(tensors)
+
+
+def verify_sample_file(
+    path: str | os.PathLike,
+    expected_token_ids: torch.Tensor | Sequence[int],
+    *,
+    num_states: int,
+    hidden_size: int | None = None,
+) -> None:
+    """Raise BadSample naming `path` unless the stored sample is readable and matches the input (values read)."""
+    check_sample(read_sample(path), expected_token_ids, num_states=num_states, hidden_size=hidden_size, where=str(path))
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The safetensors header and its length in bytes (with the 8-byte size field); ValueError if not one."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", raw)
+        if size > MAX_HEADER_BYTES or size > os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"header length field says {size} bytes, more than the file holds")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header, 8 + size
+
+
+def check_sample_file(path: Path, input_ids: Sequence[int], num_states: int, hidden_size: int, values: bool) -> None:
+    """BadInput unless the file is whole (header, size), shaped [seq, num_states, H] and holds the row's ids.
+
+    Only the token ids are read unless `values`: the hidden states are the bulk of the file.
+    """
+    import torch
+    from safetensors import safe_open
+
+    if not path.exists():
+        raise BadInput(f"{path}: hidden-state file missing for its dataset row; rerun stage 02 to capture it")
+    try:
+        header, offset = read_header(path)
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{path}: not a readable safetensors file ({e}); delete it and rerun stage 02") from None
+    if path.stat().st_size != offset + end:
+        raise BadInput(f"{path}: truncated ({path.stat().st_size} of {offset + end} bytes); delete it and rerun stage 02")
+    shape = header.get("hidden_states", {}).get("shape")
+    if shape != [len(input_ids), num_states, hidden_size]:
+        raise BadInput(f"{path}: hidden_states shape {shape}, expected {[len(input_ids), num_states, hidden_size]}: "
+                       f"dataset and hidden-state files are out of step; rerun stage 02")
+    with safe_open(str(path), framework="pt") as f:  # token ids only: a few KB, not the hidden states
+        token_ids = f.get_tensor("token_ids")
+        hidden = f.get_tensor("hidden_states") if values else None
+    if token_ids.tolist() != list(input_ids):
+        raise BadInput(f"{path}: token ids differ from its dataset row: dataset and hidden-state files are out of step; rerun stage 02")
+    if hidden is not None and not torch.isfinite(hidden.float()).all():
+        raise BadInput(f"{path}: hidden states contain NaN or infinite values; delete the file and rerun stage 02")
+
+
+def sample_matches(path: Path, input_ids: Sequence[int], num_states: int, hidden_size: int) -> bool:
+    """Cheap resume check: a whole file of the right shape whose token ids equal the row's."""
+    try:
+        check_sample_file(path, input_ids, num_states, hidden_size, values=False)
+    except BadInput:
+        return False
+    return True
