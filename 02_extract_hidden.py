@@ -28,7 +28,7 @@ from eagle_pipeline.chat_tokens import tokenize_conversation
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.layer_ids import resolve_layer_ids
-from eagle_pipeline.samples import SAMPLES_DIR, estimate_bytes, sample_files, sample_matches, sample_path
+from eagle_pipeline.samples import SAMPLES_DIR, SampleLayout, estimate_bytes, sample_files, sample_matches, sample_path
 from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
@@ -162,7 +162,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         "capture_seconds": round(capture_seconds, 1),
         "capture_tokens_per_s": round(todo_tokens / capture_seconds, 1) if capture_seconds else None,
     }
-    stage.finish(counts, output_fingerprint=value_fingerprint([r["input_ids"] for r in rows]))
+    layout = SampleLayout(layer_ids=tuple(layer_ids), num_layers=verifier.num_layers, hidden_size=hidden_size,
+                          target_vocab_size=verifier.vocab_size, storage_dtype=hs_cfg.storage_dtype)
+    stage.finish(counts, output_fingerprint=value_fingerprint([r["input_ids"] for r in rows]),
+                 extra={"resolved": layout.to_json()})
     print(
         f"stage 02 done: {len(rows)} samples ({len(todo)} captured now), {total_tokens} tokens, "
         f"{stored / 1e6:.1f} MB ({counts['bytes_per_token']} B/token), {counts['capture_tokens_per_s']} tokens/s -> {stage.dir}"

@@ -21,8 +21,9 @@ import json
 import os
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
@@ -261,3 +262,41 @@ def sample_matches(path: Path, input_ids: Sequence[int], num_states: int, hidden
     except BadInput:
         return False
     return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# What every later stage needs to know about the samples, resolved once by stage 02.
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """The shape of a run's samples, as stage 02 resolved it from the config and the target.
+
+    Stored as the `resolved` block of stage 02's manifest; stages 04-06 read it from there (through
+    eagle_pipeline.stage.require_sample_layout) instead of deriving it again.
+    """
+
+    layer_ids: tuple[int, ...]  # aux ids, HF hidden_states indices (eagle_pipeline.layer_ids)
+    num_layers: int  # the target's decoder layers; its final layer fills the last slot
+    hidden_size: int
+    target_vocab_size: int
+    storage_dtype: StorageDtype
+
+    @property
+    def num_hidden_states(self) -> int:
+        return len(self.layer_ids) + 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer_ids": list(self.layer_ids), "num_layers": self.num_layers, "num_hidden_states": self.num_hidden_states,
+                "hidden_size": self.hidden_size, "target_vocab_size": self.target_vocab_size,
+                "storage_dtype": self.storage_dtype.value}
+
+    @classmethod
+    def from_json(cls, block: dict[str, Any], where: str) -> "SampleLayout":
+        try:
+            return cls(layer_ids=tuple(int(k) for k in block["layer_ids"]), num_layers=int(block["num_layers"]),
+                       hidden_size=int(block["hidden_size"]), target_vocab_size=int(block["target_vocab_size"]),
+                       storage_dtype=StorageDtype(block["storage_dtype"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadInput(f"{where}: its `resolved` block is incomplete ({type(e).__name__}: {e}); "
+                           f"rerun stage 02 with --force") from None

@@ -31,6 +31,7 @@ from eagle_pipeline import atomic
 from eagle_pipeline.config import RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.samples import SampleLayout
 
 STAGES = {
     1: "01_generate_data",
@@ -78,6 +79,16 @@ def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:
             f"run {STAGES[number]}.py --config <same config> first"
         )
     return manifest
+
+
+def require_sample_layout(cfg: RunConfig) -> tuple[dict[str, Any], SampleLayout]:
+    """Stage 02's finished manifest and the sample layout it resolved (layer ids, slots, hidden size, dtype)."""
+    manifest = require_complete(cfg, 2)
+    block = manifest.get("resolved")
+    if not isinstance(block, dict):
+        raise BadInput(f"{cfg.stage_dir(STAGES[2]) / 'manifest.json'}: has no `resolved` block (written by an older "
+                       f"version of stage 02); rerun 02_extract_hidden.py with --force")
+    return manifest, SampleLayout.from_json(block, str(cfg.stage_dir(STAGES[2]) / "manifest.json"))
 
 
 def upstream_fingerprint(manifest: dict[str, Any]) -> str:
