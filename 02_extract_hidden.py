@@ -32,6 +32,7 @@ from eagle_pipeline.samples import SAMPLES_DIR, SampleLayout, estimate_bytes, sa
 from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
+
 def write_dataset(rows: list[dict], data_dir: Path) -> None:
     """Write the arrow dataset into data_dir beside hidden_states/, replacing any older dataset files."""
     from datasets import Dataset
@@ -122,8 +123,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     capture_seconds = 0.0
     if todo:
         from eagle_pipeline.capture import HiddenStateCapture
-        from eagle_pipeline.samples import write_sample
         from eagle_pipeline.engine import apply_engine_env
+        from eagle_pipeline.samples import write_sample
 
         apply_engine_env(cfg)
         engine = HiddenStateCapture(

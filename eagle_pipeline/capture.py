@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +29,6 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids
 from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
 
 
@@ -135,21 +133,13 @@ class HiddenStateCapture:
             self.storage_path = Path(self._requested_storage_path)
             self.storage_path.mkdir(parents=True, exist_ok=True)
         args = self.engine_args(self.storage_path, _platform_device_type())
-        # The engine core and workers import the connector module by name in their own processes.
-        if str(REPO_ROOT) not in sys.path:
-            sys.path.insert(0, str(REPO_ROOT))
-        saved_pythonpath = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), saved_pythonpath) if p)
+        # The engine core and workers import the connector module (patches/, part of the installed package)
+        # by name in their own processes.
         try:
             self._llm = LLM(**args)
         except BaseException:
             self._remove_storage()
             raise
-        finally:
-            if saved_pythonpath is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = saved_pythonpath
         return self
 
     def __exit__(self, *exc_info) -> None:

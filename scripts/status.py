@@ -12,11 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eagle_pipeline.config import load_config  # noqa: E402
-from eagle_pipeline.errors import BadInput  # noqa: E402
-from eagle_pipeline.stage import STAGES  # noqa: E402
+from eagle_pipeline.config import load_config
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.stage import STAGES
 
 
 def alive(pid_file: Path) -> bool:

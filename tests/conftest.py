@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def write_config(path: Path, **overrides) -> Path:
