@@ -1,6 +1,6 @@
 """The draft vocabulary: the DV target tokens the drafter can propose, and the maps between the two.
 
-Exactly as vLLM and speculators read them (REFERENCE.md section 2):
+Exactly as vLLM and speculators read them (docs/formats.md, "Draft vocabulary"):
 - `t2d`: bool [V], DV entries true: which target tokens are in the draft vocabulary.
 - `d2t`: int64 [DV], an offset: target_id = draft_id + d2t[draft_id].
 Draft ids are assigned in ascending target-id order, so the drafter's lm_head row k is target id ids[k].

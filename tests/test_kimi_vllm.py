@@ -101,7 +101,7 @@ def make_kimi_k25(folder: Path):
 
 
 def make_eagle3_drafter(folder: Path) -> None:
-    """A random one-layer drafter in vLLM's flat EAGLE-3 format (REFERENCE.md section 3) for the tiny target."""
+    """A random one-layer drafter in vLLM's flat EAGLE-3 format (docs/formats.md, "The flat drafter folder") for the tiny target."""
     from safetensors.torch import save_file
 
     heads, head_dim, inter, draft_vocab = 4, 128, 96, 512

@@ -1,4 +1,4 @@
-"""Draft vocabulary: REFERENCE.md section 2, including its worked example."""
+"""Draft vocabulary: docs/formats.md "Draft vocabulary", including its worked example."""
 
 import numpy as np
 import pytest
