@@ -7,7 +7,7 @@ marked; killed and rerun, training resumes from the last complete checkpoint (op
 
 Embedded default (CPU, minutes):
     python 04_train.py --config configs/tiny.yaml
-Full scale (8 GPUs through torchrun + speculators' FSDP, `train.num_gpus: 8`):
+Full scale (8 GPUs through torch.distributed.run, `train.num_gpus: 8`, `train.fsdp_shard: true` to shard the drafter):
     python 04_train.py --config configs/kimi-k2.5-10k.yaml
 
 Output in <data_root>/<run_name>/04_train/: checkpoints/<epoch>/ (speculators format), best.json,
@@ -22,10 +22,8 @@ from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
+from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
-
-# Settings that may change between a run and its resumption without invalidating checkpoints.
-RESUMABLE = ("epochs", "keep_last", "num_workers", "threads")
 
 
 def checkpoint_bytes(params: int, keep: int) -> int:
@@ -56,7 +54,10 @@ def run(stage: Stage, dry_run: bool) -> None:
     params = drafter_params(hidden, verifier.hidden_size, heads, kv_heads, head_dim, inter, len(layer_ids),
                             cfg.vocab.draft_vocab_size, verifier.vocab_size)
     need = checkpoint_bytes(params, t.keep_last)
-    launcher = "in-process on the CPU" if t.num_gpus == 0 else f"torchrun on {t.num_gpus} GPU(s) with FSDP"
+    if t.num_gpus == 0:
+        launcher = "in-process on the CPU"
+    else:
+        launcher = f"torch.distributed.run on {t.num_gpus} GPU(s), drafter {'sharded with FSDP' if t.fsdp_shard else 'replicated'}"
 
     if dry_run:
         print(f"stage 04: train an EAGLE-3 drafter {launcher}, {t.epochs} epochs, {t.optimizer}, {t.dtype}, lr {t.lr}")
@@ -69,7 +70,6 @@ def run(stage: Stage, dry_run: bool) -> None:
     init_from = cfg.resolve_path(t.init_from) if t.init_from else None
     if init_from is not None and not (init_from / "config.json").exists():
         raise BadInput(f"train.init_from: {init_from} is not a drafter directory (no config.json); point it at a speculators or released drafter")
-    train_settings = {k: v for k, v in t.model_dump(mode="json").items() if k not in RESUMABLE}
     inputs = {
         "hidden_states": upstream_fingerprint(hidden_manifest),
         "vocab_map": upstream_fingerprint(vocab_manifest),
@@ -77,7 +77,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "verifier": verifier.fingerprints()["verifier"],
         "layer_ids": layer_ids,
         "draft_vocab_size": cfg.vocab.draft_vocab_size,
-        "train": value_fingerprint(train_settings),
+        **recorded_settings(t),
         "init_from": model_dir_fingerprint(init_from) if init_from else None,
         "seed": cfg.seed,
     }
@@ -92,32 +92,23 @@ def run(stage: Stage, dry_run: bool) -> None:
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return
 
-    from eagle_pipeline import training
+    from eagle_pipeline.train import launch, runner
 
-    hidden_dir = cfg.stage_dir("02_extract_hidden") / "data"
     vocab_dir = cfg.stage_dir("03_build_vocab_map")
-    train_args = dict(
-        layer_ids=layer_ids,
-        draft_shape=shape or None,
-        init_from=str(init_from) if init_from else None,
-        epochs=t.epochs, lr=t.lr, optimizer=t.optimizer, total_seq_len=t.total_seq_len, ttt_steps=t.ttt_steps,
-        ttt_step_loss_decay=t.ttt_step_loss_decay,
-        train_ratio=1 - t.val_ratio, keep_last=t.keep_last, dtype=t.dtype, num_workers=t.num_workers, seed=cfg.seed,
-        norm_before_residual=t.norm_before_residual, norm_before_fc=t.norm_before_fc, fc_norm=t.fc_norm, norm_output=t.norm_output,
+    train_run = TrainRun(
+        data_dir=cfg.stage_dir("02_extract_hidden") / "data", d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
+        verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
+        storage_dtype=cfg.hidden_states.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
     )
-    paths = dict(data_dir=hidden_dir, d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
-                 verifier_dir=verifier.path, out_dir=stage.dir)
-    # fp8 files carry per-token scales that only speculators' fp8 backend applies.
-    train_args["hidden_states_backend"] = "fp8" if cfg.hidden_states.storage_dtype == "fp8" else "file"
     if t.num_gpus == 0:
-        summary = training.train_drafter(**paths, **train_args, device="cpu", threads=t.threads)
+        summary = runner.train_drafter(t, train_run)
     else:
-        command = training.torchrun_command(t.num_gpus, **paths, **train_args)
+        command = launch.torchrun_command(t, train_run)
         print("running:", " ".join(command))
-        result = subprocess.run(command, cwd=REPO_ROOT)  # torchrun runs `-m eagle_pipeline.training`
+        result = subprocess.run(command, cwd=REPO_ROOT)  # each rank imports eagle_pipeline from the repository
         if result.returncode != 0:
-            raise RuntimeError(f"torchrun exited with {result.returncode}")
-        summary = training.finalize_training(stage.dir)
+            raise RuntimeError(f"torch.distributed.run exited with {result.returncode}")
+        summary = runner.finalize_training(t, train_run)
 
     final_val = summary.get("final_val") or {}
     counts = {

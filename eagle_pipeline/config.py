@@ -82,10 +82,12 @@ class DraftShape(Section):
     """An explicit drafter layer shape (Llama decoder layer); None fields come from the verifier."""
 
     hidden_size: Optional[int] = None
+    num_hidden_layers: Optional[int] = Field(None, ge=1)
     num_attention_heads: Optional[int] = None
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     intermediate_size: Optional[int] = None
+    hidden_act: Optional[str] = None
     rope_theta: Optional[float] = None
     rms_norm_eps: Optional[float] = None
     max_position_embeddings: Optional[int] = None
@@ -100,12 +102,13 @@ class TrainConfig(Section):
     ttt_steps: int = Field(3, ge=1)
     # Loss weight of draft position k is decay**k; below 1 it spends the drafter's capacity on the early
     # positions, which decide most of the acceptance length.
-    ttt_step_loss_decay: float = Field(1.0, gt=0, le=1)
+    ttt_step_loss_decay: float = 1.0
     val_ratio: float = Field(0.05, gt=0, lt=1)
     keep_last: int = Field(2, ge=1)
     num_workers: int = Field(2, ge=0)
     threads: Optional[int] = Field(None, ge=1, description="torch threads for CPU training; None uses every core")
-    num_gpus: int = Field(0, ge=0, description="0 trains on the CPU; >1 launches torchrun with FSDP")
+    num_gpus: int = Field(0, ge=0, description="0 trains on the CPU; 1 or more launches torch.distributed.run")
+    fsdp_shard: bool = Field(False, description="multi-GPU: shard the drafter with FSDP instead of replicating it")
     draft_shape: Optional[DraftShape] = Field(None, description="explicit drafter shape; None derives it from the verifier")
     # speculators' EAGLE-3 defaults; drafters trained with SpecForge (and SGLang) use all False.
     norm_before_residual: bool = True
@@ -113,6 +116,32 @@ class TrainConfig(Section):
     fc_norm: bool = False
     norm_output: bool = True
     init_from: Optional[str] = Field(None, description="drafter directory to fine-tune from")
+
+    @field_validator("ttt_step_loss_decay")
+    @classmethod
+    def _decay_in_range(cls, decay):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"must be in (0, 1], got {decay}")
+        return decay
+
+    @field_validator("fsdp_shard")
+    @classmethod
+    def _shard_needs_gpus(cls, shard, info):
+        if shard and info.data.get("num_gpus") == 0:
+            raise ValueError("needs GPUs to shard the drafter across; set train.num_gpus, or fsdp_shard false")
+        return shard
+
+    @field_validator("fc_norm")
+    @classmethod
+    def _one_fc_norm(cls, fc_norm, info):
+        if fc_norm and info.data.get("norm_before_fc"):
+            raise ValueError("speculators allows only one of norm_before_fc and fc_norm; set one false")
+        return fc_norm
+
+    @property
+    def train_ratio(self) -> float:
+        """The share of samples trained on; the rest (val_ratio) is validated on."""
+        return 1 - self.val_ratio
 
 
 class ConvertConfig(Section):
@@ -233,9 +262,10 @@ def apply_override(data: dict, assignment: str) -> None:
     node[keys[-1]] = value
 
 
-def _explain(error: ValidationError, source: str) -> str:
+def _explain(error: ValidationError, source: str, section: str | None = None) -> str:
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    loc = (section, *first["loc"]) if section else first["loc"]
+    where = ".".join(str(p) for p in loc) or "(top level)"
     kind = first["type"]
     if kind == "extra_forbidden":
         parent, _, key = where.rpartition(".")
@@ -243,6 +273,8 @@ def _explain(error: ValidationError, source: str) -> str:
         return f"{source}: unknown key {key!r} in {place}; check its spelling against configs/tiny.yaml"
     if kind == "missing":
         return f"{source}: {where} is required; set it in the config or with --set {where}=..."
+    if kind == "value_error":  # the schema's own validators word the whole message
+        return f"{source}: {where}: {first['ctx']['error']}"
     return f"{source}: {where}: {first['msg']} (got {first.get('input')!r})"
 
 
@@ -255,6 +287,15 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise BadInput(_explain(e, str(path))) from None
+
+
+def load_section(name: str, values: dict[str, Any], source: str) -> Section:
+    """One section of a run config (e.g. "train") validated on its own, with load_config's error lines."""
+    section = RunConfig.model_fields[name].annotation
+    try:
+        return section.model_validate(values)
+    except ValidationError as e:
+        raise BadInput(_explain(e, source, section=name)) from None
 
 
 def dump_config(cfg: RunConfig) -> str:

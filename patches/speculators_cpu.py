@@ -63,7 +63,7 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     "speculators.train.trainer:Trainer.run_training": "83e395bd403ee08f5d008fe6fa0695f21db4ba7cba7dc26d5d3fde312c74235c",
     # Wrapped: fp32 master weights for --from-pretrained.
     "speculators.train.cli:build_draft_model": "53a1b6fb54a8bb16ecc19850055716610a5d3e7463e174e53f74aa7f326977e3",
-    # Not patched: eagle_pipeline/training.py relies on the checkpoint layout these write and read
+    # Not patched: eagle_pipeline/train/ relies on the checkpoint layout these write and read
     # (<epoch>/ with model, optimizer, scheduler, then training_state.json last; resume from the highest
     # numbered folder) and on the metric records and logger set-up these emit.
     "speculators.train.trainer:Trainer.maybe_save_checkpoint": "a47374ee736fb108fe596b1b3474140276790abc77536fac263476cd4f11efce",

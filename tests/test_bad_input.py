@@ -195,3 +195,25 @@ def test_config_that_extends_a_missing_file(tmp_path):
     path.write_text("extends: base-missing.yaml\nrun_name: x\n")
     result = run_stage("01_generate_data.py", path, "--dry-run")
     assert result.returncode == 2 and "base-missing.yaml: config file not found" in result.stderr
+
+
+def test_changed_train_setting_is_refused_naming_it(tmp_path):
+    root = tmp_path / "data"
+    run_dir = root / "r"
+    config = write_config(tmp_path / "run.yaml", data_root=str(root), run_name="r")
+    fake_hidden_states(run_dir)
+    fake_vocab(run_dir)
+    # The first run records its inputs in the stage manifest, then stops at the fake vocab map.
+    first = run_stage("04_train.py", config)
+    assert first.returncode == 2 and "marks 0 tokens" in first.stderr, first.stderr[-2000:]
+    before = snapshot(root)
+
+    result = run_stage("04_train.py", config, "--set", "train.lr=0.002")
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert last.startswith("error: ") and "input 'train.lr' changed" in last and "--force" in last, last
+    assert snapshot(root) == before
+
+    # A resumable setting is not an input: the rerun gets past the manifest to the same vocab map check.
+    resumed = run_stage("04_train.py", config, "--set", "train.epochs=9")
+    assert resumed.returncode == 2 and "marks 0 tokens" in resumed.stderr.strip().splitlines()[-1], resumed.stderr[-2000:]

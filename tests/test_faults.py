@@ -318,7 +318,7 @@ def test_stage_03_killed_twice_gives_the_reference_vocabulary_bytes(small_run, r
 
 def test_stage_04_killed_while_saving_and_while_training_resumes_to_the_reference_steps(finished_small_run, run,
                                                                                       tmp_path):
-    from eagle_pipeline import training
+    from eagle_pipeline.train import checkpoints as train_checkpoints, metrics
 
     _, reference = finished_small_run
     config, run_dir = run
@@ -330,28 +330,28 @@ def test_stage_04_killed_while_saving_and_while_training_resumes_to_the_referenc
     # While speculators writes or validates the first checkpoint: a torn folder the rerun must delete.
     kill_at("04_train.py", config, *LATER, stage_dir=stage, when=lambda: (checkpoints / "0").is_dir(),
             delay=rng.uniform(0.0, 0.3), log_path=tmp_path / "kill-1.log")
-    assert training.complete_checkpoints(checkpoints) == {}
+    assert train_checkpoints.complete_checkpoints(checkpoints) == {}
     # In the second epoch, once the first checkpoint is complete: the rerun resumes from it.
     output = kill_at("04_train.py", config, *LATER, stage_dir=stage,
-                     when=lambda: (checkpoints / "0" / training.COMPLETE_MARKER).exists(),
+                     when=lambda: (checkpoints / "0" / train_checkpoints.COMPLETE_MARKER).exists(),
                      delay=rng.uniform(0.0, 0.5), log_path=tmp_path / "kill-2.log")
     assert "Removed incomplete checkpoint 0" in output
-    assert list(training.complete_checkpoints(checkpoints)) == [0]
+    assert list(train_checkpoints.complete_checkpoints(checkpoints)) == [0]
 
     ok(run_stage("04_train.py", config, *LATER, timeout=1800))
     manifest = assert_complete_and_whole(stage)
     want = reference / "04_train"
     expected = read_manifest(want)
     assert manifest["counts"]["epochs_completed"] == expected["counts"]["epochs_completed"] == 2
-    complete = training.complete_checkpoints(checkpoints)
+    complete = train_checkpoints.complete_checkpoints(checkpoints)
     assert {e: s["global_step"] for e, s in complete.items()} == {
-        e: s["global_step"] for e, s in training.complete_checkpoints(want / "checkpoints").items()}
+        e: s["global_step"] for e, s in train_checkpoints.complete_checkpoints(want / "checkpoints").items()}
     assert json.loads((stage / "best.json").read_text())["checkpoint"] in {f"checkpoints/{e}" for e in complete}
     for epoch in complete:
-        validation = json.loads((checkpoints / str(epoch) / training.COMPLETE_MARKER).read_text())
+        validation = json.loads((checkpoints / str(epoch) / train_checkpoints.COMPLETE_MARKER).read_text())
         assert np.isfinite(validation["loss"])
-    rows = training.read_metrics(stage / "metrics.csv")
-    want_rows = training.read_metrics(want / "metrics.csv")
+    rows = metrics.read_metrics(stage / "metrics.csv")
+    want_rows = metrics.read_metrics(want / "metrics.csv")
     # Every step logged exactly once: rows the killed runs logged past their checkpoint were dropped.
     assert [r["step"] for r in rows if r["split"] == "train"] == [r["step"] for r in want_rows if r["split"] == "train"]
     assert [r["epoch"] for r in rows if r["split"] == "val"] == [0, 1]
@@ -362,7 +362,7 @@ def test_stage_04_killed_while_saving_and_while_training_resumes_to_the_referenc
     # from a checkpoint is close to the uninterrupted one, not identical; resumed from the wrong checkpoint
     # (or from scratch) its validation loss would be far off.
     last = max(complete)
-    want_loss = training.complete_checkpoints(want / "checkpoints")[last]["val_loss"]
+    want_loss = train_checkpoints.complete_checkpoints(want / "checkpoints")[last]["val_loss"]
     assert complete[last]["val_loss"] == pytest.approx(want_loss, rel=0.02)
 
 

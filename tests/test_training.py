@@ -1,4 +1,4 @@
-"""eagle_pipeline.training: speculators' own trainer on tiny synthetic verifiers, on the CPU.
+"""eagle_pipeline.train: speculators' own trainer on tiny synthetic verifiers, on the CPU.
 
 The verifiers are small random models saved as HF folders without a tokenizer; their hidden states are
 captured with HF transformers in speculators' offline format (stage 02's output format).
@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_pipeline import training
+from eagle_pipeline.config import load_section
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.train import checkpoints, launch, runner
+from eagle_pipeline.train.settings import TrainRun
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512
@@ -41,10 +43,20 @@ class Case:
         paths = dict(data_dir=self.data, d2t_path=self.d2t, t2d_path=self.t2d, verifier_dir=self.verifier, out_dir=out)
         return {**paths, **overrides}
 
+    def run(self, out: Path, **overrides) -> TrainRun:
+        """Where a run on this case reads and writes, on the CPU."""
+        return TrainRun(**{**RUN, **self.paths(out), **overrides})
+
 
 # Small and fast: ~8 packed 256-token steps per epoch. One thread: the models are too small to gain from
 # two, and on a busy machine a second thread mostly waits.
-FAST = dict(layer_ids=LAYER_IDS, total_seq_len=256, lr=1e-3, num_workers=0, keep_last=1, train_ratio=0.9, threads=1)
+FAST = dict(total_seq_len=256, lr=1e-3, num_workers=0, keep_last=1, val_ratio=0.1, threads=1, dtype="float32")
+RUN = dict(layer_ids=LAYER_IDS, seed=0, storage_dtype="bfloat16", device="cpu")
+
+
+def settings(**values):
+    """FAST train settings with `values` on top, validated as the run config's train section is."""
+    return load_section("train", {**FAST, **values}, source="test settings")
 
 
 def write_training_data(model, final_norm, data_dir: Path, lengths: list[int], seed: int) -> None:
@@ -105,7 +117,7 @@ def llama_case(tmp_path_factory) -> Case:
 @pytest.fixture(scope="module")
 def trained(llama_case, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("trained") / "04_train"
-    summary = training.train_drafter(**llama_case.paths(out), epochs=3, **FAST)
+    summary = runner.train_drafter(settings(epochs=3), llama_case.run(out))
     return {"out": out, "summary": summary}
 
 
@@ -135,7 +147,7 @@ def test_training_writes_checkpoints_metrics_plot_and_best(trained):
     best_epoch = min(val_loss, key=val_loss.get)
     best = json.loads((out / "best.json").read_text())
     assert best["epoch"] == best_epoch and best["val_loss"] == pytest.approx(val_loss[best_epoch])
-    assert sorted(training.complete_checkpoints(out / "checkpoints")) == sorted({2, best_epoch})
+    assert sorted(checkpoints.complete_checkpoints(out / "checkpoints")) == sorted({2, best_epoch})
     assert (out / best["checkpoint"] / "model.safetensors").is_file()
     assert summary["last"] == {"epoch": 2, "step": steps[-1], "checkpoint": "checkpoints/2"}
     assert summary["best"] == best and summary["epochs_completed"] == 3
@@ -159,31 +171,29 @@ def test_training_writes_checkpoints_metrics_plot_and_best(trained):
 def test_rerun_of_a_finished_run_trains_nothing(trained, llama_case):
     out = trained["out"]
     before = (out / "metrics.csv").read_text()
-    summary = training.train_drafter(**llama_case.paths(out), epochs=3, **FAST)
+    summary = runner.train_drafter(settings(epochs=3), llama_case.run(out))
     assert (out / "metrics.csv").read_text() == before
     assert summary["last"] == trained["summary"]["last"]
 
 
-def test_resuming_with_other_settings_is_refused(trained, llama_case):
-    with pytest.raises(BadInput, match=r"other settings \(lr changed\)"):
-        training.train_drafter(**llama_case.paths(trained["out"]), epochs=3, **{**FAST, "lr": 2e-3})
-
-
 RUN_IN_SUBPROCESS = """
 import json, sys
-from eagle_pipeline.training import train_drafter
-train_drafter(**json.loads(sys.argv[1]))
+from eagle_pipeline.config import TrainConfig
+from eagle_pipeline.train.runner import train_drafter
+from eagle_pipeline.train.settings import TrainRun
+arguments = json.loads(sys.argv[1])
+train_drafter(TrainConfig(**arguments["train"]), TrainRun(**arguments["run"]))
 """
 
 
 def test_killed_run_resumes_from_the_last_complete_checkpoint(llama_case, trained, tmp_path):
     out = tmp_path / "04_train"
-    arguments = {**{k: str(v) for k, v in llama_case.paths(out).items()}, "epochs": 3, **FAST}
+    arguments = {"train": settings(epochs=3).model_dump(mode="json"), "run": llama_case.run(out).to_json()}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     log = open(tmp_path / "killed_run.log", "w")
     process = subprocess.Popen([sys.executable, "-c", RUN_IN_SUBPROCESS, json.dumps(arguments)],
                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    first_checkpoint = out / "checkpoints" / "0" / training.COMPLETE_MARKER
+    first_checkpoint = out / "checkpoints" / "0" / checkpoints.COMPLETE_MARKER
     deadline = time.monotonic() + 240
     try:
         while not first_checkpoint.exists():
@@ -195,7 +205,7 @@ def test_killed_run_resumes_from_the_last_complete_checkpoint(llama_case, traine
         process.wait()
         log.close()
 
-    complete = training.complete_checkpoints(out / "checkpoints")
+    complete = checkpoints.complete_checkpoints(out / "checkpoints")
     assert 0 in complete and max(complete) < 2, "the kill should land before the run finished"
     resume_from = complete[max(complete)]
     # A kill while speculators writes the next checkpoint leaves a folder like this one; speculators
@@ -205,7 +215,7 @@ def test_killed_run_resumes_from_the_last_complete_checkpoint(llama_case, traine
     (torn / "config.json").write_text("{}")
     (torn / "model.safetensors").write_bytes(b"\0" * 64)
 
-    summary = training.train_drafter(**llama_case.paths(out), epochs=3, **FAST)
+    summary = runner.train_drafter(settings(epochs=3), llama_case.run(out))
 
     assert summary["this_run"]["resumed_from"] == {"epoch": resume_from["epoch"], "step": resume_from["global_step"]}
     total_steps = trained["summary"]["last"]["step"]  # the same run, never interrupted
@@ -219,9 +229,9 @@ def test_killed_run_resumes_from_the_last_complete_checkpoint(llama_case, traine
 
 def test_max_steps_stops_training_across_epochs(llama_case, tmp_path):
     out = tmp_path / "04_train"
-    summary = training.train_drafter(**llama_case.paths(out), epochs=3, max_steps=3, **FAST)
+    summary = runner.train_drafter(settings(epochs=3), llama_case.run(out, max_steps=3))
     # speculators alone would go on to train one step in each remaining epoch.
-    complete = training.complete_checkpoints(out / "checkpoints")
+    complete = checkpoints.complete_checkpoints(out / "checkpoints")
     assert list(complete) == [0] and complete[0]["global_step"] == 3
     assert summary["this_run"]["steps"] == 3
 
@@ -229,7 +239,7 @@ def test_max_steps_stops_training_across_epochs(llama_case, tmp_path):
 def test_init_from_fine_tunes_a_trained_drafter(trained, llama_case, tmp_path):
     best = trained["out"] / trained["summary"]["best"]["checkpoint"]
     out = tmp_path / "04_train"
-    training.train_drafter(**llama_case.paths(out), init_from=best, epochs=1, max_steps=2, **FAST)
+    runner.train_drafter(settings(init_from=str(best), epochs=1), llama_case.run(out, max_steps=2))
     first_loss_fresh = float(read_rows(trained["out"])[0]["loss"])
     first_loss_tuned = float(read_rows(out)[0]["loss"])
     assert first_loss_tuned < 0.9 * first_loss_fresh
@@ -241,48 +251,53 @@ def test_init_from_with_another_vocab_map_is_refused(trained, llama_case, tmp_pa
     other_ids[5] += 1
     d2t, t2d = write_vocab_map(tmp_path, other_ids, name="_other")
     with pytest.raises(BadInput, match=r"maps 1 of 128 draft ids to other target tokens"):
-        training.train_drafter(**llama_case.paths(tmp_path / "a", d2t_path=d2t, t2d_path=t2d), init_from=best,
-                               epochs=1, **FAST)
+        runner.train_drafter(settings(init_from=str(best), epochs=1),
+                             llama_case.run(tmp_path / "a", d2t_path=d2t, t2d_path=t2d))
 
     d2t, t2d = write_vocab_map(tmp_path, np.arange(0, VOCAB, 8), name="_small")
     with pytest.raises(BadInput, match=r"draft vocabulary has 128 tokens, this run's .* has 64"):
-        training.train_drafter(**llama_case.paths(tmp_path / "b", d2t_path=d2t, t2d_path=t2d), init_from=best,
-                               epochs=1, **FAST)
+        runner.train_drafter(settings(init_from=str(best), epochs=1),
+                             llama_case.run(tmp_path / "b", d2t_path=d2t, t2d_path=t2d))
 
     other_shape = {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "intermediate_size": 96}
     with pytest.raises(BadInput, match=r"another drafter shape .*intermediate_size 128 vs 96"):
-        training.train_drafter(**llama_case.paths(tmp_path / "c"), init_from=best, draft_shape=other_shape,
-                               epochs=1, **FAST)
+        runner.train_drafter(settings(init_from=str(best), draft_shape=other_shape, epochs=1),
+                             llama_case.run(tmp_path / "c"))
 
 
 def test_bad_training_inputs_are_named(llama_case, tmp_path):
     from datasets import load_from_disk
 
     with pytest.raises(BadInput, match=r"hidden_states has shape \[\d+, 4, 64\], expected \[seq, 3, 64\]"):
-        training.train_drafter(**llama_case.paths(tmp_path / "a"), **{**FAST, "layer_ids": [1, 3]})
+        runner.train_drafter(settings(), llama_case.run(tmp_path / "a", layer_ids=[1, 3]))
 
     plain = load_from_disk(str(llama_case.data)).with_format(None)
     plain.save_to_disk(str(tmp_path / "plain"))
     shutil.copytree(llama_case.data / "hidden_states", tmp_path / "plain" / "hidden_states")
     with pytest.raises(BadInput, match=r"torch format"):
-        training.train_drafter(**llama_case.paths(tmp_path / "b", data_dir=tmp_path / "plain"), **FAST)
+        runner.train_drafter(settings(), llama_case.run(tmp_path / "b", data_dir=tmp_path / "plain"))
 
     with pytest.raises(BadInput, match=r"train.draft_shape: missing keys \['head_dim'\]"):
-        training.train_drafter(**llama_case.paths(tmp_path / "c"), **FAST,
-                               draft_shape={"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 8})
+        runner.train_drafter(settings(draft_shape={"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 8}),
+                             llama_case.run(tmp_path / "c"))
 
 
-def test_torchrun_command_runs_this_module_on_a_prepared_spec(llama_case, tmp_path):
+def test_torchrun_command_runs_the_launch_module_on_every_rank(llama_case, tmp_path):
     out = tmp_path / "04_train"
-    command = training.torchrun_command(8, **llama_case.paths(out), epochs=2, **FAST)
-    assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=8"]
-    assert command[3:] == ["-m", "eagle_pipeline.training", "--spec", str(out / "train_spec.json")]
-    spec = json.loads((out / "train_spec.json").read_text())
-    assert spec["device"] == "cuda" and spec["epochs"] == 2 and spec["inputs"]["d2t"]
+    command = launch.torchrun_command(settings(epochs=2, num_gpus=8), llama_case.run(out, device="cuda"))
+    assert command[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
+    assert command[5:] == ["-m", "eagle_pipeline.train.launch", str(out / "launch.json")]
+    train, run = launch.read_launch_file(out / "launch.json")
+    assert run.device == "cuda" and train.epochs == 2 and run.d2t_path == llama_case.d2t.resolve()
     assert json.loads((out / "draft_config.json").read_text())["layer_types"] == ["full_attention"]
-    argv = training.speculators_argv(training.TrainSpec(**spec))
+    argv = runner.speculators_argv(train, run)
     assert argv[argv.index("--draft-attn-impl") + 1] == "simple_flex_attention"
     assert argv[argv.index("--loss-implementation") + 1] == "fused"
+    assert "--fsdp-shard" not in argv
+    assert "--fsdp-shard" in runner.speculators_argv(settings(num_gpus=8, fsdp_shard=True), run)
+
+    with pytest.raises(BadInput, match=r"train.fsdp_shard: needs GPUs"):
+        settings(fsdp_shard=True)
 
 
 def make_kimi_k25_verifier(folder: Path):
@@ -334,9 +349,10 @@ def test_kimi_k25_nested_verifier_trains_a_head_dim_128_drafter(tmp_path):
     shape = {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 96,
              "rope_theta": 1e6, "num_hidden_layers": 1}
     out = tmp_path / "04_train"
-    summary = training.train_drafter(
-        data_dir=tmp_path / "data", d2t_path=d2t, t2d_path=t2d, verifier_dir=tmp_path / "kimi", out_dir=out,
-        draft_shape=shape, epochs=1, **{**FAST, "total_seq_len": 128, "train_ratio": 0.75},
+    summary = runner.train_drafter(
+        settings(draft_shape=shape, epochs=1, total_seq_len=128, val_ratio=0.25),
+        TrainRun(data_dir=tmp_path / "data", d2t_path=d2t, t2d_path=t2d, verifier_dir=tmp_path / "kimi", out_dir=out,
+                 **RUN),
     )
 
     train_rows = [r for r in read_rows(out) if r["split"] == "train"]
@@ -355,10 +371,10 @@ def test_kimi_k25_nested_verifier_trains_a_head_dim_128_drafter(tmp_path):
 def test_loss_decay_reaches_speculators_config(llama_case, tmp_path):
     from speculators.train.config import TrainConfig
 
-    spec = training.make_spec(**llama_case.paths(tmp_path / "04_train"), **{**FAST, "ttt_step_loss_decay": 0.8})
-    training.prepare(spec)
-    resolved = TrainConfig.resolve(training.speculators_argv(spec))
+    train, run = settings(ttt_step_loss_decay=0.8), llama_case.run(tmp_path / "04_train")
+    runner.prepare(train, run)
+    resolved = TrainConfig.resolve(runner.speculators_argv(train, run))
     assert resolved.model_dump_json().count('"ttt_step_loss_decay":0.8') == 1
 
     with pytest.raises(BadInput, match=r"train.ttt_step_loss_decay: must be in \(0, 1\], got 1.5"):
-        training.train_drafter(**llama_case.paths(tmp_path / "b"), **{**FAST, "ttt_step_loss_decay": 1.5})
+        runner.train_drafter(settings(ttt_step_loss_decay=1.5), llama_case.run(tmp_path / "b"))

@@ -1,0 +1,137 @@
+"""The checkpoint folder: which epoch checkpoints are complete, removing torn ones, pruning, best.json.
+
+speculators saves a checkpoint at the end of each epoch (`training_state.json` is its last file) and
+then validates it; the metrics recorder writes that validation as `validation.json` into the folder. A
+checkpoint is complete once both exist. A rerun after a kill deletes incomplete (torn) folders first, so
+speculators resumes from the newest complete one, optimizer, scheduler and step included, and no epoch
+goes unvalidated. After each validation only the newest `keep_last` complete checkpoints and the best
+one (lowest validation loss) are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from eagle_pipeline import atomic
+from eagle_pipeline.train.settings import CHECKPOINTS
+
+BEST_FILE = "best.json"
+# speculators writes this last into a checkpoint folder (Trainer._save_training_state).
+TRAINING_STATE = "training_state.json"
+# Written here once speculators has validated the checkpoint: the checkpoint is complete.
+COMPLETE_MARKER = "validation.json"
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "scheduler_state_dict.pt")
+
+
+def _epoch_dirs(checkpoint_dir: Path) -> list[Path]:
+    if not checkpoint_dir.is_dir():
+        return []
+    return sorted(
+        (p for p in checkpoint_dir.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()),
+        key=lambda p: int(p.name),
+    )
+
+
+def read_training_state(epoch_dir: Path) -> dict[str, Any] | None:
+    """speculators' training_state.json plus the validation loss if the checkpoint is complete, else None."""
+    files = (*CHECKPOINT_FILES, TRAINING_STATE, COMPLETE_MARKER)
+    if not all((epoch_dir / name).is_file() for name in files):
+        return None
+    try:
+        state = json.loads((epoch_dir / TRAINING_STATE).read_text())
+        validation = json.loads((epoch_dir / COMPLETE_MARKER).read_text())
+    except (json.JSONDecodeError, OSError):
+        return None
+    if state.get("epoch") != int(epoch_dir.name) or "global_step" not in state or "loss" not in validation:
+        return None
+    return {**state, "val_loss": validation["loss"]}
+
+
+def complete_checkpoints(checkpoint_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """epoch -> training state of every complete checkpoint."""
+    found = {}
+    for epoch_dir in _epoch_dirs(Path(checkpoint_dir)):
+        state = read_training_state(epoch_dir)
+        if state is not None:
+            found[int(epoch_dir.name)] = state
+    return found
+
+
+def newest_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
+    complete = complete_checkpoints(checkpoint_dir)
+    return complete[max(complete)] if complete else None
+
+
+def mark_complete(checkpoint_dir: Path, epoch: int, validation: dict[str, Any]) -> None:
+    atomic.write_json(checkpoint_dir / str(epoch) / COMPLETE_MARKER, validation)
+
+
+def _delete_dir(path: Path) -> None:
+    # Rename first, so a kill during the delete leaves a .tmp- name that the next run sweeps.
+    trash = path.with_name(f"{atomic.TMP_PREFIX}deleted-{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_dangling_links(checkpoint_dir: Path) -> None:
+    for link in checkpoint_dir.iterdir():
+        if link.is_symlink() and not link.exists():
+            link.unlink()
+
+
+def remove_torn_checkpoints(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """Delete checkpoint folders that a kill left incomplete; speculators would resume from them."""
+    checkpoint_dir = Path(checkpoint_dir)
+    removed = []
+    for epoch_dir in _epoch_dirs(checkpoint_dir):
+        if read_training_state(epoch_dir) is None:
+            _delete_dir(epoch_dir)
+            removed.append(epoch_dir.name)
+    if checkpoint_dir.is_dir():
+        _remove_dangling_links(checkpoint_dir)
+    return removed
+
+
+def best_checkpoint(out_dir: Path) -> dict[str, Any] | None:
+    """The complete checkpoint with the lowest validation loss (earliest on ties)."""
+    best = None
+    for epoch, state in sorted(complete_checkpoints(out_dir / CHECKPOINTS).items()):
+        if best is None or state["val_loss"] < best["val_loss"]:
+            best = {
+                "epoch": epoch,
+                "step": state["global_step"],
+                "val_loss": state["val_loss"],
+                "checkpoint": f"{CHECKPOINTS}/{epoch}",
+            }
+    return best
+
+
+def keep_checkpoints(out_dir: Path, keep_last: int) -> None:
+    """Write best.json, then delete complete checkpoints other than the newest keep_last and the best."""
+    best = best_checkpoint(out_dir)
+    if best is not None:
+        atomic.write_json(out_dir / BEST_FILE, best)
+    complete = sorted(complete_checkpoints(out_dir / CHECKPOINTS))
+    keep = set(complete[-keep_last:])
+    if best is not None:
+        keep.add(best["epoch"])
+    for epoch in complete:
+        if epoch not in keep:
+            _delete_dir(out_dir / CHECKPOINTS / str(epoch))
+    if (out_dir / CHECKPOINTS).is_dir():
+        _remove_dangling_links(out_dir / CHECKPOINTS)
+
+
+def training_finished(checkpoint_dir: Path, epochs: int, max_steps: int | None) -> bool:
+    """True when the newest complete checkpoint ends the last epoch or reaches max_steps."""
+    newest = newest_checkpoint(checkpoint_dir)
+    if newest is None:
+        return False
+    if max_steps is not None and newest["global_step"] >= max_steps:
+        return True
+    return newest["epoch"] >= epochs - 1 and newest.get("local_step", 0) == 0

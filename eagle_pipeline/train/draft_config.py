@@ -1,0 +1,170 @@
+"""The drafter's decoder: derived from the verifier or built from an explicit `train.draft_shape`, and
+the check that a drafter to fine-tune from (`train.init_from`) has exactly this run's shape."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from eagle_pipeline.config import TrainConfig, resolve_path
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.train.settings import TrainRun
+
+DRAFT_CONFIG_FILE = "draft_config.json"
+# draft_shape keys without a default: the verifier's attention and MLP need not suit a one-layer drafter.
+REQUIRED_SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+# The decoder fields that must agree between this run and a drafter it fine-tunes.
+COMPARED_SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "hidden_act",
+    "rope_theta",
+    "layer_types",
+)
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: Any) -> dict[str, Any]:
+    """The draft decoder as a LlamaConfig dict: explicit from train.draft_shape, or derived from the verifier."""
+    from transformers import LlamaConfig
+
+    # A draft_shape with every field left out is no explicit shape.
+    shape = train.draft_shape.model_dump(exclude_none=True) if train.draft_shape else {}
+    if not shape:
+        from speculators.train.cli import create_transformer_layer_config
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = create_transformer_layer_config(
+                verifier_name_or_path=str(run.verifier_dir),
+                num_layers=1,
+                draft_arch="llama",
+                hidden_act="silu",
+                sliding_window=2048,
+                # vLLM serves EAGLE-3 drafters with full attention: train them that way.
+                full_attention_indices=[0],
+            )
+        return config.to_dict()
+
+    missing = set(REQUIRED_SHAPE_KEYS) - set(shape)
+    if missing:
+        raise BadInput(f"train.draft_shape: missing keys {sorted(missing)}")
+    verifier_hidden = int(verifier_text_config.hidden_size)
+    hidden = int(shape.get("hidden_size", verifier_hidden))
+    if hidden != verifier_hidden:
+        raise BadInput(
+            f"train.draft_shape.hidden_size: {hidden} differs from the verifier's hidden size "
+            f"{verifier_hidden}; an EAGLE-3 drafter must match it"
+        )
+    heads, kv_heads = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
+    if heads % kv_heads:
+        raise BadInput(
+            f"train.draft_shape: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    layers = int(shape.get("num_hidden_layers", 1))
+    rope_theta = float(shape.get("rope_theta", _rope_theta(verifier_text_config)))
+    config = LlamaConfig(
+        vocab_size=int(verifier_text_config.vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(shape["intermediate_size"]),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(shape["head_dim"]),
+        hidden_act=str(shape.get("hidden_act", "silu")),
+        max_position_embeddings=int(
+            shape.get("max_position_embeddings", verifier_text_config.max_position_embeddings)
+        ),
+        rms_norm_eps=float(shape.get("rms_norm_eps", getattr(verifier_text_config, "rms_norm_eps", 1e-6))),
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        layer_types=["full_attention"] * layers,
+    )
+    return config.to_dict()
+
+
+def _rope_theta(text_config: Any) -> float:
+    params = getattr(text_config, "rope_parameters", None) or {}
+    if isinstance(params, Mapping) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(text_config, "rope_theta", 10000.0))
+
+
+def _shape_of(layer_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The compared decoder fields, read through transformers so that omitted defaults are filled in."""
+    from transformers import AutoConfig
+
+    config = type(AutoConfig.for_model(layer_config.get("model_type", "llama"))).from_dict(dict(layer_config))
+    shape = {key: getattr(config, key, None) for key in COMPARED_SHAPE_KEYS if key != "rope_theta"}
+    if shape["head_dim"] is None:
+        shape["head_dim"] = config.hidden_size // config.num_attention_heads
+    if shape["layer_types"] is not None:
+        shape["layer_types"] = list(shape["layer_types"])
+    shape["rope_theta"] = _rope_theta(config)
+    return shape
+
+
+def check_init_from(train: TrainConfig, run: TrainRun, draft_config: Mapping[str, Any]) -> None:
+    """Raise BadInput unless the drafter in train.init_from fits this run exactly."""
+    from safetensors import safe_open
+
+    source = resolve_path(train.init_from)
+    config_path, weights_path = source / "config.json", source / "model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise BadInput(f"train.init_from: {source} needs config.json and model.safetensors (a speculators drafter)")
+    config = json.loads(config_path.read_text())
+    if config.get("speculators_model_type") != "eagle3":
+        raise BadInput(
+            f"train.init_from: {config_path} is not a speculators EAGLE-3 config "
+            f"(speculators_model_type={config.get('speculators_model_type')!r}); convert it with "
+            f"`speculators convert` first"
+        )
+
+    differences = []
+    theirs, ours = _shape_of(config.get("transformer_layer_config", {})), _shape_of(draft_config)
+    for key in COMPARED_SHAPE_KEYS:
+        if theirs.get(key) != ours.get(key):
+            differences.append(f"{key} {theirs.get(key)} vs {ours.get(key)}")
+    their_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if their_ids is not None and list(their_ids) != list(run.layer_ids):
+        differences.append(f"layer_ids {their_ids} vs {run.layer_ids}")
+    for flag in NORM_FLAGS:
+        if bool(config.get(flag, False)) != bool(getattr(train, flag)):
+            differences.append(f"{flag} {bool(config.get(flag, False))} vs {bool(getattr(train, flag))}")
+    if differences:
+        raise BadInput(
+            f"train.init_from: {source} has another drafter shape than this run (theirs vs ours): "
+            f"{'; '.join(differences)}"
+        )
+
+    d2t, t2d = np.load(run.d2t_path), np.load(run.t2d_path)
+    with safe_open(str(weights_path), framework="pt") as f:
+        keys = set(f.keys())
+        their_d2t = f.get_tensor("d2t").numpy() if "d2t" in keys else None
+        their_t2d = f.get_tensor("t2d").numpy() if "t2d" in keys else None
+    if their_d2t is None or their_t2d is None:
+        raise BadInput(
+            f"train.init_from: {weights_path} has no d2t/t2d (a full-vocabulary drafter) but this run uses a "
+            f"{d2t.shape[0]}-token draft vocabulary; use the drafter's own vocab map"
+        )
+    if their_d2t.shape != d2t.shape:
+        raise BadInput(
+            f"train.init_from: its draft vocabulary has {their_d2t.shape[0]} tokens, this run's "
+            f"{run.d2t_path} has {d2t.shape[0]}; train with the drafter's own d2t.npy/t2d.npy"
+        )
+    if not np.array_equal(their_t2d.astype(bool), t2d) or not np.array_equal(their_d2t.astype(np.int64), d2t):
+        differing = int((np.flatnonzero(their_t2d.astype(bool)) != np.flatnonzero(t2d)).sum())
+        raise BadInput(
+            f"train.init_from: its draft vocabulary maps {differing} of {d2t.shape[0]} draft ids to other "
+            f"target tokens than {run.d2t_path}; train with the drafter's own d2t.npy/t2d.npy"
+        )

@@ -1,0 +1,111 @@
+"""Checks, before anything is written, that a run's inputs fit together: the verifier, the layer ids,
+the vocabulary map and stage 02's training data. Each problem is a BadInput naming the file or field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle_pipeline.config import TrainConfig
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.train.settings import TrainRun
+
+
+def check_inputs(train: TrainConfig, run: TrainRun) -> Any:
+    """Raise BadInput for any input problem; return the verifier's text config."""
+    if run.max_steps is not None and run.max_steps < 1:
+        raise BadInput(f"max_steps: must be at least 1, got {run.max_steps}")
+
+    verifier = run.verifier_dir
+    if not (verifier / "config.json").is_file():
+        raise BadInput(f"verifier.path: {verifier} has no config.json; point it at a Hugging Face model folder")
+    text_config = verifier_text_config(verifier)
+    num_layers = int(text_config.num_hidden_layers)
+    if not run.layer_ids or len(set(run.layer_ids)) != len(run.layer_ids):
+        raise BadInput(f"hidden_states.layer_ids: need distinct layer ids, got {run.layer_ids}")
+    if min(run.layer_ids) < 0 or max(run.layer_ids) > num_layers:
+        raise BadInput(
+            f"hidden_states.layer_ids: {run.layer_ids} must lie in [0, {num_layers}] for this "
+            f"{num_layers}-layer verifier"
+        )
+
+    _, t2d = load_vocab_map(run.d2t_path, run.t2d_path)
+    if t2d.shape[0] != int(text_config.vocab_size):
+        raise BadInput(
+            f"{run.t2d_path}: has {t2d.shape[0]} entries but the verifier's vocabulary has "
+            f"{text_config.vocab_size}; rebuild the vocab map for this verifier"
+        )
+
+    _check_training_data(train, run, int(text_config.hidden_size))
+    return text_config
+
+
+def verifier_text_config(verifier: Path) -> Any:
+    from patches import speculators_cpu
+
+    speculators_cpu.apply()  # registers kimi_k2 configs
+    from speculators.models.utils import get_verifier_config
+
+    try:
+        return get_verifier_config(str(verifier))
+    except (OSError, ValueError, KeyError) as exc:
+        raise BadInput(f"verifier.path: cannot read {verifier / 'config.json'}: {exc}") from exc
+
+
+def load_vocab_map(d2t_path: Path, t2d_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    for path in (d2t_path, t2d_path):
+        if not Path(path).is_file():
+            raise BadInput(f"{path}: vocab map file is missing; run stage 03 (build_vocab_map) first")
+    d2t = np.load(d2t_path)
+    t2d = np.load(t2d_path)
+    if d2t.ndim != 1 or d2t.dtype != np.int64:
+        raise BadInput(f"{d2t_path}: expected a 1-D int64 array (offsets), got {d2t.dtype} {d2t.shape}")
+    if t2d.ndim != 1 or t2d.dtype != np.bool_:
+        raise BadInput(f"{t2d_path}: expected a 1-D bool array, got {t2d.dtype} {t2d.shape}")
+    if int(t2d.sum()) != d2t.shape[0]:
+        raise BadInput(
+            f"{t2d_path}: marks {int(t2d.sum())} tokens but {d2t_path} has {d2t.shape[0]}; "
+            f"the two files come from different vocab maps, rebuild them together"
+        )
+    if not np.array_equal(np.flatnonzero(t2d), np.arange(d2t.shape[0]) + d2t):
+        raise BadInput(f"{d2t_path}: draft ids do not map onto the tokens marked in {t2d_path}; rebuild both")
+    return d2t, t2d
+
+
+def _check_training_data(train: TrainConfig, run: TrainRun, hidden_size: int) -> None:
+    from datasets import load_from_disk
+    from safetensors import safe_open
+
+    data = run.data_dir
+    try:
+        dataset = load_from_disk(str(data))
+    except (FileNotFoundError, ValueError) as exc:
+        raise BadInput(f"{data}: not a datasets.save_to_disk folder ({exc}); run stage 02 first") from exc
+    missing = {"input_ids", "loss_mask", "seq_len"} - set(dataset.column_names)
+    if missing:
+        raise BadInput(f"{data}: the training data lacks columns {sorted(missing)}; rerun stage 02")
+    if dataset.format["type"] != "torch":
+        raise BadInput(
+            f"{data}: the data set must be saved in torch format (dataset.set_format('torch') before "
+            f"save_to_disk), as speculators' prepare-data does; rerun stage 02"
+        )
+    rows = len(dataset)
+    trained_rows = int(rows * train.train_ratio)
+    if rows - trained_rows < 1 or trained_rows < 1:
+        raise BadInput(
+            f"train.val_ratio: {train.val_ratio} of {rows} samples leaves an empty train or validation "
+            f"split; generate more samples or change the ratio"
+        )
+    first = data / "hidden_states" / "hs_0.safetensors"
+    if not first.is_file():
+        raise BadInput(f"{first}: hidden states are missing; run stage 02 first")
+    with safe_open(str(first), framework="pt") as f:
+        shape = f.get_slice("hidden_states").get_shape()
+    if len(shape) != 3 or shape[1] != len(run.layer_ids) + 1 or shape[2] != hidden_size:
+        raise BadInput(
+            f"{first}: hidden_states has shape {shape}, expected [seq, {len(run.layer_ids) + 1}, {hidden_size}] "
+            f"for layer ids {run.layer_ids} plus the final layer; the data was captured with other layer "
+            f"ids or another verifier, rerun stage 02"
+        )

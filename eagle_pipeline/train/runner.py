@@ -1,0 +1,251 @@
+"""Running a training: prepare the output folder, run speculators' Trainer in this process (one rank
+under torch.distributed.run), and summarise the result."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import resource
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from eagle_pipeline import atomic
+from eagle_pipeline.config import TrainConfig, resolve_path
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.train.checkpoints import (
+    BEST_FILE,
+    complete_checkpoints,
+    keep_checkpoints,
+    newest_checkpoint,
+    remove_torn_checkpoints,
+    training_finished,
+)
+from eagle_pipeline.train.draft_config import DRAFT_CONFIG_FILE, build_draft_config, check_init_from
+from eagle_pipeline.train.inputs import check_inputs
+from eagle_pipeline.train.metrics import LOSS_PNG, METRICS_CSV, MetricsRecorder, plot_metrics, read_metrics, truncate_metrics
+from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun, speculators_backend
+
+logger = logging.getLogger(__name__)
+
+RUN_STATS_FILE = "run_stats.json"
+
+
+def train_drafter(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
+    """Train (or resume training) a drafter in this process and return the run summary.
+
+    train.draft_shape None derives the decoder from the verifier (speculators' own derivation, full
+    attention). train.init_from fine-tunes an existing speculators drafter, which must match this run's
+    vocabulary map, aux layers, decoder shape and norm flags.
+    """
+    prepare(train, run)
+    if training_finished(run.checkpoint_dir, train.epochs, run.max_steps):
+        logger.info("Training in %s already finished; nothing to train.", run.out_dir)
+    else:
+        run_speculators(train, run)
+    return finalize_training(train, run)
+
+
+def prepare(train: TrainConfig, run: TrainRun) -> None:
+    """Validate everything a run needs, then leave out_dir ready for speculators to start or resume."""
+    verifier_text_config = check_inputs(train, run)
+    draft_config = build_draft_config(train, run, verifier_text_config)
+    if train.init_from:
+        check_init_from(train, run, draft_config)
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    atomic.sweep_temporaries(run.out_dir)
+    for name in remove_torn_checkpoints(run.checkpoint_dir):
+        logger.warning("Removed incomplete checkpoint %s (the run was stopped while writing it).", name)
+    atomic.write_json(run.out_dir / DRAFT_CONFIG_FILE, draft_config)
+    truncate_metrics(run.out_dir / METRICS_CSV, newest_checkpoint(run.checkpoint_dir))
+
+
+def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
+    """The `speculators train` flags for this run."""
+    d2t = np.load(run.d2t_path, mmap_mode="r")
+    on_cpu = run.device == "cpu"
+    argv = [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(run.verifier_dir),
+        "--data-path", str(run.data_dir),
+        "--hidden-states-backend", speculators_backend(run.storage_dtype),
+        "--save-path", str(run.checkpoint_dir),
+        "--d2t-path", str(run.d2t_path),
+        "--t2d-path", str(run.t2d_path),
+        "--draft-vocab-size", str(d2t.shape[0]),
+        "--target-layer-ids", *[str(i) for i in run.layer_ids],
+        # EAGLE-3 does not use a mask token; giving one skips loading the verifier's tokenizer
+        # (Kimi's needs remote code).
+        "--mask-token-id", "0",
+        "--epochs", str(train.epochs),
+        "--lr", str(train.lr),
+        "--optimizer", train.optimizer,
+        "--total-seq-len", str(train.total_seq_len),
+        "--ttt-steps", str(train.ttt_steps),
+        "--ttt-step-loss-decay", str(train.ttt_step_loss_decay),
+        "--train-data-ratio", str(train.train_ratio),
+        "--hidden-states-dtype", train.dtype,
+        "--num-workers", str(train.num_workers),
+        "--seed", str(run.seed),
+        # Hidden states all come from stage 02; a missing file is an error, not a request to a vLLM server.
+        "--on-missing", "raise",
+        # flex attention has no CPU backward; the fused loss needs a Triton GPU driver.
+        "--draft-attn-impl", "sdpa" if on_cpu else "simple_flex_attention",
+        "--loss-implementation", "eager" if on_cpu else "fused",
+        "--checkpoint-freq", "1",
+        "--log-freq", "1",
+        "--logger", "tensorboard",
+        "--log-dir", str(run.tensorboard_dir),
+        "--run-name", "train",
+        "--norm-before-residual" if train.norm_before_residual else "--no-norm-before-residual",
+        "--norm-before-fc" if train.norm_before_fc else "--no-norm-before-fc",
+        "--norm-output" if train.norm_output else "--no-norm-output",
+    ]
+    # --fc-norm is a plain switch (off by default): it can only be given when on.
+    if train.fc_norm:
+        argv.append("--fc-norm")
+    if run.max_steps is not None:
+        argv += ["--max-steps", str(run.max_steps)]
+    if train.fsdp_shard:
+        argv.append("--fsdp-shard")
+    if train.init_from:
+        argv += ["--from-pretrained", str(resolve_path(train.init_from))]
+    else:
+        argv += ["--draft-config", str(run.out_dir / DRAFT_CONFIG_FILE)]
+    return argv
+
+
+def torch_threads(train: TrainConfig, run: TrainRun) -> int:
+    """train.threads on the CPU; otherwise (and by default) this rank's share of the node's cores."""
+    if run.device == "cpu" and train.threads:
+        return train.threads
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+@contextlib.contextmanager
+def _thread_settings(threads: int) -> Iterator[None]:
+    """Run with `threads` torch threads and undo speculators' OMP/MKL/OpenBLAS=1 env defaults afterwards.
+
+    speculators' loader sets those variables (setdefault) for its spawned workers; left in place they
+    would pin every later child process of this one (vLLM included) to a single thread.
+    """
+    import torch
+
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    saved_env = {name: os.environ.get(name) for name in names}
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def run_speculators(train: TrainConfig, run: TrainRun) -> None:
+    """Run speculators' trainer for a prepared run in this process (one rank under torch.distributed.run)."""
+    import torch
+
+    from patches import speculators_cpu
+
+    speculators_cpu.apply()
+    # speculators trains on the accelerator whenever there is one.
+    if run.device == "cpu" and torch.accelerator.is_available():
+        raise BadInput("train.num_gpus: 0 trains on the CPU but this host has an accelerator; set it to the GPUs to use")
+    if run.device == "cuda" and not torch.accelerator.is_available():
+        raise BadInput("train.num_gpus: GPU training was asked for but this host has no accelerator; set it to 0")
+
+    from speculators.train.cli import main
+    from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
+    from speculators.train.logger import setup_root_logger
+
+    argv = speculators_argv(train, run)
+    threads = torch_threads(train, run)
+    resumed_from = newest_checkpoint(run.checkpoint_dir)
+    recorder = MetricsRecorder(run.out_dir, train.ttt_steps, train.keep_last) if _rank() == 0 else None
+    root = logging.getLogger()
+    # speculators' console handler (set up here so its basicConfig is not skipped) rewrites dict messages
+    # into text; the recorder must see them first.
+    setup_root_logger()
+    if recorder is not None:
+        root.handlers.insert(0, recorder)
+    started = time.perf_counter()
+    try:
+        with _thread_settings(threads), warnings.catch_warnings():
+            # fp32 training on the CPU: torch reports that autocast to fp32 is a no-op, once per call site.
+            warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+            # speculators always asks its loaders for pinned memory, which means nothing without an accelerator.
+            warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
+            main(SpeculatorsTrainConfig.resolve(argv))
+    finally:
+        if recorder is not None:
+            root.removeHandler(recorder)
+    if recorder is not None:
+        wall = time.perf_counter() - started
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        # Step time covers fetching the batch, forward, backward and optimizer; not validation or saving.
+        per_rank = recorder.tokens / recorder.step_seconds if recorder.step_seconds else None
+        atomic.write_json(
+            run.out_dir / RUN_STATS_FILE,
+            {
+                "steps": recorder.steps,
+                "train_tokens": int(round(recorder.tokens)) * world_size,
+                "train_step_seconds": round(recorder.step_seconds, 3),
+                # Rank 0's throughput times the number of ranks (every rank trains on its own batches).
+                "train_tokens_per_s": None if per_rank is None else round(per_rank * world_size, 1),
+                "wall_s": round(wall, 2),
+                # This process only: dataloader workers are separate processes.
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "world_size": world_size,
+                "resumed_from": None
+                if resumed_from is None
+                else {"epoch": resumed_from["epoch"], "step": resumed_from["global_step"]},
+                "threads": threads,
+                "argv": argv,
+            },
+        )
+
+
+def finalize_training(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
+    """Mark the best checkpoint, prune, plot, and return the run summary."""
+    out = run.out_dir
+    keep_checkpoints(out, train.keep_last)
+    complete = complete_checkpoints(run.checkpoint_dir)
+    if not complete:
+        raise RuntimeError(f"training left no complete checkpoint in {run.checkpoint_dir}")
+    last_epoch = max(complete)
+    rows = read_metrics(out / METRICS_CSV)
+    if rows:
+        plot_metrics(out / METRICS_CSV, out / LOSS_PNG, train.ttt_steps)
+    run_stats = json.loads((out / RUN_STATS_FILE).read_text()) if (out / RUN_STATS_FILE).is_file() else {}
+    last_train = next((r for r in reversed(rows) if r["split"] == "train"), None)
+    last_val = next((r for r in reversed(rows) if r["split"] == "val"), None)
+    return {
+        "out_dir": str(out),
+        "checkpoints": [f"{CHECKPOINTS}/{epoch}" for epoch in sorted(complete)],
+        "last": {"epoch": last_epoch, "step": complete[last_epoch]["global_step"],
+                 "checkpoint": f"{CHECKPOINTS}/{last_epoch}"},
+        "best": json.loads((out / BEST_FILE).read_text()) if (out / BEST_FILE).is_file() else None,
+        "epochs_completed": last_epoch + 1,
+        "final_train": last_train,
+        "final_val": last_val,
+        "metrics_csv": METRICS_CSV,
+        "loss_curves_png": LOSS_PNG if (out / LOSS_PNG).is_file() else None,
+        "tensorboard_dir": str(run.tensorboard_dir),
+        "this_run": run_stats,
+        "train_tokens_per_s": run_stats.get("train_tokens_per_s"),
+        "peak_rss_mb": run_stats.get("peak_rss_mb"),
+    }

@@ -1,0 +1,66 @@
+"""What a training run needs besides its settings (the config's `train` section): paths, layer ids,
+seed, storage dtype, device; and which settings may change when a run resumes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from eagle_pipeline.config import TrainConfig
+
+# TrainConfig fields that may change between a run and its resumption without invalidating its
+# checkpoints; every other setting is recorded in the stage manifest, which refuses a change.
+RESUMABLE_SETTINGS = ("epochs", "keep_last", "num_workers", "threads")
+
+CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"
+
+
+def speculators_backend(storage_dtype: str) -> str:
+    """speculators' --hidden-states-backend for stage 02's `hidden_states.storage_dtype`.
+
+    fp8 files carry per-token scales that only speculators' fp8 backend applies; bf16 files are read by
+    its plain safetensors ("file") backend.
+    """
+    return {"bfloat16": "file", "fp8": "fp8"}[storage_dtype]
+
+
+@dataclass
+class TrainRun:
+    """Where a training run reads and writes, and what it trains for; its settings come separately."""
+
+    data_dir: Path  # stage 02's dataset with hidden_states/
+    d2t_path: Path
+    t2d_path: Path
+    verifier_dir: Path
+    out_dir: Path
+    layer_ids: list[int]  # the verifier layers whose hidden states the drafter reads
+    seed: int
+    storage_dtype: Literal["bfloat16", "fp8"]  # how stage 02 stored the hidden states
+    device: Literal["cpu", "cuda"]
+    max_steps: int | None = None  # stop after this many optimizer steps (short runs)
+
+    def __post_init__(self) -> None:
+        for name in ("data_dir", "d2t_path", "t2d_path", "verifier_dir", "out_dir"):
+            setattr(self, name, Path(os.fspath(getattr(self, name))).expanduser().resolve())
+        self.layer_ids = [int(i) for i in self.layer_ids]
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / CHECKPOINTS
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.out_dir / TENSORBOARD
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+
+
+def recorded_settings(train: TrainConfig) -> dict[str, Any]:
+    """The settings a run's stage manifest records, one input each ("train.lr"), so that a rerun with a
+    changed one is refused naming it; the resumable ones are left out."""
+    values = train.model_dump(mode="json")
+    return {f"train.{name}": value for name, value in values.items() if name not in RESUMABLE_SETTINGS}
