@@ -18,10 +18,12 @@ position, tokens/s per mode), responses.jsonl, logs/server-<mode>.log, manifest.
 import json
 import sys
 
-from eagle_pipeline import serving
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.serve.measure import measure_modes
+from eagle_pipeline.serve.report import format_speedup, render_report_md, write_report
+from eagle_pipeline.serve.server import check_port_free
 from eagle_pipeline.stage import Stage, main, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
@@ -31,14 +33,15 @@ def verdict(report: dict, floor: float) -> tuple[bool, str]:
     if length < floor:
         return False, (f"FAIL: mean acceptance length {length:.2f} is below serve.min_acceptance_length {floor:.2f}: "
                        f"the drafter does not pay for itself; train on more samples or epochs")
-    return True, f"PASS: mean acceptance length {length:.2f} >= {floor:.2f}, speed-up {report.get('speedup')}"
+    return True, (f"PASS: mean acceptance length {length:.2f} >= {floor:.2f}, "
+                  f"speed-up {format_speedup(report.get('speedup'))}")
 
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     s = cfg.serve
     if s.port is not None and not dry_run:
-        serving.check_port_free(s.port)
+        check_port_free(s.port)
     converted = require_complete(cfg, 5)
     drafter_dir = cfg.stage_dir("05_convert") / "vllm"
     eval_path = cfg.resolve_path(cfg.data.eval_prompts)
@@ -71,24 +74,23 @@ def run(stage: Stage, dry_run: bool) -> None:
             sys.exit(1)
         return
 
-    from eagle_pipeline.engine import engine_env, server_args
+    from eagle_pipeline.engine import server_kwargs
 
-    report = serving.measure_modes(
+    report = measure_modes(
         verifier.path, drafter_dir, [p["messages"] for p in prompts],
         num_speculative_tokens=s.num_speculative_tokens, modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
-        concurrency=s.concurrency, seed=cfg.seed, max_model_len=cfg.verifier.max_model_len, dtype=cfg.verifier.dtype,
-        port=s.port, extra_args=server_args(cfg), env=engine_env(cfg), log_dir=stage.dir / "logs",
+        concurrency=s.concurrency, seed=cfg.seed, port=s.port, log_dir=stage.dir / "logs", **server_kwargs(cfg),
     )
     ok, message = verdict(report, s.min_acceptance_length)
     report["verdict"] = message
     report["prompt_ids"] = [p["id"] for p in prompts]
-    serving.write_report(stage.dir, report, [p["messages"] for p in prompts])
+    write_report(stage.dir, report, [p["messages"] for p in prompts])
 
     counts = {k: report.get(k) for k in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
                                          "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match")}
     counts["passed"] = ok
     stage.finish(counts, output_fingerprint=value_fingerprint(counts))
-    print(serving.render_report_md(report))
+    print(render_report_md(report))
     print(message)
     if not report.get("greedy_match"):
         print(f"warning: greedy outputs differ with the drafter on prompts {report.get('greedy_mismatches')}; see responses.jsonl")

@@ -336,7 +336,9 @@ def serve_interleaved(target_dir: str | os.PathLike, servers: dict[str, dict | N
     baseline). Spec-decode counters are scraped before and after each chunk, as stage 06 does, and summed
     over rounds. The result's "texts" holds every server's answers in prompt order.
     """
-    from eagle_pipeline import serving
+    from eagle_pipeline.serve.client import run_prompts
+    from eagle_pipeline.serve.server import VllmServer
+    from eagle_pipeline.serve.spec_metrics import metrics_delta, scrape_spec_metrics, wait_for_counted_tokens
 
     chunks = split_rounds(prompts, rounds)
     per_round: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
@@ -345,23 +347,23 @@ def serve_interleaved(target_dir: str | os.PathLike, servers: dict[str, dict | N
         live = {}
         for name, spec in servers.items():
             log(f"serving: starting the {name} server")
-            server = serving.VllmServer(target_dir, speculative_config=spec, max_model_len=max_model_len, dtype=dtype,
-                                        extra_args=extra_args, env=env, log_path=Path(log_dir) / f"server-{name}.log")
+            server = VllmServer(target_dir, speculative_config=spec, max_model_len=max_model_len, dtype=dtype,
+                                extra_args=extra_args, env=env, log_path=Path(log_dir) / f"server-{name}.log")
             stack.enter_context(server)
             start_s[name] = server.start_seconds
-            serving.run_prompts(server.base_url, server.model, [[{"role": "user", "content": "Say hello."}]],
-                                max_tokens=8, temperature=temperature, concurrency=1, seed=seed)
+            run_prompts(server.base_url, server.model, [[{"role": "user", "content": "Say hello."}]],
+                        max_tokens=8, temperature=temperature, concurrency=1, seed=seed)
             live[name] = server
         for r, chunk in enumerate(chunks):
             for name in interleaved_order(list(live), r):
                 server = live[name]
-                before = serving.scrape_spec_metrics(server.base_url)
-                run = serving.run_prompts(server.base_url, server.model, chunk, max_tokens=max_tokens,
-                                          temperature=temperature, concurrency=concurrency, seed=seed)
-                after = serving._wait_for_counted_tokens(server.base_url, before, run.output_tokens)
+                before = scrape_spec_metrics(server.base_url)
+                run = run_prompts(server.base_url, server.model, chunk, max_tokens=max_tokens,
+                                  temperature=temperature, concurrency=concurrency, seed=seed)
+                after = wait_for_counted_tokens(server.base_url, before, run.output_tokens)
                 per_round[name].append({"output_tokens": run.output_tokens, "wall_s": run.wall_s,
                                         "tokens_per_s": run.output_tokens / run.wall_s, "texts": run.texts,
-                                        "metrics": serving.metrics_delta(before, after)})
+                                        "metrics": metrics_delta(before, after)})
             log(f"serving round {r + 1}/{len(chunks)} ({len(chunk)} prompts): "
                 + ", ".join(f"{name} {per_round[name][-1]['tokens_per_s']:.1f} tok/s" for name in live))
     return summarize_serving(per_round, servers, start_s, num_prompts=len(prompts), max_tokens=max_tokens,
@@ -384,7 +386,7 @@ def _sum_metrics(deltas: Sequence[dict]) -> dict[str, Any]:
 def summarize_serving(per_round: dict[str, list[dict]], servers: dict[str, dict | None], start_s: dict[str, float | None],
                       *, num_prompts: int, max_tokens: int, temperature: float, concurrency: int) -> dict[str, Any]:
     """Per server: tokens/s (median over rounds), ratio to the first server per round, summed acceptance."""
-    from eagle_pipeline.serving import acceptance_stats
+    from eagle_pipeline.serve.spec_metrics import acceptance_stats
 
     baseline = next(iter(per_round))
     base_rates = [r["tokens_per_s"] for r in per_round[baseline]]

@@ -56,3 +56,26 @@ def server_args(cfg: RunConfig) -> list[str]:
         elif value is not False and value is not None:
             args += [flag, value if isinstance(value, str) else json.dumps(value)]
     return args
+
+
+def server_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The engine settings of a served target, as keyword arguments of `VllmServer`, `measure_modes` and
+    `serve_interleaved`: `server_args` plus the dtype, context length and environment it leaves aside."""
+    return {"max_model_len": cfg.verifier.max_model_len, "dtype": cfg.verifier.dtype,
+            "extra_args": server_args(cfg), "env": engine_env(cfg)}
+
+
+def serve_flags(model: str, *, host: str, port: int, max_model_len: int, dtype: str,
+                speculative_config: dict | None = None) -> list[str]:
+    """`vllm serve` flags for one OpenAI server: what it serves, where it listens, how it speculates."""
+    flags = [
+        "--model", model,
+        "--host", host,
+        "--port", str(port),
+        "--max-model-len", str(max_model_len),
+        "--dtype", dtype,
+        "--disable-uvicorn-access-log",
+    ]
+    if speculative_config is not None:
+        flags += ["--speculative-config", json.dumps(speculative_config)]
+    return flags

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> None:
 
     import torch  # noqa: F401 - imported here so that no part's time includes loading it
 
-    from eagle_pipeline.engine import apply_engine_env, engine_env, server_args
+    from eagle_pipeline.engine import apply_engine_env, server_kwargs
     from eagle_pipeline.verifier import Verifier
 
     verifier = Verifier.from_config(cfg)
@@ -263,8 +263,8 @@ def run(args: argparse.Namespace) -> None:
             convert_drafter(work / arm, work / arm / "drafter-vllm", verifier.vocab_size)
 
     # -- 4. serving, interleaved --------------------------------------------------------------------------
-    from eagle_pipeline import serving
     from eagle_pipeline.prompts import load_prompts
+    from eagle_pipeline.serve.measure import greedy_mismatches, speculative_config_for
 
     s = cfg.serve
     num_prompts = settings.serve_prompts or cfg.data.num_eval_prompts
@@ -272,20 +272,19 @@ def run(args: argparse.Namespace) -> None:
     spec = {"num_speculative_tokens": s.num_speculative_tokens}
     serve_args = dict(rounds=settings.repetitions, max_tokens=settings.serve_max_tokens or s.max_tokens,
                       temperature=s.temperature, concurrency=s.concurrency, seed=cfg.seed,
-                      max_model_len=cfg.verifier.max_model_len, dtype=cfg.verifier.dtype, extra_args=server_args(cfg),
-                      env=engine_env(cfg), log_dir=work / "logs", log=log)
+                      log_dir=work / "logs", log=log, **server_kwargs(cfg))
     messages = [p["messages"] for p in prompts]
     # Two groups, so that at most three servers (a few GB each) are up at once: the figure-4 comparison
     # against no speculation, then the two storage drafters against each other.
     with timed(parts, "serving: none, n-gram, pipeline drafter", log):
         served = benchmarks.serve_interleaved(verifier.path, {
             "none": None,
-            "ngram": serving.speculative_config_for("ngram", **spec),
-            "eagle3": serving.speculative_config_for("eagle3", drafter_dir=cfg.stage_dir("05_convert") / "vllm", **spec),
+            "ngram": speculative_config_for("ngram", **spec),
+            "eagle3": speculative_config_for("eagle3", drafter_dir=cfg.stage_dir("05_convert") / "vllm", **spec),
         }, messages, **serve_args)
     with timed(parts, "serving: bf16 and fp8 storage drafters", log):
         storage_served = benchmarks.serve_interleaved(verifier.path, {
-            f"eagle3-{arm}": serving.speculative_config_for("eagle3", drafter_dir=work / arm / "drafter-vllm", **spec)
+            f"eagle3-{arm}": speculative_config_for("eagle3", drafter_dir=work / arm / "drafter-vllm", **spec)
             for arm in ARMS
         }, messages, **serve_args)
     texts = {**served.pop("texts"), **storage_served.pop("texts")}
@@ -295,7 +294,7 @@ def run(args: argparse.Namespace) -> None:
         for group in (served, storage_served):
             for name, mode in group["modes"].items():
                 if mode["speculative_config"] is not None:
-                    mode["greedy_mismatches"] = serving.greedy_mismatches(texts["none"], texts[name])
+                    mode["greedy_mismatches"] = greedy_mismatches(texts["none"], texts[name])
 
     # -- figures ------------------------------------------------------------------------------------------
     gen = pipeline["generation"]

@@ -108,7 +108,7 @@ def server_ports(stage_dir: Path) -> list[int]:
 def port_in_use(port: int) -> bool:
     """The probe stage 06 itself runs before it starts a server on a fixed port."""
     from eagle_pipeline.errors import BadInput
-    from eagle_pipeline.serving import check_port_free
+    from eagle_pipeline.serve.server import check_port_free
 
     try:
         check_port_free(port)

@@ -18,8 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle_pipeline import serving
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
+from eagle_pipeline.serve.measure import ModeMeasurement, measure_modes, speculative_config_for, summarize
+from eagle_pipeline.serve.report import write_report
+from eagle_pipeline.serve.server import ServerFailed, VllmServer, _ServerGuard, check_port_free, find_free_port
+from eagle_pipeline.serve.spec_metrics import acceptance_stats, metrics_delta, parse_spec_metrics, scrape_spec_metrics
 
 # Excerpts of /metrics captured from a real vLLM 0.32 CPU server (SmolLM2-135M-Instruct, ngram, 3 draft
 # tokens), before and after a prompt run; only the model_name label was shortened. AFTER keeps the
@@ -99,7 +103,7 @@ DRAFTS, DRAFT_TOKENS, ACCEPTED, PER_POS = 211, 633, 134, [72, 33, 29]
 
 
 def test_parse_reads_spec_counters_and_skips_created_gauges_and_buckets():
-    m = serving.parse_spec_metrics(METRICS_AFTER)
+    m = parse_spec_metrics(METRICS_AFTER)
     assert m["num_drafts"] == 212
     assert m["num_draft_tokens"] == 636
     assert m["num_accepted_tokens"] == 137
@@ -110,55 +114,55 @@ def test_parse_reads_spec_counters_and_skips_created_gauges_and_buckets():
 
 
 def test_parse_without_speculation_gives_zero_counters_and_no_positions():
-    m = serving.parse_spec_metrics(METRICS_NO_SPECULATION)
+    m = parse_spec_metrics(METRICS_NO_SPECULATION)
     assert (m["num_drafts"], m["num_draft_tokens"], m["num_accepted_tokens"]) == (0, 0, 0)
     assert m["accepted_per_pos"] == []
     assert m["generation_tokens"] == 544
-    assert serving.acceptance_stats(m)["mean_acceptance_length"] is None
+    assert acceptance_stats(m)["mean_acceptance_length"] is None
 
 
 def test_parse_sums_engines_of_a_data_parallel_server():
     second_engine = "\n".join(
         line.replace('engine="0"', 'engine="1"') for line in METRICS_BEFORE.splitlines()
     )
-    m = serving.parse_spec_metrics(METRICS_AFTER + second_engine + "\n")
+    m = parse_spec_metrics(METRICS_AFTER + second_engine + "\n")
     assert m["num_drafts"] == 212 + 1
     assert m["accepted_per_pos"] == [74, 35, 31]
 
 
 def test_delta_subtracts_the_warm_up_scrape():
-    delta = serving.metrics_delta(serving.parse_spec_metrics(METRICS_BEFORE), serving.parse_spec_metrics(METRICS_AFTER))
+    delta = metrics_delta(parse_spec_metrics(METRICS_BEFORE), parse_spec_metrics(METRICS_AFTER))
     assert (delta["num_drafts"], delta["num_draft_tokens"], delta["num_accepted_tokens"]) == (DRAFTS, DRAFT_TOKENS, ACCEPTED)
     assert delta["accepted_per_pos"] == PER_POS
     assert delta["generation_tokens"] == 536
-    stats = serving.acceptance_stats(delta)
+    stats = acceptance_stats(delta)
     assert stats["acceptance_rate"] == pytest.approx(ACCEPTED / DRAFT_TOKENS)
     assert stats["mean_acceptance_length"] == pytest.approx(1 + ACCEPTED / DRAFTS)
     assert stats["per_position_acceptance"] == pytest.approx([a / DRAFTS for a in PER_POS])
 
 
 def _run(texts, tokens, wall_s):
-    return serving.PromptRun(
-        requests=[serving.RequestResult(text=t, output_tokens=n, prompt_tokens=5, latency_s=wall_s / len(texts),
-                                        finish_reason="length") for t, n in zip(texts, tokens)],
+    return PromptRun(
+        requests=[RequestResult(text=t, output_tokens=n, prompt_tokens=5, latency_s=wall_s / len(texts),
+                                finish_reason="length") for t, n in zip(texts, tokens)],
         wall_s=wall_s,
     )
 
 
 def _measurements():
-    spec_delta = serving.metrics_delta(serving.parse_spec_metrics(METRICS_BEFORE), serving.parse_spec_metrics(METRICS_AFTER))
-    plain_delta = serving.parse_spec_metrics(METRICS_NO_SPECULATION)
-    ngram_config = serving.speculative_config_for("ngram", num_speculative_tokens=3)
+    spec_delta = metrics_delta(parse_spec_metrics(METRICS_BEFORE), parse_spec_metrics(METRICS_AFTER))
+    plain_delta = parse_spec_metrics(METRICS_NO_SPECULATION)
+    ngram_config = speculative_config_for("ngram", num_speculative_tokens=3)
     eagle_config = {"method": "eagle3", "model": "/drafter", "num_speculative_tokens": 3}
     return {
-        "none": serving.ModeMeasurement("none", None, _run(["a", "b", "c"], [10, 20, 30], 2.0), plain_delta, 60.0),
-        "ngram": serving.ModeMeasurement("ngram", ngram_config, _run(["a", "B", "c"], [10, 20, 30], 1.0), spec_delta, 61.0),
-        "eagle3": serving.ModeMeasurement("eagle3", eagle_config, _run(["a", "b", "c"], [10, 20, 30], 1.5), spec_delta, 62.0),
+        "none": ModeMeasurement("none", None, _run(["a", "b", "c"], [10, 20, 30], 2.0), plain_delta, 60.0),
+        "ngram": ModeMeasurement("ngram", ngram_config, _run(["a", "B", "c"], [10, 20, 30], 1.0), spec_delta, 61.0),
+        "eagle3": ModeMeasurement("eagle3", eagle_config, _run(["a", "b", "c"], [10, 20, 30], 1.5), spec_delta, 62.0),
     }
 
 
 def test_summarize_gives_the_report_fields():
-    report = serving.summarize(_measurements(), num_speculative_tokens=3, temperature=0.0, max_tokens=30, concurrency=1)
+    report = summarize(_measurements(), num_speculative_tokens=3, temperature=0.0, max_tokens=30, concurrency=1)
     assert report["num_prompts"] == 3
     assert report["num_speculative_tokens"] == 3
     assert report["tokens_per_s"] == pytest.approx({"none": 30.0, "ngram": 60.0, "eagle3": 40.0})
@@ -180,13 +184,13 @@ def test_summarize_gives_the_report_fields():
 def test_greedy_mismatch_of_the_drafter_fails_the_flag():
     measurements = _measurements()
     measurements["eagle3"].run.requests[2].text = "different"
-    report = serving.summarize(measurements, num_speculative_tokens=3, temperature=0.0)
+    report = summarize(measurements, num_speculative_tokens=3, temperature=0.0)
     assert report["greedy_match"] is False
     assert report["greedy_mismatches"]["eagle3"] == [2]
 
 
 def test_greedy_check_is_not_claimed_when_sampling():
-    report = serving.summarize(_measurements(), num_speculative_tokens=3, temperature=0.7)
+    report = summarize(_measurements(), num_speculative_tokens=3, temperature=0.7)
     assert report["greedy_match"] is None
     assert report["greedy_mismatches"] == {}
 
@@ -195,16 +199,16 @@ def test_modes_that_ran_different_prompt_counts_are_refused():
     measurements = _measurements()
     measurements["ngram"].run.requests.pop()
     with pytest.raises(ValueError, match="different numbers of prompts"):
-        serving.summarize(measurements, num_speculative_tokens=3, temperature=0.0)
+        summarize(measurements, num_speculative_tokens=3, temperature=0.0)
 
 
 def test_write_report_writes_json_markdown_png_and_responses(tmp_path):
     import matplotlib.image
 
-    report = serving.summarize(_measurements(), num_speculative_tokens=3, temperature=0.0, max_tokens=30, concurrency=1)
+    report = summarize(_measurements(), num_speculative_tokens=3, temperature=0.0, max_tokens=30, concurrency=1)
     report["texts"] = {mode: m.run.texts for mode, m in _measurements().items()}
     prompts = [[{"role": "user", "content": f"prompt {i}"}] for i in range(3)]
-    paths = serving.write_report(tmp_path, report, prompts)
+    paths = write_report(tmp_path, report, prompts)
 
     written = json.loads(paths["report.json"].read_text())
     for key in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
@@ -286,8 +290,8 @@ def _chat(*texts):
 def test_run_prompts_keeps_prompt_order_and_records_usage():
     fake = _FakeOpenAIServer(delay_s=0.05)
     try:
-        run = serving.run_prompts(fake.base_url, "m", _chat("one", "two words", "three more words", "four"),
-                                  max_tokens=8, concurrency=3)
+        run = run_prompts(fake.base_url, "m", _chat("one", "two words", "three more words", "four"),
+                          max_tokens=8, concurrency=3)
     finally:
         fake.close()
     assert run.texts == ["ONE", "TWO WORDS", "THREE MORE WORDS", "FOUR"]
@@ -299,7 +303,7 @@ def test_rejected_prompt_is_bad_input_naming_its_index():
     fake = _FakeOpenAIServer(statuses={"too long": 400})
     try:
         with pytest.raises(BadInput, match=r"^prompt 1: the server rejected it .*cannot serve 'too long'"):
-            serving.run_prompts(fake.base_url, "m", _chat("fine", "too long"), max_tokens=8)
+            run_prompts(fake.base_url, "m", _chat("fine", "too long"), max_tokens=8)
     finally:
         fake.close()
 
@@ -310,7 +314,7 @@ def test_a_failed_request_stops_the_remaining_prompts():
     fake = _FakeOpenAIServer(statuses={"boom": 500})
     try:
         with pytest.raises(openai.InternalServerError):
-            serving.run_prompts(fake.base_url, "m", _chat("boom", "b", "c", "d", "e"), max_tokens=8, concurrency=1)
+            run_prompts(fake.base_url, "m", _chat("boom", "b", "c", "d", "e"), max_tokens=8, concurrency=1)
         time.sleep(0.3)
     finally:
         fake.close()
@@ -320,7 +324,7 @@ def test_a_failed_request_stops_the_remaining_prompts():
 def test_scrape_reads_metrics_over_http():
     fake = _FakeOpenAIServer()
     try:
-        assert serving.scrape_spec_metrics(fake.base_url) == serving.parse_spec_metrics(METRICS_AFTER)
+        assert scrape_spec_metrics(fake.base_url) == parse_spec_metrics(METRICS_AFTER)
     finally:
         fake.close()
 
@@ -330,31 +334,31 @@ def test_scrape_reads_metrics_over_http():
 
 
 def test_speculative_configs(tmp_path):
-    assert serving.speculative_config_for("none", num_speculative_tokens=3) is None
-    assert serving.speculative_config_for("ngram", num_speculative_tokens=4, prompt_lookup_max=5, prompt_lookup_min=1) == {
+    assert speculative_config_for("none", num_speculative_tokens=3) is None
+    assert speculative_config_for("ngram", num_speculative_tokens=4, prompt_lookup_max=5, prompt_lookup_min=1) == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, "prompt_lookup_min": 1}
     (tmp_path / "config.json").write_text("{}")
-    assert serving.speculative_config_for("eagle3", num_speculative_tokens=3, drafter_dir=tmp_path) == {
+    assert speculative_config_for("eagle3", num_speculative_tokens=3, drafter_dir=tmp_path) == {
         "method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3}
     with pytest.raises(BadInput, match="config.json"):
-        serving.speculative_config_for("eagle3", num_speculative_tokens=3, drafter_dir=tmp_path / "missing")
+        speculative_config_for("eagle3", num_speculative_tokens=3, drafter_dir=tmp_path / "missing")
     with pytest.raises(BadInput, match="drafter"):
-        serving.speculative_config_for("eagle3", num_speculative_tokens=3)
+        speculative_config_for("eagle3", num_speculative_tokens=3)
     with pytest.raises(BadInput, match="unknown mode"):
-        serving.speculative_config_for("medusa", num_speculative_tokens=3)
+        speculative_config_for("medusa", num_speculative_tokens=3)
 
 
 def test_server_command_carries_the_speculative_config(tmp_path):
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    server = serving.VllmServer("/models/target", speculative_config=config, max_model_len=512, dtype="bfloat16",
-                                extra_args=["--enforce-eager"], log_path=tmp_path / "log")
+    server = VllmServer("/models/target", speculative_config=config, max_model_len=512, dtype="bfloat16",
+                        extra_args=["--enforce-eager"], log_path=tmp_path / "log")
     server.port = 12345
     cmd = server.command()
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == config
     assert cmd[cmd.index("--port") + 1] == "12345" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[-1] == "--enforce-eager"
-    plain = serving.VllmServer("/models/target", log_path=tmp_path / "log")
+    plain = VllmServer("/models/target", log_path=tmp_path / "log")
     plain.port = 1
     assert "--speculative-config" not in plain.command()
 
@@ -364,7 +368,7 @@ def test_busy_port_is_bad_input_naming_the_port_and_field(tmp_path):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        server = serving.VllmServer("/models/target", port=port, log_path=tmp_path / "server.log")
+        server = VllmServer("/models/target", port=port, log_path=tmp_path / "server.log")
         with pytest.raises(BadInput) as excinfo:
             with server:
                 pytest.fail("the server must not start on a busy port")
@@ -374,8 +378,8 @@ def test_busy_port_is_bad_input_naming_the_port_and_field(tmp_path):
 
 
 def test_free_port_passes_the_check():
-    port = serving.find_free_port()
-    serving.check_port_free(port)
+    port = find_free_port()
+    check_port_free(port)
 
 
 def _group_members(group: int) -> list[int]:
@@ -407,7 +411,7 @@ def _stubborn_server() -> subprocess.Popen:
 def test_guard_stops_the_server_group_when_its_owner_dies_without_stopping_it(tmp_path):
     server = _stubborn_server()
     try:
-        guard = serving._ServerGuard(server.pid, 1.0, tmp_path / "server.log")
+        guard = _ServerGuard(server.pid, 1.0, tmp_path / "server.log")
         os.close(guard._write_end)  # what the kernel does when this process is killed
         assert guard.process.wait(timeout=30) == 0
         assert server.wait(timeout=10) == -signal.SIGKILL  # SIGTERM ignored: killed after the grace period
@@ -424,7 +428,7 @@ def test_guard_stops_the_server_group_when_its_owner_dies_without_stopping_it(tm
 def test_released_guard_leaves_the_server_alone(tmp_path):
     server = _stubborn_server()
     try:
-        guard = serving._ServerGuard(server.pid, 1.0, tmp_path / "server.log")
+        guard = _ServerGuard(server.pid, 1.0, tmp_path / "server.log")
         guard.release()
         assert guard.process.returncode == 0
         time.sleep(0.5)
@@ -475,10 +479,10 @@ def target_dir():
 @pytest.mark.vllm
 def test_server_that_dies_during_start_fails_fast_with_its_log(tmp_path, target_dir):
     marker = uuid.uuid4().hex
-    server = serving.VllmServer(target_dir, extra_args=["--no-such-flag"], log_path=tmp_path / "server.log",
-                                env=_server_env(marker), startup_timeout_s=300)
+    server = VllmServer(target_dir, extra_args=["--no-such-flag"], log_path=tmp_path / "server.log",
+                        env=_server_env(marker), startup_timeout_s=300)
     started = time.monotonic()
-    with pytest.raises(serving.ServerFailed) as excinfo:
+    with pytest.raises(ServerFailed) as excinfo:
         with server:
             pytest.fail("a server with a bad flag must not become healthy")
     assert time.monotonic() - started < 120
@@ -489,7 +493,7 @@ def test_server_that_dies_during_start_fails_fast_with_its_log(tmp_path, target_
 @pytest.mark.vllm
 def test_ctrl_c_while_starting_stops_the_server(tmp_path, target_dir):
     marker = uuid.uuid4().hex
-    server = serving.VllmServer(target_dir, log_path=tmp_path / "server.log", env=_server_env(marker))
+    server = VllmServer(target_dir, log_path=tmp_path / "server.log", env=_server_env(marker))
     # Ctrl-C arrives while __enter__ waits for /health, when __exit__ would never run: one second after the
     # server process exists, long before Python + vLLM imports can finish there.
     def interrupt_soon_after_launch():
@@ -528,7 +532,7 @@ PROMPTS = [
 @pytest.mark.slow
 def test_none_and_ngram_served_for_real(tmp_path, target_dir):
     marker = uuid.uuid4().hex
-    report = serving.measure_modes(
+    report = measure_modes(
         target_dir, None, PROMPTS, num_speculative_tokens=3, modes=("none", "ngram"), max_tokens=32,
         max_model_len=1024, log_dir=tmp_path, env=_server_env(marker),
         # float32: in bf16, verifying several positions in one forward pass rounds differently from
@@ -582,7 +586,7 @@ def _random_eagle3_drafter(target_dir: Path, out: Path) -> Path:
 def test_eagle3_random_drafter_served_for_real(tmp_path, target_dir):
     drafter = _random_eagle3_drafter(target_dir, tmp_path)
     marker = uuid.uuid4().hex
-    report = serving.measure_modes(
+    report = measure_modes(
         target_dir, drafter, PROMPTS[:2], num_speculative_tokens=3, modes=("eagle3",), max_tokens=16,
         max_model_len=1024, log_dir=tmp_path, env=_server_env(marker), extra_args=["--enforce-eager"],
     )

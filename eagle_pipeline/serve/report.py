@@ -1,0 +1,155 @@
+"""The stage-06 report on disk: report.json (full precision), responses.jsonl, report.md and report.png."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from eagle_pipeline import atomic
+
+
+def write_report_json(path: str | os.PathLike, report: dict) -> None:
+    """report.json without the per-prompt texts (those go to responses.jsonl)."""
+    atomic.write_json(path, {k: v for k, v in report.items() if k != "texts"})
+
+
+def write_responses_jsonl(path: str | os.PathLike, prompts: Sequence[list[dict]], report: dict) -> None:
+    texts = report.get("texts", {})
+    lines = []
+    for i, messages in enumerate(prompts):
+        lines.append(json.dumps({"index": i, "messages": messages,
+                                 "responses": {mode: texts[mode][i] for mode in texts}}, ensure_ascii=False))
+    atomic.write_text(path, "\n".join(lines) + "\n")
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_speedup(value: float | None) -> str:
+    """A speed-up as people read it: "1.33x", or "-" when there is nothing to compare with."""
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+
+
+def render_report_md(report: dict) -> str:
+    modes = report.get("modes", {})
+    lines = [
+        "# Stage 06: speculative decoding with vLLM",
+        "",
+        f"{report['num_prompts']} prompts, {report['num_speculative_tokens']} speculative tokens, "
+        f"temperature {_fmt(report.get('temperature'))}, max_tokens {_fmt(report.get('max_tokens'))}, "
+        f"concurrency {_fmt(report.get('concurrency'))}.",
+        "",
+        "## Headline (eagle3)",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| mean acceptance length | {_fmt(report['mean_acceptance_length'])} |",
+        f"| acceptance rate | {_fmt(report['acceptance_rate'], 3)} |",
+        f"| speedup vs no speculation | {format_speedup(report['speedup'])} |",
+        f"| greedy output identical to no speculation | {_fmt(report['greedy_match'])} |",
+        "",
+        "## Per mode",
+        "",
+        "| mode | output tokens | wall s | tokens/s | speedup | TPOT ms | TTFT ms | acceptance rate "
+        "| mean acceptance length | server start s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in modes.items():
+        speedup = 1.0 if name == "none" else report.get("speedup_by_mode", {}).get(name)
+        lines.append(
+            f"| {name} | {s['output_tokens']} | {_fmt(s['wall_s'])} | {_fmt(s['tokens_per_s'])} | {format_speedup(speedup)} "
+            f"| {_fmt(s['tpot_ms'])} | {_fmt(s['ttft_ms'])} | {_fmt(s.get('acceptance_rate'), 3)} "
+            f"| {_fmt(s.get('mean_acceptance_length'))} | {_fmt(s['server_start_s'], 1)} |"
+        )
+    spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
+    if spec_modes:
+        width = max(len(modes[name]["per_position_acceptance"]) for name in spec_modes)
+        lines += ["", "## Acceptance per draft position (accepted / drafts)", "",
+                  "| position | " + " | ".join(spec_modes) + " |",
+                  "|---|" + "---|" * len(spec_modes)]
+        for pos in range(width):
+            cells = []
+            for name in spec_modes:
+                values = modes[name]["per_position_acceptance"]
+                cells.append(_fmt(values[pos], 3) if pos < len(values) else "-")
+            lines.append(f"| {pos} | " + " | ".join(cells) + " |")
+    mismatches = report.get("greedy_mismatches") or {}
+    if mismatches:
+        lines += ["", "## Greedy check (texts compared with no speculation)", ""]
+        for name, indices in mismatches.items():
+            lines.append(f"- {name}: " + ("identical on every prompt" if not indices
+                                          else f"{len(indices)} prompt(s) differ: {indices}"))
+        if any(mismatches.values()):
+            lines += ["", "Speculative decoding verifies several positions in one forward pass, which rounds "
+                      "differently from one-token decoding; in bf16 a near-tied logit can flip and the texts "
+                      "then part ways. A few differing prompts in bf16 are expected; serving in float32 "
+                      "checks exactness (measured on SmolLM2-135M: bf16 1 of 3 prompts differed, float32 none)."]
+    return "\n".join(lines) + "\n"
+
+
+def render_report_png(report: dict) -> bytes:
+    # Figure + Agg canvas directly: no pyplot, so no global backend state and no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    modes = report.get("modes", {})
+    fig = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+
+    spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
+    if spec_modes:
+        width = 0.8 / len(spec_modes)
+        positions = max(len(modes[name]["per_position_acceptance"]) for name in spec_modes)
+        for j, name in enumerate(spec_modes):
+            values = modes[name]["per_position_acceptance"]
+            bars = left.bar([i + j * width for i in range(len(values))], values, width=width, label=name)
+            left.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=8)
+        # Centre each position's label under its group of bars.
+        left.set_xticks([i + width * (len(spec_modes) - 1) / 2 for i in range(positions)],
+                        [str(i) for i in range(positions)])
+        left.legend()
+    else:
+        left.text(0.5, 0.5, "no speculative mode measured", ha="center", va="center", transform=left.transAxes)
+    left.set_ylim(0, 1)
+    left.set_xlabel("draft position")
+    left.set_ylabel("accepted / drafts")
+    left.set_title("Acceptance per draft position")
+
+    names = list(modes)
+    rates = [modes[n]["tokens_per_s"] or 0.0 for n in names]
+    bars = right.bar(names, rates, color=["tab:gray" if n == "none" else "tab:blue" for n in names])
+    right.bar_label(bars, labels=[f"{r:.1f}" for r in rates])
+    right.set_ylabel("output tokens / s")
+    right.set_title(f"Throughput (concurrency {_fmt(report.get('concurrency'))})")
+    fig.tight_layout()
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def write_report(out_dir: str | os.PathLike, report: dict, prompts: Sequence[list[dict]] | None = None) -> dict:
+    """Write report.json, report.md, report.png (and responses.jsonl when prompts are given).
+
+    Returns {name: path} of what was written.
+    """
+    out_dir = Path(out_dir)
+    paths = {"report.json": out_dir / "report.json", "report.md": out_dir / "report.md",
+             "report.png": out_dir / "report.png"}
+    write_report_json(paths["report.json"], report)
+    atomic.write_text(paths["report.md"], render_report_md(report))
+    atomic.write_bytes(paths["report.png"], render_report_png(report))
+    if prompts is not None and "texts" in report:
+        paths["responses.jsonl"] = out_dir / "responses.jsonl"
+        write_responses_jsonl(paths["responses.jsonl"], prompts, report)
+    return paths

@@ -1,0 +1,101 @@
+"""vLLM's spec-decode counters on /metrics: parse, scrape, difference over a run, and acceptance figures.
+
+The counters are the ones vLLM exports from `vllm/v1/spec_decode/metrics.py` (`SpecDecodingProm`):
+
+    vllm:spec_decode_num_drafts_total                 one per verification step that carried a draft
+    vllm:spec_decode_num_draft_tokens_total           draft tokens proposed
+    vllm:spec_decode_num_accepted_tokens_total        draft tokens accepted
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}   accepted at draft position i
+
+Mean acceptance length = 1 + accepted / drafts (the 1 is the token the target adds on every step);
+acceptance rate = accepted / draft tokens; per-position acceptance = accepted_per_pos[i] / drafts.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from typing import Any
+
+SPEC_COUNTERS = {
+    "num_drafts": "vllm:spec_decode_num_drafts_total",
+    "num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+}
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+# Server-side counters and histogram sums used as cross-checks and for latency per output token.
+OTHER_COUNTERS = {
+    "generation_tokens": "vllm:generation_tokens_total",
+    "tpot_sum_s": "vllm:request_time_per_output_token_seconds_sum",
+    "tpot_count": "vllm:request_time_per_output_token_seconds_count",
+    "ttft_sum_s": "vllm:time_to_first_token_seconds_sum",
+    "ttft_count": "vllm:time_to_first_token_seconds_count",
+}
+
+
+def parse_spec_metrics(text: str) -> dict:
+    """Pick the spec-decode counters (and a few server-side cross-checks) out of Prometheus text.
+
+    Values are summed over label sets other than `position` (one per engine when data-parallel).
+    Counters vLLM does not export (no speculation configured) read as 0 and an empty per-position list.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {**{v: k for k, v in SPEC_COUNTERS.items()}, **{v: k for k, v in OTHER_COUNTERS.items()}}
+    out: dict[str, Any] = {key: 0.0 for key in [*SPEC_COUNTERS, *OTHER_COUNTERS]}
+    per_pos: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+            elif sample.name == ACCEPTED_PER_POS:
+                pos = int(sample.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
+    out["accepted_per_pos"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)] if per_pos else []
+    return out
+
+
+def scrape_spec_metrics(base_url: str, timeout_s: float = 30.0) -> dict:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as response:
+        return parse_spec_metrics(response.read().decode())
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+    """after - before, field by field; per-position lists are aligned by position."""
+    delta: dict[str, Any] = {key: after[key] - before.get(key, 0.0) for key in after if key != "accepted_per_pos"}
+    old = before.get("accepted_per_pos", [])
+    delta["accepted_per_pos"] = [
+        value - (old[i] if i < len(old) else 0.0) for i, value in enumerate(after["accepted_per_pos"])
+    ]
+    return delta
+
+
+def wait_for_counted_tokens(base_url: str, before: dict, expected_tokens: int, timeout_s: float = 10.0) -> dict:
+    """Scrape until the server's generation-token counter has caught up with the responses.
+
+    The API server updates its Prometheus counters in its output loop, which can run just after a
+    response has been sent; scraping at once could miss the last step's counts.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = scrape_spec_metrics(base_url)
+        if after["generation_tokens"] - before["generation_tokens"] >= expected_tokens or time.monotonic() > deadline:
+            return after
+        time.sleep(0.2)
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    """numerator / denominator, or None when nothing was counted below the line."""
+    return numerator / denominator if denominator else None
+
+
+def acceptance_stats(metrics: dict) -> dict:
+    drafts = metrics["num_drafts"]
+    return {
+        "num_drafts": int(drafts),
+        "num_draft_tokens": int(metrics["num_draft_tokens"]),
+        "num_accepted_tokens": int(metrics["num_accepted_tokens"]),
+        "acceptance_rate": ratio(metrics["num_accepted_tokens"], metrics["num_draft_tokens"]),
+        "mean_acceptance_length": (1.0 + metrics["num_accepted_tokens"] / drafts) if drafts else None,
+        "per_position_acceptance": [a / drafts for a in metrics["accepted_per_pos"]] if drafts else [],
+    }
