@@ -21,7 +21,7 @@ from pathlib import Path
 
 from eagle_pipeline import atomic, plots
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.stage import Stage, main
+from eagle_pipeline.stage import Stage, Start, main
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.verifier import Verifier, check_verifier_path
@@ -60,7 +60,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "engine": value_fingerprint([cfg.verifier.dtype, cfg.verifier.engine_args]),
         "seed": cfg.seed,
     }
-    if not stage.prepare(inputs, samples=len(prompts)):
+    if stage.start(inputs, samples=len(prompts)) is Start.ALREADY_COMPLETE:
         print(f"stage 01 already complete for these inputs: {stage.dir}")
         return
 

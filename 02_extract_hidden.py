@@ -29,7 +29,7 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.layer_ids import resolve_layer_ids
 from eagle_pipeline.samples import SAMPLES_DIR, SampleLayout, estimate_bytes, sample_files, sample_matches, sample_path
-from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, check_disk, main, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
 
@@ -93,7 +93,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "storage_dtype": hs_cfg.storage_dtype,
         "max_seq_len": hs_cfg.max_seq_len,
     }
-    if not stage.prepare(inputs, samples=len(rows)):
+    if stage.start(inputs, samples=len(rows)) is Start.ALREADY_COMPLETE:
         print(f"stage 02 already complete for these inputs: {stage.dir}")
         return
 

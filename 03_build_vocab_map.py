@@ -17,7 +17,7 @@ import numpy as np
 
 from eagle_pipeline import atomic, plots, vocab
 from eagle_pipeline.fingerprint import file_fingerprint
-from eagle_pipeline.stage import Stage, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, main, require_complete, upstream_fingerprint
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -37,7 +37,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "draft_vocab_size": draft_vocab_size,
         "target_vocab_size": vocab_size,
     }
-    if not stage.prepare(inputs, samples=upstream["counts"]["samples"]):
+    if stage.start(inputs, samples=upstream["counts"]["samples"]) is Start.ALREADY_COMPLETE:
         print(f"stage 03 already complete for these inputs: {stage.dir}")
         return
 

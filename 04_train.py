@@ -21,7 +21,7 @@ from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
-from eagle_pipeline.stage import Stage, check_disk, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, check_disk, main, require_complete, require_sample_layout, upstream_fingerprint
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
 
@@ -40,10 +40,10 @@ def drafter_params(hidden: int, target_hidden: int, heads: int, kv_heads: int, h
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     t = cfg.train
-    hidden_manifest = require_complete(cfg, 2)
+    hidden_manifest, layout = require_sample_layout(cfg)
     vocab_manifest = require_complete(cfg, 3)
     verifier = Verifier.from_config(cfg)
-    layer_ids = hidden_manifest["counts"]["layer_ids"]
+    layer_ids = list(layout.layer_ids)
     text = verifier.text_config()
     shape = {k: v for k, v in (t.draft_shape.model_dump() if t.draft_shape else {}).items() if v is not None}
     hidden = shape.get("hidden_size", verifier.hidden_size)
@@ -84,8 +84,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     samples = hidden_manifest["counts"]["samples"]
     if not stage.already_complete(inputs, samples):  # checked before anything is written
         check_disk(stage.dir, need, "drafter checkpoints")
-        check_training_data(cfg.stage_dir("02_extract_hidden") / "data", len(layer_ids) + 1, verifier.hidden_size, cfg.seed)
-    if not stage.prepare(inputs, samples=samples):
+        check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)
+    if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
         done = json.loads((stage.dir / "manifest.json").read_text())["counts"].get("epochs_completed")
         if done == t.epochs:
@@ -98,7 +98,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     train_run = TrainRun(
         data_dir=cfg.stage_dir("02_extract_hidden") / "data", d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
         verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
-        storage_dtype=cfg.hidden_states.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
+        storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
     )
     if t.num_gpus == 0:
         summary = runner.train_drafter(t, train_run)

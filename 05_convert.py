@@ -25,7 +25,7 @@ from eagle_pipeline import atomic, convert, verify
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
-from eagle_pipeline.stage import Stage, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, main, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
 
@@ -56,7 +56,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     }
     if not stage.already_complete(inputs):
         convert.read_speculators_checkpoint(checkpoint)  # a checkpoint without weights is refused before any write
-    if not stage.prepare(inputs):
+    if stage.start(inputs) is Start.ALREADY_COMPLETE:
         print(f"stage 05 already complete for these inputs: {stage.dir}")
         return
 

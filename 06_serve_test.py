@@ -24,7 +24,7 @@ from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.report import format_speedup, render_report_md, write_report
 from eagle_pipeline.serve.server import check_port_free
-from eagle_pipeline.stage import Stage, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, main, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
 
@@ -66,7 +66,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "serve": value_fingerprint(s.model_dump(mode="json", exclude={"min_acceptance_length", "port"})),
         "verifier": verifier.fingerprints()["verifier"],
     }
-    if not stage.prepare(inputs):
+    if stage.start(inputs) is Start.ALREADY_COMPLETE:
         report = json.loads((stage.dir / "report.json").read_text())
         ok, message = verdict(report, s.min_acceptance_length)
         print(f"stage 06 already complete for these inputs: {stage.dir}\n{message}")

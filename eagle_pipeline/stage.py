@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import enum
 import importlib.metadata
 import json
 import logging
@@ -114,6 +115,13 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     return parser.parse_args(argv)
 
 
+class Start(enum.Enum):
+    """What Stage.start found."""
+
+    STARTED = "started"
+    ALREADY_COMPLETE = "already complete"
+
+
 class Stage:
     """One run of one stage: its folder, its manifest and its log."""
 
@@ -129,8 +137,11 @@ class Stage:
         self.log_path = self.dir / "logs" / f"{self.name}.log"
 
     # -- the manifest protocol -----------------------------------------------------------------
-    def prepare(self, inputs: dict[str, Any], samples: int | None = None) -> bool:
-        """Record the inputs; return False when the stage is already complete for exactly these inputs.
+    def start(self, inputs: dict[str, Any], samples: int | None = None) -> "Start":
+        """Start (or resume) the stage for these inputs, or say that it is already complete for them.
+
+        STARTED: the manifest now says "running" with these inputs and the stage does its work.
+        ALREADY_COMPLETE: nothing was written; the finished output is for exactly these inputs.
 
         `samples` is how many samples this run wants: more than the finished output holds resumes the
         stage to extend it (scaling up keeps finished work); fewer is refused, since later stages would
@@ -160,14 +171,14 @@ class Stage:
                     f"rerun with --force to rebuild this stage with {samples} samples, or set the count back to {had}"
                 )
             if old.get("status") == "complete" and (samples is None or had == samples):
-                return False
+                return Start.ALREADY_COMPLETE
         self.dir.mkdir(parents=True, exist_ok=True)
         swept = atomic.sweep_temporaries(self.dir)
         if swept:
             log.info("removed %d torn temporary file(s) left by an interrupted run", swept)
         self._write_manifest("running", counts={}, extra={})
         self.write_config()
-        return True
+        return Start.STARTED
 
     def already_complete(self, inputs: dict[str, Any], samples: int | None = None) -> bool:
         """True when the output is complete for exactly these inputs (reads only; for checks worth skipping)."""

@@ -45,7 +45,9 @@ def fake_hidden_states(run_dir: Path, corrupt: str | None = None) -> Path:
 
     fake_conversations(run_dir)
     folder = fake_stage(run_dir, "02_extract_hidden", {"samples": 2, "target_vocab_size": V, "layer_ids": [2, 15, 27]},
-                        inputs={"layer_ids": [2, 15, 27]})
+                        inputs={"layer_ids": [2, 15, 27]},
+                        resolved={"layer_ids": [2, 15, 27], "num_layers": 30, "num_hidden_states": 4, "hidden_size": H,
+                                  "target_vocab_size": V, "storage_dtype": "bfloat16"})
     data = folder / "data"
     rows = [{"sample_id": f"s{i:06d}", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "seq_len": 4} for i in range(2)]
     Dataset.from_list(rows).with_format("torch").save_to_disk(str(data))

@@ -9,7 +9,7 @@ from conftest import write_config
 from eagle_pipeline import atomic
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.stage import Stage, check_disk, read_manifest
+from eagle_pipeline.stage import Stage, Start, check_disk, read_manifest
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def cfg(tmp_path):
 
 def test_manifest_fields_and_skip_when_complete(cfg):
     stage = Stage(3, cfg, force=False)
-    assert stage.prepare({"a": "1"}) is True
+    assert stage.start({"a": "1"}) is Start.STARTED
     assert read_manifest(stage.dir)["status"] == "running"
     stage.finish({"samples": 4}, output_fingerprint="x")
     manifest = read_manifest(stage.dir)
@@ -28,43 +28,43 @@ def test_manifest_fields_and_skip_when_complete(cfg):
     assert manifest["status"] == "complete" and manifest["stage"] == "03_build_vocab_map"
     assert manifest["versions"]["speculators"] == "0.9.0"
     assert (stage.dir / "config.yaml").exists()
-    assert Stage(3, cfg, force=False).prepare({"a": "1"}) is False
+    assert Stage(3, cfg, force=False).start({"a": "1"}) is Start.ALREADY_COMPLETE
 
 
 def test_changed_input_is_refused_and_named(cfg):
     stage = Stage(3, cfg, force=False)
-    stage.prepare({"tokenizer": "aaa", "layer_ids": [2, 15, 27]})
+    stage.start({"tokenizer": "aaa", "layer_ids": [2, 15, 27]})
     stage.finish({}, output_fingerprint="x")
     with pytest.raises(BadInput, match=r"input 'layer_ids' changed .* rerun with --force"):
-        Stage(3, cfg, force=False).prepare({"tokenizer": "aaa", "layer_ids": [2, 14, 27]})
+        Stage(3, cfg, force=False).start({"tokenizer": "aaa", "layer_ids": [2, 14, 27]})
     # an unfinished stage with other inputs is refused as well: its partial output must not be mixed
     stage2 = Stage(2, cfg, force=False)
-    stage2.prepare({"verifier": "v1"})
+    stage2.start({"verifier": "v1"})
     with pytest.raises(BadInput, match=r"input 'verifier' changed"):
-        Stage(2, cfg, force=False).prepare({"verifier": "v2"})
+        Stage(2, cfg, force=False).start({"verifier": "v2"})
 
 
 def test_force_removes_old_output(cfg):
     stage = Stage(3, cfg, force=False)
-    stage.prepare({"a": "1"})
+    stage.start({"a": "1"})
     (stage.dir / "old.bin").write_bytes(b"x")
     (stage.dir / "logs").mkdir()
     (stage.dir / "logs" / "03_build_vocab_map.log").write_text("earlier run")
     stage.finish({}, output_fingerprint="x")
-    assert Stage(3, cfg, force=True).prepare({"a": "2"}) is True
+    assert Stage(3, cfg, force=True).start({"a": "2"}) is Start.STARTED
     assert not (stage.dir / "old.bin").exists()
     assert (stage.dir / "logs" / "03_build_vocab_map.log").read_text() == "earlier run", "logs survive --force"
 
 
 def test_sample_count_up_resumes_and_down_is_refused(cfg):
     stage = Stage(1, cfg, force=False)
-    stage.prepare({"a": "1"}, samples=10)
+    stage.start({"a": "1"}, samples=10)
     stage.finish({"samples": 10}, output_fingerprint="x")
-    assert Stage(1, cfg, force=False).prepare({"a": "1"}, samples=10) is False
-    assert Stage(1, cfg, force=False).prepare({"a": "1"}, samples=20) is True
+    assert Stage(1, cfg, force=False).start({"a": "1"}, samples=10) is Start.ALREADY_COMPLETE
+    assert Stage(1, cfg, force=False).start({"a": "1"}, samples=20) is Start.STARTED
     stage.finish({"samples": 10}, output_fingerprint="x")
     with pytest.raises(BadInput, match=r"sample count went down from 10 to 5"):
-        Stage(1, cfg, force=False).prepare({"a": "1"}, samples=5)
+        Stage(1, cfg, force=False).start({"a": "1"}, samples=5)
 
 
 def test_atomic_write_keeps_old_file_when_writer_fails(tmp_path):

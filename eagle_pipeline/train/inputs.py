@@ -10,6 +10,8 @@ import numpy as np
 
 from eagle_pipeline.config import TrainConfig
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.layer_ids import check_layer_ids
+from eagle_pipeline.samples import SAMPLES_DIR, sample_path
 from eagle_pipeline.train.settings import TrainRun
 
 
@@ -23,13 +25,7 @@ def check_inputs(train: TrainConfig, run: TrainRun) -> Any:
         raise BadInput(f"verifier.path: {verifier} has no config.json; point it at a Hugging Face model folder")
     text_config = verifier_text_config(verifier)
     num_layers = int(text_config.num_hidden_layers)
-    if not run.layer_ids or len(set(run.layer_ids)) != len(run.layer_ids):
-        raise BadInput(f"hidden_states.layer_ids: need distinct layer ids, got {run.layer_ids}")
-    if min(run.layer_ids) < 0 or max(run.layer_ids) > num_layers:
-        raise BadInput(
-            f"hidden_states.layer_ids: {run.layer_ids} must lie in [0, {num_layers}] for this "
-            f"{num_layers}-layer verifier"
-        )
+    check_layer_ids(run.layer_ids, num_layers)
 
     _, t2d = load_vocab_map(run.d2t_path, run.t2d_path)
     if t2d.shape[0] != int(text_config.vocab_size):
@@ -98,7 +94,7 @@ def _check_training_data(train: TrainConfig, run: TrainRun, hidden_size: int) ->
             f"train.val_ratio: {train.val_ratio} of {rows} samples leaves an empty train or validation "
             f"split; generate more samples or change the ratio"
         )
-    first = data / "hidden_states" / "hs_0.safetensors"
+    first = sample_path(data / SAMPLES_DIR, 0)
     if not first.is_file():
         raise BadInput(f"{first}: hidden states are missing; run stage 02 first")
     with safe_open(str(first), framework="pt") as f:

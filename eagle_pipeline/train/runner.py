@@ -29,7 +29,7 @@ from eagle_pipeline.train.checkpoints import (
 from eagle_pipeline.train.draft_config import DRAFT_CONFIG_FILE, build_draft_config, check_init_from
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.metrics import LOSS_PNG, METRICS_CSV, MetricsRecorder, plot_metrics, read_metrics, truncate_metrics
-from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun, speculators_backend
+from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
         "--speculator-type", "eagle3",
         "--verifier-name-or-path", str(run.verifier_dir),
         "--data-path", str(run.data_dir),
-        "--hidden-states-backend", speculators_backend(run.storage_dtype),
+        "--hidden-states-backend", run.storage_dtype.speculators_backend,
         "--save-path", str(run.checkpoint_dir),
         "--d2t-path", str(run.d2t_path),
         "--t2d-path", str(run.t2d_path),

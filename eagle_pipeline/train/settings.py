@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagle_pipeline.config import TrainConfig
+from eagle_pipeline.samples import StorageDtype
 
 # TrainConfig fields that may change between a run and its resumption without invalidating its
 # checkpoints; every other setting is recorded in the stage manifest, which refuses a change.
@@ -16,15 +17,6 @@ RESUMABLE_SETTINGS = ("epochs", "keep_last", "num_workers", "threads")
 
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
-
-
-def speculators_backend(storage_dtype: str) -> str:
-    """speculators' --hidden-states-backend for stage 02's `hidden_states.storage_dtype`.
-
-    fp8 files carry per-token scales that only speculators' fp8 backend applies; bf16 files are read by
-    its plain safetensors ("file") backend.
-    """
-    return {"bfloat16": "file", "fp8": "fp8"}[storage_dtype]
 
 
 @dataclass
@@ -38,7 +30,7 @@ class TrainRun:
     out_dir: Path
     layer_ids: list[int]  # the verifier layers whose hidden states the drafter reads
     seed: int
-    storage_dtype: Literal["bfloat16", "fp8"]  # how stage 02 stored the hidden states
+    storage_dtype: StorageDtype  # how stage 02 stored the hidden states
     device: Literal["cpu", "cuda"]
     max_steps: int | None = None  # stop after this many optimizer steps (short runs)
 
@@ -46,6 +38,7 @@ class TrainRun:
         for name in ("data_dir", "d2t_path", "t2d_path", "verifier_dir", "out_dir"):
             setattr(self, name, Path(os.fspath(getattr(self, name))).expanduser().resolve())
         self.layer_ids = [int(i) for i in self.layer_ids]
+        self.storage_dtype = StorageDtype(self.storage_dtype)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -56,7 +49,7 @@ class TrainRun:
         return self.out_dir / TENSORBOARD
 
     def to_json(self) -> dict[str, Any]:
-        return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self).items()}
+        return {key: str(value) if isinstance(value, (Path, StorageDtype)) else value for key, value in asdict(self).items()}
 
 
 def recorded_settings(train: TrainConfig) -> dict[str, Any]:
