@@ -13,11 +13,23 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def write_config(path: Path, **overrides) -> Path:
-    """A config file that extends configs/tiny.yaml with nested overrides."""
-    data = {"extends": str(REPO / "configs" / "tiny.yaml"), **overrides}
+TINY_CONFIG = REPO / "configs" / "tiny.yaml"
+# The suite's one small pipeline run: 6 conversations of at most 24 tokens, short training and serving, an
+# acceptance floor any drafter passes. It is also what users get as their first try.
+SMOKE_CONFIG = REPO / "configs" / "tiny-smoke.yaml"
+SMOKE = yaml.safe_load(SMOKE_CONFIG.read_text())
+
+
+def write_config(path: Path, base: Path = TINY_CONFIG, **overrides) -> Path:
+    """A config file that extends `base` (configs/tiny.yaml) with nested overrides."""
+    data = {"extends": str(base), **overrides}
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def write_smoke_config(path: Path, **overrides) -> Path:
+    """A config file that extends configs/tiny-smoke.yaml with nested overrides."""
+    return write_config(path, base=SMOKE_CONFIG, **overrides)
 
 
 def run_stage(script: str, config: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -33,16 +45,6 @@ def tiny_config(tmp_path: Path) -> Path:
     return write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="t")
 
 
-# A pipeline run small enough for tests: 6 conversations of at most 24 tokens, eager vLLM engines.
-SMALL = dict(
-    data={"num_samples": 6, "num_eval_prompts": 3},
-    generation={"max_tokens": 24, "batch_size": 4},
-    hidden_states={"batch_size": 2},
-    vocab={"draft_vocab_size": 512},
-    verifier={"cpu_kvcache_gib": 1},
-)
-
-
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -52,15 +54,10 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def small_run(tmp_path_factory):
     """Stages 01-03 run for real once per test session: (root, config, run_dir)."""
     root = tmp_path_factory.mktemp("pipeline")
-    config = write_config(root / "run.yaml", data_root=str(root / "data"), run_name="t", **SMALL)
+    config = write_smoke_config(root / "run.yaml", data_root=str(root / "data"), run_name="t")
     for script in ("01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py"):
         ok(run_stage(script, config))
     return root, config, root / "data" / "t"
-
-
-# Stages 04-06 on the small run: short training and serving, and an acceptance floor any drafter passes.
-LATER = ["--set", "train.epochs=2", "--set", "convert.parity_prompts=2", "--set", "convert.parity_max_tokens=16",
-         "--set", "serve.max_tokens=24", "--set", "serve.min_acceptance_length=1.0", "--set", "serve.concurrency=2"]
 
 
 @pytest.fixture(scope="session")
@@ -68,5 +65,5 @@ def finished_small_run(small_run):
     """The small run with stages 04-06 done as well, once per test session: (config, run_dir)."""
     root, config, run_dir = small_run
     for script in ("04_train.py", "05_convert.py", "06_serve_test.py"):
-        ok(run_stage(script, config, *LATER, timeout=1800))
+        ok(run_stage(script, config, timeout=1800))
     return config, run_dir

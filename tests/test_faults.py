@@ -29,8 +29,7 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
-
-from conftest import LATER, REPO, SMALL, ok, run_stage, write_config
+from conftest import REPO, ok, run_stage, write_smoke_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -213,8 +212,8 @@ def dataset_rows(folder: Path) -> list[dict]:
 
 @pytest.fixture
 def run(tmp_path):
-    """A fresh run folder and the SMALL config pointing at it: (config, run_dir)."""
-    config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="f", **SMALL)
+    """A fresh run folder and the smoke config pointing at it: (config, run_dir)."""
+    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="f")
     return config, tmp_path / "data" / "f"
 
 
@@ -229,7 +228,7 @@ def test_stage_01_killed_three_times_gives_the_reference_conversations(small_run
     kill_at("01_generate_data.py", config, stage_dir=stage, when=lambda: status(stage) == "running",
             delay=rng.uniform(0.5, 4.0), log_path=tmp_path / "kill-1.log")
     assert parts() == []
-    # Right after the first batch of 4 (SMALL) is written, while the second is generated.
+    # Right after the first batch of 4 (tiny-smoke.yaml) is written, while the second is generated.
     kill_at("01_generate_data.py", config, stage_dir=stage, when=lambda: len(parts()) >= 1,
             delay=rng.uniform(0.0, 0.05), log_path=tmp_path / "kill-2.log")
     assert len(parts()) == 1
@@ -257,8 +256,8 @@ def test_stage_02_killed_twice_gives_the_reference_hidden_states(small_run, tmp_
     _, _, reference = small_run
     run_dir = tmp_path / "data" / "f"
     # One sample per engine call: a file every fraction of a second, so kills land between files.
-    config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="f",
-                          **{**SMALL, "hidden_states": {"batch_size": 1}})
+    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="f",
+                                hidden_states={"batch_size": 1})
     link_stages(reference, run_dir, "01_generate_data")
     stage = run_dir / "02_extract_hidden"
     hs_dir = stage / "data" / "hidden_states"
@@ -313,12 +312,13 @@ def test_stage_03_killed_twice_gives_the_reference_vocabulary_bytes(small_run, r
 
 
 # --------------------------------------------------------------------------------------------------------
-# Stages 04-06 against the session's finished_small_run (LATER settings)
+# Stages 04-06 against the session's finished_small_run (tiny-smoke.yaml settings)
 
 
 def test_stage_04_killed_while_saving_and_while_training_resumes_to_the_reference_steps(finished_small_run, run,
                                                                                       tmp_path):
-    from eagle_pipeline.train import checkpoints as train_checkpoints, metrics
+    from eagle_pipeline.train import checkpoints as train_checkpoints
+    from eagle_pipeline.train import metrics
 
     _, reference = finished_small_run
     config, run_dir = run
@@ -328,17 +328,17 @@ def test_stage_04_killed_while_saving_and_while_training_resumes_to_the_referenc
     rng = random.Random(SEED + 4)
 
     # While speculators writes or validates the first checkpoint: a torn folder the rerun must delete.
-    kill_at("04_train.py", config, *LATER, stage_dir=stage, when=lambda: (checkpoints / "0").is_dir(),
+    kill_at("04_train.py", config, stage_dir=stage, when=lambda: (checkpoints / "0").is_dir(),
             delay=rng.uniform(0.0, 0.3), log_path=tmp_path / "kill-1.log")
     assert train_checkpoints.complete_checkpoints(checkpoints) == {}
     # In the second epoch, once the first checkpoint is complete: the rerun resumes from it.
-    output = kill_at("04_train.py", config, *LATER, stage_dir=stage,
+    output = kill_at("04_train.py", config, stage_dir=stage,
                      when=lambda: (checkpoints / "0" / train_checkpoints.COMPLETE_MARKER).exists(),
                      delay=rng.uniform(0.0, 0.5), log_path=tmp_path / "kill-2.log")
     assert "Removed incomplete checkpoint 0" in output
     assert list(train_checkpoints.complete_checkpoints(checkpoints)) == [0]
 
-    ok(run_stage("04_train.py", config, *LATER, timeout=1800))
+    ok(run_stage("04_train.py", config, timeout=1800))
     manifest = assert_complete_and_whole(stage)
     want = reference / "04_train"
     expected = read_manifest(want)
@@ -374,15 +374,15 @@ def test_stage_05_killed_twice_converts_the_same_bytes_and_passes(finished_small
     rng = random.Random(SEED + 5)
 
     # While it converts.
-    kill_at("05_convert.py", config, *LATER, stage_dir=stage, when=lambda: status(stage) == "running",
+    kill_at("05_convert.py", config, stage_dir=stage, when=lambda: status(stage) == "running",
             delay=rng.uniform(0.0, 0.5), log_path=tmp_path / "kill-1.log")
     # While vLLM verifies the converted folder.
-    kill_at("05_convert.py", config, *LATER, stage_dir=stage,
+    kill_at("05_convert.py", config, stage_dir=stage,
             when=lambda: (stage / "vllm" / "model.safetensors").exists(),
             delay=rng.uniform(2.0, 10.0), log_path=tmp_path / "kill-2.log")
     assert not (stage / "verify.json").exists()
 
-    ok(run_stage("05_convert.py", config, *LATER, timeout=1800))
+    ok(run_stage("05_convert.py", config, timeout=1800))
     manifest = assert_complete_and_whole(stage)
     want = reference / "05_convert"
     for name in ("config.json", "model.safetensors"):
@@ -401,7 +401,7 @@ def test_stage_06_killed_while_serving_leaves_no_server_and_reruns_to_a_report(f
     stage = run_dir / "06_serve_test"
     first_log = stage / "logs" / "server-none.log"
     # Two servers instead of three: what a kill leaves behind does not depend on the mode.
-    settings = [*LATER, "--set", "serve.ngram_baseline=false"]
+    settings = ["--set", "serve.ngram_baseline=false"]
     rng = random.Random(SEED + 6)
 
     # While the first server's engine loads the weights: API server, engine core and worker all running.
@@ -506,12 +506,12 @@ def test_stage_04_refuses_a_disk_without_room_for_its_checkpoints(small_run, run
     _, _, reference = small_run
     config, run_dir = run
     link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden", "03_build_vocab_map")
-    dry = ok(run_stage("04_train.py", config, *LATER, "--dry-run"))
+    dry = ok(run_stage("04_train.py", config, "--dry-run"))
     need = re.search(r"checkpoints ~([\d.]+) GB", dry.stdout).group(1)
     stage = run_dir / "04_train"
 
     with tmpfs(stage, 16 * 2**20):
-        result = run_stage("04_train.py", config, *LATER)
+        result = run_stage("04_train.py", config)
         free = f"{shutil.disk_usage(stage).free / 1e9:.2f}"
         assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
         last = result.stderr.strip().splitlines()[-1]

@@ -32,8 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import SMALL, ok, run_stage, write_config
+from conftest import SMOKE, ok, run_stage, write_smoke_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -148,10 +147,10 @@ def kimi(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
 def kimi_run(kimi) -> Path:
     """Stages 01 and 02 for real on the tiny Kimi-K2.5 verifier; returns the run folder."""
     root, _ = kimi
-    config = write_config(
+    config = write_smoke_config(
         root / "run.yaml", data_root=str(root / "data"), run_name="k",
-        **{**SMALL, "verifier": {"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS},
-           "hidden_states": {"layer_ids": LAYER_IDS, "batch_size": 3}},
+        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS},
+        hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
     )
     for script in ("01_generate_data.py", "02_extract_hidden.py"):
         ok(run_stage(script, config))
@@ -179,7 +178,7 @@ def test_stage_02_captures_the_states_hf_computes_for_the_mla_verifier(kimi, kim
     manifest = json.loads((stage / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["counts"]["layer_ids"] == LAYER_IDS
     rows = load_from_disk(str(stage / "data"))
-    assert len(rows) == SMALL["data"]["num_samples"]
+    assert len(rows) == SMOKE["data"]["num_samples"]
     for index, row in enumerate(rows):
         sample = load_file(str(stage / "data" / "hidden_states" / f"hs_{index}.safetensors"))
         token_ids = row["input_ids"].long()

@@ -3,8 +3,7 @@
 import json
 
 import pytest
-
-from conftest import LATER, run_stage
+from conftest import run_stage
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -63,6 +62,5 @@ def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
 
 def test_acceptance_below_the_floor_fails_the_stage(finished):
     config, _ = finished
-    result = run_stage("06_serve_test.py", config, *LATER[:-4], "--set", "serve.min_acceptance_length=3.99",
-                       "--set", "serve.concurrency=2")
+    result = run_stage("06_serve_test.py", config, "--set", "serve.min_acceptance_length=3.99")
     assert result.returncode == 1 and "FAIL: mean acceptance length" in result.stdout
