@@ -2,7 +2,9 @@
 
 The drafter learns to predict what the target says, so the target writes the answers: each prompt is
 rendered with the target's chat template and answered by vLLM's offline engine with the configured
-sampling settings (reasoning on or off).
+sampling settings (reasoning on or off, through the template's own switch: eagle_pipeline/chat_template.py).
+Each conversation keeps the token ids vLLM rendered for the prompt and the ids the target generated, so
+stage 02 trains on exactly the sequence the model produced.
 
 Embedded default (CPU, a few minutes):
     python 01_generate_data.py --config configs/tiny.yaml
@@ -11,20 +13,23 @@ Full scale (8 GPUs, see README "Running on a GPU host"):
 
 Output in <data_root>/<run_name>/01_generate_data/:
     parts/part-*.jsonl   finished batches (a crash loses at most the batch in flight)
-    conversations/       `datasets` dataset: sample_id, prompt_id, messages, finish_reason, token counts
+    conversations/       `datasets` dataset: sample_id, prompt_id, messages, finish_reason, token counts,
+                         prompt_token_ids, completion_token_ids
     manifest.json        inputs, counts, timings (written last)
 """
 
 import json
 import time
-from pathlib import Path
 
 from eagle_pipeline import atomic, plots
+from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.stage import Stage, Start, main
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.stage import Stage, Start, main
 from eagle_pipeline.verifier import Verifier, check_verifier_path
+
+RECORD_FORMAT = 2
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -51,6 +56,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         return
 
     verifier = Verifier.from_config(cfg)
+    template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
     generation = cfg.generation.model_dump(mode="json")
     generation.pop("batch_size")  # batching changes nothing in the output
     inputs = {
@@ -59,6 +65,9 @@ def run(stage: Stage, dry_run: bool) -> None:
         "generation": value_fingerprint(generation),
         "engine": value_fingerprint([cfg.verifier.dtype, cfg.verifier.engine_args]),
         "seed": cfg.seed,
+        "chat_template_kwargs": template_kwargs,
+        # Version of the records in parts/: 2 added the prompt's and the completion's token ids.
+        "record_format": RECORD_FORMAT,
     }
     if stage.start(inputs, samples=len(prompts)) is Start.ALREADY_COMPLETE:
         print(f"stage 01 already complete for these inputs: {stage.dir}")
@@ -103,7 +112,7 @@ def run(stage: Stage, dry_run: bool) -> None:
                     conversations,
                     params,
                     use_tqdm=False,
-                    chat_template_kwargs={"enable_thinking": cfg.generation.reasoning},
+                    chat_template_kwargs=template_kwargs,
                 )
                 records = []
                 for i, messages, out in zip(batch, conversations, outputs):
@@ -116,6 +125,8 @@ def run(stage: Stage, dry_run: bool) -> None:
                         "finish_reason": completion.finish_reason,
                         "prompt_tokens": len(out.prompt_token_ids),
                         "completion_tokens": len(completion.token_ids),
+                        "prompt_token_ids": list(out.prompt_token_ids),
+                        "completion_token_ids": list(completion.token_ids),
                     })
                 part = parts_dir / f"part-{sample_ids[batch[0]]}-{len(batch):05d}.jsonl"
                 atomic.write_text(part, "".join(json.dumps(r) + "\n" for r in records))

@@ -1,8 +1,8 @@
 """Stage 02: the target's auxiliary hidden states for every training conversation, captured through vLLM.
 
-Each conversation is tokenized with the target's chat template (loss mask = 1 on assistant tokens) and run
-through vLLM's `extract_hidden_states` speculative method, which hands the residual stream at the aux
-layer ids (HF `hidden_states` indices, default (2, L//2, L-3)) plus the final layer (pre-norm) to a
+Each conversation's sequence is the token ids stage 01 recorded from vLLM: the rendered prompt and the
+target's completion (loss mask = 1 on the completion; eagle_pipeline/sequences.py). It is run through
+vLLM's `extract_hidden_states` speculative method, which hands the residual stream at the aux layer ids (HF `hidden_states` indices, default (2, L//2, L-3)) plus the final layer (pre-norm) to a
 hidden-states KV connector. Output is speculators' offline format, read unchanged by its trainer.
 
 Embedded default (CPU, a few minutes):
@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from eagle_pipeline import atomic, plots
-from eagle_pipeline.chat_tokens import tokenize_conversation
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.layer_ids import resolve_layer_ids
 from eagle_pipeline.samples import SAMPLES_DIR, SampleLayout, estimate_bytes, sample_files, sample_matches, sample_path
+from eagle_pipeline.sequences import training_sequence
 from eagle_pipeline.stage import Stage, Start, check_disk, main, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
@@ -67,11 +67,13 @@ def run(stage: Stage, dry_run: bool) -> None:
     # -- token ids and loss masks ---------------------------------------------------------------------
     from datasets import load_from_disk
 
-    conversations = load_from_disk(str(cfg.stage_dir("01_generate_data") / "conversations"))
-    chat_kwargs = {"enable_thinking": cfg.generation.reasoning}
+    conversations_dir = cfg.stage_dir("01_generate_data") / "conversations"
+    conversations = load_from_disk(str(conversations_dir))
+    if "completion_token_ids" not in conversations.column_names:
+        raise BadInput(f"{conversations_dir}: has no token ids (made by an older stage 01); rerun 01_generate_data.py with --force")
     rows = []
     for conv in conversations:
-        ids, mask = tokenize_conversation(verifier.tokenizer, conv["messages"], max_len=hs_cfg.max_seq_len, chat_template_kwargs=chat_kwargs)
+        ids, mask = training_sequence(conv["prompt_token_ids"], conv["completion_token_ids"], max_len=hs_cfg.max_seq_len)
         rows.append({"sample_id": conv["sample_id"], "input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
     total_tokens = sum(r["seq_len"] for r in rows)
     need = estimate_bytes(total_tokens, num_states, hidden_size, hs_cfg.storage_dtype)

@@ -18,6 +18,7 @@ position, tokens/s per mode), responses.jsonl, logs/server-<mode>.log, manifest.
 import json
 import sys
 
+from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.prompts import load_prompts
@@ -59,12 +60,14 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}")
         return
     verifier = Verifier.from_config(cfg)
+    template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
     inputs = {
         "drafter": upstream_fingerprint(converted),
         "drafter_weights": converted["output_fingerprint"],
         "eval_prompts": value_fingerprint(prompts),
-        "serve": value_fingerprint(s.model_dump(mode="json", exclude={"min_acceptance_length", "port"})),
+        "serve": value_fingerprint(s.model_dump(mode="json", exclude={"min_acceptance_length", "port", "startup_timeout_s"})),
         "verifier": verifier.fingerprints()["verifier"],
+        "chat_template_kwargs": template_kwargs,
     }
     if stage.start(inputs) is Start.ALREADY_COMPLETE:
         report = json.loads((stage.dir / "report.json").read_text())
@@ -80,6 +83,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         verifier.path, drafter_dir, [p["messages"] for p in prompts],
         num_speculative_tokens=s.num_speculative_tokens, modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
         concurrency=s.concurrency, seed=cfg.seed, port=s.port, log_dir=stage.dir / "logs", **server_kwargs(cfg),
+        startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
     )
     ok, message = verdict(report, s.min_acceptance_length)
     report["verdict"] = message

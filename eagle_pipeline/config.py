@@ -53,7 +53,8 @@ class GenerationConfig(Section):
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    reasoning: bool = Field(False, description="chat template enable_thinking")
+    reasoning: bool = Field(False, description="thinking on or off, through the template's own switch (enable_thinking, thinking, ...)")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra chat-template arguments; override the detected thinking switch")
     system_prompt: Optional[str] = None
     batch_size: int = Field(32, ge=1, description="prompts per engine call; a crash loses at most one batch")
 
@@ -160,6 +161,8 @@ class ServeConfig(Section):
     port: Optional[int] = Field(None, ge=1, le=65535)
     ngram_baseline: bool = True
     min_acceptance_length: float = Field(1.5, ge=1)
+    # A cold start of a ~600 GB target (weights from disk, graph capture on 8 GPUs) takes tens of minutes.
+    startup_timeout_s: float = Field(3600.0, gt=0, description="seconds a vLLM server may take to become healthy")
 
 
 class RunConfig(Section):

@@ -71,3 +71,30 @@ def test_changed_layer_ids_make_stage_02_refuse(small_run):
     result = run_stage("02_extract_hidden.py", config, "--set", "hidden_states.layer_ids=[3, 15, 27]")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error:") and "'layer_ids' changed" in result.stderr
+
+
+def test_stage_02_trains_on_exactly_the_token_ids_vllm_produced_in_stage_01(small_run):
+    _, _, run_dir = small_run
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    conversations = load_from_disk(str(run_dir / "01_generate_data" / "conversations"))
+    rows = load_from_disk(str(run_dir / "02_extract_hidden" / "data")).with_format(None)
+    tokenizer = AutoTokenizer.from_pretrained(str(_verifier_dir()))
+    for conv, row in zip(conversations, rows):
+        prompt, completion = conv["prompt_token_ids"], conv["completion_token_ids"]
+        assert row["input_ids"] == prompt + completion
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(completion)
+        # The prompt is the chat template's rendering with the generation prompt, as the engine saw it ...
+        rendered = tokenizer.apply_chat_template(conv["messages"][:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert prompt == rendered
+        # ... and the completion is the answer text followed by the end-of-turn token the target generated.
+        assert tokenizer.decode(completion, skip_special_tokens=True) == conv["messages"][-1]["content"]
+    stop = [c for c in conversations if c["finish_reason"] == "stop"]
+    assert all(c["completion_token_ids"][-1] == tokenizer.convert_tokens_to_ids("<|im_end|>") for c in stop)
+
+
+def _verifier_dir():
+    from eagle_pipeline.embedded import materialize
+
+    return materialize("smollm2-135m-instruct")

@@ -44,10 +44,12 @@ def run_prompts(
     concurrency: int = 1,
     seed: int | None = 0,
     request_timeout_s: float = 1800.0,
+    chat_template_kwargs: dict | None = None,
 ) -> PromptRun:
     """Send every prompt (a chat message list) to /v1/chat/completions, `concurrency` at a time.
 
     Results keep the prompts' order. A failed request raises: a measurement with holes is not one.
+    `chat_template_kwargs` go to the server's chat template (eagle_pipeline.chat_template), as stage 01 used them.
     """
     from openai import BadRequestError, OpenAI
 
@@ -63,6 +65,7 @@ def run_prompts(
         try:
             response = client.chat.completions.create(
                 model=model, messages=prompts[index], max_tokens=max_tokens, temperature=temperature, seed=seed,
+                extra_body={"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else None,
             )
         except BadRequestError as exc:
             stop.set()

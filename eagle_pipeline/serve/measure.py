@@ -172,6 +172,7 @@ def measure_modes(
     env: dict[str, str] | None = None,
     log_dir: str | os.PathLike,
     startup_timeout_s: float = 1200.0,
+    chat_template_kwargs: dict | None = None,
     log=print,
 ) -> dict:
     """Serve the target once per mode (sequentially), measure, and return the report dict.
@@ -196,10 +197,11 @@ def measure_modes(
         with server:
             log(f"[{mode}] server healthy after {server.start_seconds:.1f} s; warm-up request")
             run_prompts(server.base_url, server.model, [warmup_prompt], max_tokens=8, temperature=temperature,
-                        concurrency=1, seed=seed)
+                        concurrency=1, seed=seed, chat_template_kwargs=chat_template_kwargs)
             before = scrape_spec_metrics(server.base_url)
             run = run_prompts(server.base_url, server.model, prompts, max_tokens=max_tokens,
-                              temperature=temperature, concurrency=concurrency, seed=seed)
+                              temperature=temperature, concurrency=concurrency, seed=seed,
+                              chat_template_kwargs=chat_template_kwargs)
             after = wait_for_counted_tokens(server.base_url, before, run.output_tokens)
         measurement = ModeMeasurement(mode=mode, speculative_config=configs[mode], run=run,
                                       metrics=metrics_delta(before, after), server_start_s=server.start_seconds)
