@@ -2,8 +2,9 @@
 
 Each conversation's sequence is the token ids stage 01 recorded from vLLM: the rendered prompt and the
 target's completion (loss mask = 1 on the completion; eagle_pipeline/sequences.py). It is run through
-vLLM's `extract_hidden_states` speculative method, which hands the residual stream at the aux layer ids (HF `hidden_states` indices, default (2, L//2, L-3)) plus the final layer (pre-norm) to a
-hidden-states KV connector. Output is speculators' offline format, read unchanged by its trainer.
+vLLM's `extract_hidden_states` speculative method, which hands the residual stream at the aux layer ids
+(HF `hidden_states` indices, default (2, L//2, L-3)) plus the final layer (pre-norm) to a hidden-states KV
+connector. Output is speculators' offline format, read unchanged by its trainer.
 
 Embedded default (CPU, a few minutes):
     python 02_extract_hidden.py --config configs/tiny.yaml
@@ -26,10 +27,19 @@ from pathlib import Path
 from eagle_pipeline import atomic, plots
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
-from eagle_pipeline.layer_ids import resolve_layer_ids
-from eagle_pipeline.samples import SAMPLES_DIR, SampleLayout, estimate_bytes, sample_files, sample_matches, sample_path
+from eagle_pipeline.samples import SAMPLES_DIR, estimate_bytes, sample_files, sample_matches, sample_path
 from eagle_pipeline.sequences import training_sequence
-from eagle_pipeline.stage import Stage, Start, check_disk, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import (
+    Stage,
+    Start,
+    check_disk,
+    is_complete,
+    main,
+    not_run_yet_note,
+    planned_sample_layout,
+    require_complete,
+    upstream_fingerprint,
+)
 from eagle_pipeline.verifier import Verifier
 
 
@@ -50,8 +60,27 @@ def write_dataset(rows: list[dict], data_dir: Path) -> None:
             os.replace(tmp / name, data_dir / name)
 
 
+def plan_without_conversations(stage: Stage) -> None:
+    """Dry run on a fresh host: the shapes and the disk bound from the config and the target alone."""
+    cfg = stage.cfg
+    verifier = Verifier.from_config(cfg)
+    layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    max_tokens = cfg.data.num_samples * cfg.hidden_states.max_seq_len
+    need = estimate_bytes(max_tokens, layout.num_hidden_states, layout.hidden_size, layout.storage_dtype)
+    print(f"stage 02: capture hidden states of {cfg.data.num_samples} conversations")
+    print(not_run_yet_note(cfg, 1))
+    print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden {layout.hidden_size}), "
+          f"tensor_parallel={cfg.verifier.tensor_parallel_size}, expert_parallel={cfg.verifier.enable_expert_parallel}")
+    print(f"  aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}; stored as {layout.storage_dtype} "
+          f"[seq, {layout.num_hidden_states}, {layout.hidden_size}]")
+    print(f"  disk needed at most ~{need / 1e9:.2f} GB ({need / max_tokens / 1e3:.1f} KB/token, every conversation at "
+          f"hidden_states.max_seq_len {cfg.hidden_states.max_seq_len}) under {stage.dir}")
+
+
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
+    if dry_run and not is_complete(cfg, 1):
+        return plan_without_conversations(stage)
     upstream = require_complete(cfg, 1)
     hs_cfg = cfg.hidden_states
     if hs_cfg.max_seq_len >= cfg.verifier.max_model_len:
@@ -60,9 +89,8 @@ def run(stage: Stage, dry_run: bool) -> None:
             f"({cfg.verifier.max_model_len}); the engine needs room for one sampled token"
         )
     verifier = Verifier.from_config(cfg)
-    layer_ids = resolve_layer_ids(hs_cfg.layer_ids, verifier.num_layers)
-    num_states = len(layer_ids) + 1
-    hidden_size = verifier.hidden_size
+    layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    layer_ids, num_states, hidden_size = list(layout.layer_ids), layout.num_hidden_states, layout.hidden_size
 
     # -- token ids and loss masks ---------------------------------------------------------------------
     from datasets import load_from_disk
@@ -165,8 +193,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         "capture_seconds": round(capture_seconds, 1),
         "capture_tokens_per_s": round(todo_tokens / capture_seconds, 1) if capture_seconds else None,
     }
-    layout = SampleLayout(layer_ids=tuple(layer_ids), num_layers=verifier.num_layers, hidden_size=hidden_size,
-                          target_vocab_size=verifier.vocab_size, storage_dtype=hs_cfg.storage_dtype)
     stage.finish(counts, output_fingerprint=value_fingerprint([r["input_ids"] for r in rows]),
                  extra={"resolved": layout.to_json()})
     print(

@@ -17,14 +17,23 @@ import numpy as np
 
 from eagle_pipeline import atomic, plots, vocab
 from eagle_pipeline.fingerprint import file_fingerprint
-from eagle_pipeline.stage import Stage, Start, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, is_complete, main, not_run_yet_note, require_complete, upstream_fingerprint
+from eagle_pipeline.verifier import Verifier
 
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
+    draft_vocab_size = cfg.vocab.draft_vocab_size
+    if dry_run and not is_complete(cfg, 2):
+        vocab_size = Verifier.from_config(cfg).vocab_size
+        if draft_vocab_size > vocab_size:
+            vocab.select_draft_ids(np.zeros(vocab_size, dtype=np.int64), draft_vocab_size)  # raises the BadInput
+        print(f"stage 03: draft vocabulary of {draft_vocab_size} from {cfg.data.num_samples} samples, "
+              f"target vocabulary {vocab_size} -> {stage.dir}")
+        print(not_run_yet_note(cfg, 2))
+        return
     upstream = require_complete(cfg, 2)
     vocab_size = upstream["counts"]["target_vocab_size"]
-    draft_vocab_size = cfg.vocab.draft_vocab_size
     if draft_vocab_size > vocab_size:
         vocab.select_draft_ids(np.zeros(vocab_size, dtype=np.int64), draft_vocab_size)  # raises the BadInput
     if dry_run:

@@ -21,14 +21,27 @@ from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
-from eagle_pipeline.stage import Stage, Start, check_disk, main, require_complete, require_sample_layout, upstream_fingerprint
+from eagle_pipeline.stage import (
+    Stage,
+    Start,
+    check_disk,
+    is_complete,
+    main,
+    not_run_yet_note,
+    planned_sample_layout,
+    require_complete,
+    require_sample_layout,
+    upstream_fingerprint,
+)
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
 
 
-def checkpoint_bytes(params: int, keep: int) -> int:
-    """fp32 weights + two AdamW moments per parameter, for each kept checkpoint (plus the best)."""
-    return params * 4 * 3 * (keep + 1)
+def checkpoint_bytes(params: int, frozen: int, keep: int) -> int:
+    """Disk for the kept checkpoints (plus the best): speculators 0.9 saves every weight in bf16 and, for the
+    trained ones only, AdamW's two moments in bf16; the frozen target embeddings (most of a Kimi drafter's
+    parameters) have no optimizer state."""
+    return (2 * params + 4 * (params - frozen)) * (keep + 1)
 
 
 def drafter_params(hidden: int, target_hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, n_aux: int,
@@ -40,9 +53,13 @@ def drafter_params(hidden: int, target_hidden: int, heads: int, kv_heads: int, h
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     t = cfg.train
-    hidden_manifest, layout = require_sample_layout(cfg)
-    vocab_manifest = require_complete(cfg, 3)
     verifier = Verifier.from_config(cfg)
+    planning = dry_run and not (is_complete(cfg, 2) and is_complete(cfg, 3))
+    if planning:  # a fresh host: the shapes and the disk from the config and the target alone
+        layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    else:
+        hidden_manifest, layout = require_sample_layout(cfg)
+        vocab_manifest = require_complete(cfg, 3)
     layer_ids = list(layout.layer_ids)
     text = verifier.text_config()
     shape = {k: v for k, v in (t.draft_shape.model_dump() if t.draft_shape else {}).items() if v is not None}
@@ -53,7 +70,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     inter = shape.get("intermediate_size", text.get("intermediate_size"))
     params = drafter_params(hidden, verifier.hidden_size, heads, kv_heads, head_dim, inter, len(layer_ids),
                             cfg.vocab.draft_vocab_size, verifier.vocab_size)
-    need = checkpoint_bytes(params, t.keep_last)
+    need = checkpoint_bytes(params, frozen=verifier.vocab_size * hidden, keep=t.keep_last)
     if t.num_gpus == 0:
         launcher = "in-process on the CPU"
     else:
@@ -61,9 +78,14 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     if dry_run:
         print(f"stage 04: train an EAGLE-3 drafter {launcher}, {t.epochs} epochs, {t.optimizer}, {t.dtype}, lr {t.lr}")
+        if planning:
+            print(not_run_yet_note(cfg, 2 if not is_complete(cfg, 2) else 3))
         print(f"  verifier {verifier.path} ({verifier.architecture}); aux layer ids {layer_ids}")
         print(f"  drafter: hidden {hidden}, heads {heads}/{kv_heads} kv, head_dim {head_dim}, intermediate {inter}, "
               f"draft vocab {cfg.vocab.draft_vocab_size}, ~{params / 1e6:.1f}M parameters")
+        print(f"  shapes: fc [{hidden}, {len(layer_ids) * verifier.hidden_size}], q_proj [{heads * head_dim}, {2 * hidden}], "
+              f"k/v_proj [{kv_heads * head_dim}, {2 * hidden}], o_proj [{hidden}, {heads * head_dim}], "
+              f"gate/up [{inter}, {hidden}], lm_head [{cfg.vocab.draft_vocab_size}, {hidden}]")
         print(f"  init_from {t.init_from or '(scratch)'}; checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
         return
 

@@ -25,13 +25,23 @@ from eagle_pipeline import atomic, convert, verify
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
-from eagle_pipeline.stage import Stage, Start, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, is_complete, main, not_run_yet_note, planned_sample_layout, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     c = cfg.convert
+    if dry_run and not is_complete(cfg, 4):
+        verifier = Verifier.from_config(cfg)
+        layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+        print(f"stage 05: convert the best checkpoint under {cfg.stage_dir('04_train') / 'checkpoints'} for vLLM"
+              f"{' and SGLang' if c.sglang else ''}; aux layer ids {list(layout.layer_ids)}, target vocab {verifier.vocab_size}, "
+              f"draft vocab {cfg.vocab.draft_vocab_size}")
+        print(not_run_yet_note(cfg, 4))
+        print(f"  verify shapes{' against ' + c.reference_dir if c.reference_dir else ''}, config, vLLM load_weights, "
+              f"acceptance parity on {c.parity_prompts} prompts (tolerance {c.parity_tolerance})")
+        return
     trained = require_complete(cfg, 4)
     best = trained["counts"].get("best") or {}
     checkpoint = cfg.stage_dir("04_train") / (best.get("checkpoint") or trained["counts"]["last_checkpoint"])

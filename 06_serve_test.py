@@ -25,7 +25,7 @@ from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.report import format_speedup, render_report_md, write_report
 from eagle_pipeline.serve.server import check_port_free
-from eagle_pipeline.stage import Stage, Start, main, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, is_complete, main, not_run_yet_note, require_complete, upstream_fingerprint
 from eagle_pipeline.verifier import Verifier
 
 
@@ -43,7 +43,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     s = cfg.serve
     if s.port is not None and not dry_run:
         check_port_free(s.port)
-    converted = require_complete(cfg, 5)
+    converted = None if dry_run and not is_complete(cfg, 5) else require_complete(cfg, 5)
     drafter_dir = cfg.stage_dir("05_convert") / "vllm"
     eval_path = cfg.resolve_path(cfg.data.eval_prompts)
     prompts = load_prompts(eval_path, cfg.data.prompt_field, "data.eval_prompts")[: cfg.data.num_eval_prompts]
@@ -56,6 +56,8 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     if dry_run:
         print(f"stage 06: serve {cfg.verifier.path} with modes {modes}, {len(prompts)} held-out prompts from {eval_path}")
+        if converted is None:
+            print(not_run_yet_note(cfg, 5))
         print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature {s.temperature}, "
               f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}")
         return

@@ -31,6 +31,7 @@ from eagle_pipeline import atomic
 from eagle_pipeline.config import RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.layer_ids import resolve_layer_ids
 from eagle_pipeline.samples import SampleLayout
 
 STAGES = {
@@ -79,6 +80,23 @@ def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:
             f"run {STAGES[number]}.py --config <same config> first"
         )
     return manifest
+
+
+def is_complete(cfg: RunConfig, number: int) -> bool:
+    manifest = read_manifest(cfg.stage_dir(STAGES[number]))
+    return manifest is not None and manifest.get("status") == "complete"
+
+
+def not_run_yet_note(cfg: RunConfig, number: int) -> str:
+    """What a dry run says when it plans from the config because an earlier stage has not run."""
+    return f"  ({STAGES[number]} has not run yet: figures below assume the config's values)"
+
+
+def planned_sample_layout(cfg: RunConfig, num_layers: int, hidden_size: int, vocab_size: int) -> SampleLayout:
+    """The sample layout stage 02 makes for this config and target (its `resolved` block, before it exists)."""
+    layer_ids = resolve_layer_ids(cfg.hidden_states.layer_ids, num_layers)
+    return SampleLayout(layer_ids=tuple(layer_ids), num_layers=num_layers, hidden_size=hidden_size,
+                        target_vocab_size=vocab_size, storage_dtype=cfg.hidden_states.storage_dtype)
 
 
 def require_sample_layout(cfg: RunConfig) -> tuple[dict[str, Any], SampleLayout]:

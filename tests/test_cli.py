@@ -2,9 +2,10 @@
 
 import pytest
 
-from conftest import run_stage, write_config
+from conftest import SMOKE_CONFIG, run_stage, write_config
 
 SCRIPTS = ["01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py"]
+STAGE_SCRIPTS = [*SCRIPTS, "04_train.py", "05_convert.py", "06_serve_test.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -45,3 +46,17 @@ def test_help_explains_options():
 
     out = subprocess.run([sys.executable, str(REPO / "01_generate_data.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--set" in out.stdout and "--force" in out.stdout and "--dry-run" in out.stdout
+
+
+def test_every_dry_run_works_on_a_fresh_host_before_any_stage_has_run(tmp_path):
+    # What a user checks before the first GPU minute: shapes, parallelism and disk, from the config alone.
+    config = write_config(tmp_path / "c.yaml", base=SMOKE_CONFIG, data_root=str(tmp_path / "d"), run_name="x")
+    outputs = {}
+    for script in STAGE_SCRIPTS:
+        result = run_stage(script, config, "--dry-run")
+        assert result.returncode == 0, f"{script}: {result.stderr[-2000:]}"
+        outputs[script] = result.stdout
+    assert not (tmp_path / "d").exists(), "a dry run writes nothing"
+    assert "has not run yet" in outputs["04_train.py"]
+    assert "aux layer ids [2, 15, 27]" in outputs["04_train.py"] and "q_proj [576, 1152]" in outputs["04_train.py"]
+    assert "[seq, 4, 576]" in outputs["02_extract_hidden.py"]
