@@ -21,7 +21,7 @@ convert.sglang), verify.json, manifest.json. The stage fails (exit 1) when any c
 
 import sys
 
-from eagle_pipeline import atomic, convert, verify
+from eagle_pipeline import atomic, convert, drafter_checks
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
@@ -89,7 +89,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "target_hidden_size": verifier.hidden_size,
         "eagle_config.eagle_aux_hidden_state_layer_ids": layer_ids,
     }
-    result = verify.verify_drafter(
+    result = drafter_checks.verify_drafter(
         vllm_dir, target_dir=verifier.path, reference_dir=reference, expected=expected,
         parity_source_dir=checkpoint, parity_prompts=parity_prompts, num_speculative_tokens=cfg.serve.num_speculative_tokens,
         max_tokens=c.parity_max_tokens, tolerance=c.parity_tolerance,
@@ -97,7 +97,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         env=engine_env(cfg),
     )
     atomic.write_json(stage.dir / "verify.json", result)
-    verify.print_table(result)
+    drafter_checks.print_table(result)
     if not result["ok"]:
         failed = [name for name, check in result["checks"].items() if not check["ok"] and not check.get("skipped")]
         print(f"verification failed: {', '.join(failed)} (details in {stage.dir / 'verify.json'})", file=sys.stderr)

@@ -25,6 +25,7 @@ import torch
 
 from eagle_pipeline.atomic import atomic_dir
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.vocab_map import check_vocab_map
 
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -141,29 +142,6 @@ def resolve_layer_ids(ckpt: SpeculatorsCheckpoint, layer_ids: list[int] | tuple[
             "(the HF hidden_states indices the drafter was trained on)"
         )
     return [int(i) for i in ids]
-
-
-def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str) -> None:
-    """Refuse a d2t/t2d pair that would map draft ids to the wrong target ids (REFERENCE section 2)."""
-    if d2t.dtype != torch.int64:
-        raise BadInput(f"{where}: d2t has dtype {d2t.dtype}, expected int64; rebuild the vocab map (stage 03)")
-    if t2d.dtype != torch.bool:
-        raise BadInput(f"{where}: t2d has dtype {t2d.dtype}, expected bool; rebuild the vocab map (stage 03)")
-    if tuple(d2t.shape) != (draft_vocab_size,) or tuple(t2d.shape) != (vocab_size,):
-        raise BadInput(
-            f"{where}: d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match draft_vocab_size "
-            f"{draft_vocab_size} / vocab_size {vocab_size}"
-        )
-    target_ids = torch.arange(draft_vocab_size) + d2t
-    problems = []
-    if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab_size:
-        problems.append("d2t points outside the target vocabulary")
-    elif bool((target_ids[1:] <= target_ids[:-1]).any()):
-        problems.append("draft ids do not map to strictly ascending target ids")
-    elif not bool(t2d[target_ids].all()) or int(t2d.sum()) != draft_vocab_size:
-        problems.append("t2d does not mark exactly the target ids that d2t maps to")
-    if problems:
-        raise BadInput(f"{where}: {problems[0]}; rebuild the vocab map (stage 03) and retrain")
 
 
 def rope_fields(layer: dict[str, Any]) -> dict[str, Any]:

@@ -79,3 +79,18 @@ def serve_flags(model: str, *, host: str, port: int, max_model_len: int, dtype: 
     if speculative_config is not None:
         flags += ["--speculative-config", json.dumps(speculative_config)]
     return flags
+
+
+def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: int,
+                         engine_kwargs: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None,
+                         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments of vLLM's `LLM` or `EngineArgs` for `target` speculating with the EAGLE-3 drafter
+    folder `drafter`: `defaults`, then `engine_kwargs` (the run's `llm_kwargs` less the model), then
+    `overrides` (settings a caller cannot do without)."""
+    return {
+        **(defaults or {}),
+        **(engine_kwargs or {}),
+        **(overrides or {}),
+        "model": target,
+        "speculative_config": {"method": "eagle3", "model": drafter, "num_speculative_tokens": num_speculative_tokens},
+    }

@@ -1,0 +1,40 @@
+"""Command line of the vLLM jobs that `subprocess_json.run_json_subprocess` starts: `inspect` (vLLM's
+config view and load_weights result) and `acceptance` (greedy generation with spec-decode counters).
+Each writes its result as JSON to --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from eagle_pipeline.drafter_checks.parity import acceptance_run
+from eagle_pipeline.drafter_checks.vllm_load import vllm_inspect
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="vLLM-side drafter checks (run by eagle_pipeline.drafter_checks itself)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="vLLM config view + load_weights of a drafter")
+    accept = sub.add_parser("acceptance", help="greedy generation with a drafter; spec-decode counters")
+    for p in (inspect, accept):
+        p.add_argument("--target", required=True)
+        p.add_argument("--drafter", required=True)
+        p.add_argument("--engine-kwargs", default="{}")
+        p.add_argument("--out", required=True)
+    accept.add_argument("--prompts", required=True)
+    accept.add_argument("--num-speculative-tokens", type=int, required=True)
+    accept.add_argument("--max-tokens", type=int, required=True)
+    args = parser.parse_args(argv)
+    engine_kwargs = json.loads(args.engine_kwargs)
+    if args.command == "inspect":
+        result = vllm_inspect(args.target, args.drafter, engine_kwargs)
+    else:
+        prompts = json.loads(Path(args.prompts).read_text())
+        result = acceptance_run(args.target, args.drafter, prompts, args.num_speculative_tokens,
+                                args.max_tokens, engine_kwargs)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The `parity` check: vLLM runs the same prompts greedily with two drafter folders (the speculators
+checkpoint and its conversion) and the accepted tokens per draft position are compared."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from eagle_pipeline.drafter_checks.subprocess_json import run_json_subprocess
+from eagle_pipeline.engine import eagle3_engine_kwargs
+
+
+def acceptance_run(target_dir: str, drafter_dir: str, prompts: list, num_speculative_tokens: int,
+                   max_tokens: int, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Greedy generation with a drafter in vLLM; spec-decode counters from llm.get_metrics()."""
+    from vllm import LLM, SamplingParams
+
+    kwargs = eagle3_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens=num_speculative_tokens,
+                                  engine_kwargs=engine_kwargs,
+                                  defaults={"max_model_len": 1024, "enforce_eager": True, "seed": 0})
+    llm = LLM(disable_log_stats=False, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if all(isinstance(p, str) for p in prompts):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outputs = llm.chat(prompts, params, use_tqdm=False)
+    counters: dict[str, int] = {}
+    per_position: list[int] = [0] * num_speculative_tokens
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            for pos, value in enumerate(metric.values):
+                per_position[pos] += int(value)
+        elif metric.name.startswith("vllm:spec_decode_num_"):
+            key = metric.name.removeprefix("vllm:spec_decode_")
+            counters[key] = counters.get(key, 0) + int(metric.value)
+    return {
+        "drafter": drafter_dir,
+        "num_drafts": counters.get("num_drafts", 0),
+        "num_draft_tokens": counters.get("num_draft_tokens", 0),
+        "num_accepted_tokens": counters.get("num_accepted_tokens", 0),
+        "accepted_per_position": per_position,
+        "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+    }
+
+
+def acceptance_summary(run: dict[str, Any]) -> dict[str, Any]:
+    drafts = run["num_drafts"]
+    rates = [a / drafts if drafts else 0.0 for a in run["accepted_per_position"]]
+    return {
+        "drafter": run["drafter"],
+        "num_drafts": drafts,
+        "accepted_per_position": run["accepted_per_position"],
+        "acceptance_rate_per_position": [round(r, 4) for r in rates],
+        "mean_acceptance_length": round(1 + run["num_accepted_tokens"] / drafts, 4) if drafts else None,
+    }
+
+
+def compare_acceptance(run_a: dict[str, Any], run_b: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """Per-position acceptance rates (accepted / drafts) must agree within `tolerance`."""
+    a, b = acceptance_summary(run_a), acceptance_summary(run_b)
+    diffs = [abs(x - y) for x, y in zip(a["acceptance_rate_per_position"], b["acceptance_rate_per_position"])]
+    problems = []
+    if not a["num_drafts"] or not b["num_drafts"]:
+        problems.append("a run made no drafts; spec decoding did not run")
+    worst = max(diffs) if diffs else math.inf
+    if worst > tolerance:
+        pos = diffs.index(worst)
+        problems.append(f"position {pos}: acceptance {a['acceptance_rate_per_position'][pos]} vs "
+                        f"{b['acceptance_rate_per_position'][pos]} differs by {worst:.4f} > tolerance {tolerance}")
+    same_outputs = run_a["output_token_ids"] == run_b["output_token_ids"]
+    if not same_outputs:
+        problems.append("greedy outputs differ between the two drafters (they must not: the target decides)")
+    return {"ok": not problems, "detail": {"a": a, "b": b, "tolerance": tolerance,
+                                           "max_rate_difference": round(worst, 6) if diffs else None,
+                                           "same_greedy_outputs": same_outputs, "problems": problems}}
+
+
+def acceptance_parity(target_dir: str | Path, dir_a: str | Path, dir_b: str | Path, prompts: list,
+                      num_speculative_tokens: int, max_tokens: int, tolerance: float, *,
+                      engine_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run vLLM greedily with drafter A (e.g. the speculators checkpoint) and B (its conversion) and
+    compare accepted tokens per draft position; `prompts` are strings or chat message lists."""
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="eagle-parity-") as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        for drafter in (dir_a, dir_b):
+            args = ["acceptance", "--target", str(target_dir), "--drafter", str(drafter),
+                    "--prompts", str(prompts_file), "--num-speculative-tokens", str(num_speculative_tokens),
+                    "--max-tokens", str(max_tokens), "--engine-kwargs", json.dumps(engine_kwargs or {})]
+            try:
+                runs.append(run_json_subprocess(args, env))
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                return {"ok": False, "detail": {"tolerance": tolerance, "problems": [f"{drafter}: {error}"]}}
+    return compare_acceptance(runs[0], runs[1], tolerance)

@@ -1,0 +1,46 @@
+"""Runs one vLLM job of the drafter checks (`python -m eagle_pipeline.drafter_checks.cli ...`) in a fresh
+process and returns the JSON it writes.
+
+vLLM spawns workers and keeps process-global state (distributed groups, current config) that must not
+leak into the caller, so each job gets its own interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SUBPROCESS_TIMEOUT_S = 1800
+
+
+def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env |= extra or {}
+    # The child imports this package from the same checkout as the caller.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_json_subprocess(args: list[str], env: dict[str, str] | None = None,
+                        timeout: int = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
+    """Run `python -m eagle_pipeline.drafter_checks.cli ARGS --out FILE` and return FILE's JSON (or the failure)."""
+    with tempfile.TemporaryDirectory(prefix="eagle-verify-") as tmp:
+        out = Path(tmp) / "result.json"
+        log = Path(tmp) / "log.txt"
+        with open(log, "wb") as log_file:
+            proc = subprocess.run([sys.executable, "-m", "eagle_pipeline.drafter_checks.cli", *args, "--out", str(out)],
+                                  stdout=log_file, stderr=subprocess.STDOUT, env=subprocess_env(env),
+                                  timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vLLM subprocess {args[0]} exited with {proc.returncode}:\n{tail}")
+        return json.loads(out.read_text())

@@ -1,0 +1,157 @@
+"""The `vllm_load` check, and vLLM's view of a drafter's config for the `config` check.
+
+vLLM's own config path (`EngineArgs.create_engine_config`, which builds the draft ModelConfig and wraps
+it in EAGLEConfig) resolves the drafter; then vLLM's `Eagle3LlamaForCausalLM` is built on the CPU and its
+real `load_weights` is given every tensor of the checkpoint: parameters left at a sentinel value
+afterwards were not loaded. `vllm_inspect` does this in the calling process; `check_vllm` runs it in a
+fresh subprocess (see `cli`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from eagle_pipeline.convert import NORM_FLAGS, weight_files
+from eagle_pipeline.drafter_checks.subprocess_json import run_json_subprocess
+from eagle_pipeline.engine import eagle3_engine_kwargs
+
+# Parameters vLLM's EAGLE proposer replaces with the target's after loading, so a drafter may omit them.
+SHARED_FROM_TARGET = ("model.embed_tokens.weight",)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_vllm_config(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None):
+    """The VllmConfig `LLM(target, speculative_config={"method": "eagle3", "model": drafter})` would use."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = eagle3_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens=1, engine_kwargs=engine_kwargs,
+                                  defaults={"max_model_len": 512, "enforce_eager": True},
+                                  # the load check builds the drafter in this one process
+                                  overrides={"tensor_parallel_size": 1})
+    return EngineArgs(**kwargs).create_engine_config()
+
+
+def vllm_aux_layer_ids(spec) -> dict[str, list[int] | None]:
+    """The aux layer ids each of vLLM's model runners takes from the draft config (None: its defaults).
+
+    The two runners read the config differently (V1: top level, then eagle_config; V2, the default
+    where Triton is present: top level, then eagle_config["layer_ids"]), so both are asked.
+    """
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    v1 = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec))
+    v2 = get_eagle3_aux_layers_from_config(spec)
+    return {"model_runner_v1": list(v1) if v1 else None, "model_runner_v2": list(v2) if v2 else None}
+
+
+def vllm_config_view(vllm_config) -> dict[str, Any]:
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    spec = vllm_config.speculative_config
+    hf = spec.draft_model_config.hf_config
+    model_class, _ = get_model_architecture(spec.draft_model_config)
+    return {
+        "hf_config_class": type(hf).__name__,
+        "architectures": list(getattr(hf, "architectures", []) or []),
+        "model_class": model_class.__name__,
+        "vocab_size": getattr(hf, "vocab_size", None),
+        "draft_vocab_size": getattr(hf, "draft_vocab_size", None),
+        "aux_layer_ids": vllm_aux_layer_ids(spec),
+        "norm_flags": {name: bool(getattr(hf, name, False)) for name in NORM_FLAGS},
+        "head_dim": getattr(hf, "head_dim", None),
+    }
+
+
+def vllm_load_weights(vllm_config, drafter_dir: str) -> dict[str, Any]:
+    """Build vLLM's drafter class and feed its real load_weights every tensor of the checkpoint.
+
+    Every parameter starts at a sentinel (NaN; -1 for the integer d2t buffer, whose offsets are never
+    negative); a parameter that still holds it, wholly or in part (one shard of a fused q/k/v), was
+    not loaded.
+    """
+    import torch
+    from safetensors import safe_open
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    spec = vllm_config.speculative_config
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        ensure_model_parallel_initialized(1, 1)
+        model_class, _ = get_model_architecture(spec.draft_model_config)
+        with torch.device("cpu"):
+            model = model_class(vllm_config=vllm_config)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(float("nan") if param.is_floating_point() else -1)
+
+        def tensors():
+            for name, path in sorted(weight_files(Path(drafter_dir)).items()):
+                with safe_open(path, framework="pt") as f:
+                    yield name, f.get_tensor(name)
+
+        try:
+            model.load_weights(tensors())
+        except Exception as error:  # vLLM's refusal is the finding
+            return {"ok": False, "model_class": model_class.__name__,
+                    "error": f"{type(error).__name__}: {error}"}
+
+    shared = set(SHARED_FROM_TARGET)
+    if spec.draft_model_config.hf_config.draft_vocab_size == vllm_config.model_config.get_vocab_size():
+        shared.add("lm_head.weight")  # a full-vocabulary drafter may use the target's lm_head
+    unloaded = []
+    for name, param in model.named_parameters():
+        if name in shared or unused_in_forward(name):
+            continue
+        untouched = torch.isnan(param) if param.is_floating_point() else param == -1
+        if bool(untouched.any()):
+            part = "" if bool(untouched.all()) else f" ({int(untouched.sum())} of {param.numel()} values)"
+            unloaded.append(name + part)
+    return {"ok": not unloaded, "model_class": model_class.__name__, "unloaded_parameters": unloaded,
+            "has_own_lm_head": bool(getattr(model, "has_own_lm_head", False)),
+            "has_own_embed_tokens": bool(getattr(model, "has_own_embed_tokens", False))}
+
+
+def unused_in_forward(name: str) -> bool:
+    """vLLM creates a hidden_norm in every draft layer but only the first one applies it."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.hidden_norm\.weight", name)
+    return bool(match) and int(match.group(1)) > 0
+
+
+def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's config view and load result for a drafter, in this process (call through a subprocess)."""
+    try:
+        vllm_config = build_vllm_config(target_dir, drafter_dir, engine_kwargs)
+        view = vllm_config_view(vllm_config)
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+        return {"config": {"error": message},
+                "load": {"ok": False, "error": f"not attempted, vLLM's config loader failed: {message}"}}
+    return {"config": view, "load": vllm_load_weights(vllm_config, drafter_dir)}
+
+
+def check_vllm(drafter_dir: str | Path, target_dir: str | Path, *, engine_kwargs: dict[str, Any] | None = None,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """vLLM's view of the config and its load_weights result, from a fresh subprocess."""
+    args = ["inspect", "--target", str(target_dir), "--drafter", str(drafter_dir),
+            "--engine-kwargs", json.dumps(engine_kwargs or {})]
+    try:
+        return run_json_subprocess(args, env)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        message = str(error)
+        return {"config": {"error": message}, "load": {"ok": False, "error": message}}
