@@ -25,7 +25,17 @@ from eagle_pipeline import atomic, convert, drafter_checks
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
-from eagle_pipeline.stage import Stage, Start, is_complete, main, not_run_yet_note, planned_sample_layout, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import (
+    Stage,
+    Start,
+    is_complete,
+    main,
+    not_run_yet_note,
+    planned_sample_layout,
+    require_complete,
+    require_sample_layout,
+    upstream_fingerprint,
+)
 from eagle_pipeline.verifier import Verifier
 
 
@@ -46,7 +56,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     best = trained["counts"].get("best") or {}
     checkpoint = cfg.stage_dir("04_train") / (best.get("checkpoint") or trained["counts"]["last_checkpoint"])
     verifier = Verifier.from_config(cfg)
-    layer_ids = trained["inputs"]["layer_ids"]
+    _, layout = require_sample_layout(cfg)
+    layer_ids = list(layout.layer_ids)
     reference = cfg.resolve_path(c.reference_dir) if c.reference_dir else None
     if reference is not None and not (reference / "config.json").exists():
         raise BadInput(f"convert.reference_dir: {reference} has no config.json; point it at a drafter folder")
@@ -62,7 +73,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "checkpoint": upstream_fingerprint(trained),
         "checkpoint_weights": trained["output_fingerprint"],
         "reference_dir": str(reference) if reference else None,
-        "convert": value_fingerprint(c.model_dump(mode="json")),
+        "convert": value_fingerprint(c.model_dump(mode="json", exclude={"engine_timeout_s"})),
     }
     if not stage.already_complete(inputs):
         convert.read_speculators_checkpoint(checkpoint)  # a checkpoint without weights is refused before any write
@@ -94,7 +105,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         parity_source_dir=checkpoint, parity_prompts=parity_prompts, num_speculative_tokens=cfg.serve.num_speculative_tokens,
         max_tokens=c.parity_max_tokens, tolerance=c.parity_tolerance,
         engine_kwargs={k: v for k, v in llm_kwargs(cfg, str(verifier.path)).items() if k != "model"},
-        env=engine_env(cfg),
+        env=engine_env(cfg), timeout_s=c.engine_timeout_s,
     )
     atomic.write_json(stage.dir / "verify.json", result)
     drafter_checks.print_table(result)

@@ -151,6 +151,8 @@ class ConvertConfig(Section):
     parity_prompts: int = Field(4, ge=1)
     parity_max_tokens: int = Field(32, ge=1)
     parity_tolerance: float = Field(0.05, ge=0, description="allowed per-position acceptance difference")
+    # Each check starts its own engine: a cold start of a ~600 GB target alone takes tens of minutes.
+    engine_timeout_s: float = Field(3600.0, gt=0, description="seconds one vLLM job of the checks may take")
 
 
 class ServeConfig(Section):

@@ -25,6 +25,7 @@ import torch
 
 from eagle_pipeline.atomic import atomic_dir
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.layer_ids import to_convention
 from eagle_pipeline.vocab_map import check_vocab_map
 
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -375,4 +376,4 @@ def convert_for_sglang(ckpt_dir: str | Path, out_dir: str | Path, *, target_voca
     if refusal:
         raise BadInput(refusal)
     return _convert(ckpt, out_dir, engine="sglang", vocab_size=vocab_size, layer_ids=ids,
-                    written_layer_ids=[i - 1 for i in ids])
+                    written_layer_ids=to_convention(ids, "sglang"))

@@ -27,12 +27,15 @@ def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, dr
     if tuple(d2t.shape) != (draft_vocab_size,) or tuple(t2d.shape) != (vocab_size,):
         return [f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match draft_vocab_size "
                 f"{draft_vocab_size} / vocab_size {vocab_size}"]
+    if int(t2d.sum()) != draft_vocab_size:
+        return [f"t2d marks {int(t2d.sum())} tokens but d2t has {draft_vocab_size}: the two come from different "
+                f"vocab maps; rebuild the vocab map (stage 03) and retrain"]
     target_ids = torch.arange(draft_vocab_size) + d2t
     if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab_size:
         problem = "d2t points outside the target vocabulary"
     elif bool((target_ids[1:] <= target_ids[:-1]).any()):
         problem = "draft ids do not map to strictly ascending target ids"
-    elif not bool(t2d[target_ids].all()) or int(t2d.sum()) != draft_vocab_size:
+    elif not bool(t2d[target_ids].all()):
         problem = "t2d does not mark exactly the target ids that d2t maps to"
     else:
         return []

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import REPO, run_stage, write_config
 
 L, H, V = 30, 576, 49152  # the embedded verifier
@@ -77,6 +76,7 @@ def fake_vocab(run_dir: Path) -> None:
 
 
 def fake_trained(run_dir: Path, with_weights: bool) -> None:
+    fake_hidden_states(run_dir)  # stage 05 reads the sample layout stage 02 resolved
     folder = fake_stage(run_dir, "04_train", {"samples": 2, "best": None, "last_checkpoint": "checkpoints/0"},
                         inputs={"layer_ids": [2, 15, 27]})
     ckpt = folder / "checkpoints" / "0"

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, write_config
+
 from eagle_pipeline import benchmark_report, benchmarks
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import save_file
 
 from eagle_pipeline.capture import kv_transfer_config, speculative_config
+from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids as vllm_layer_ids
 from eagle_pipeline.samples import BadSample, read_sample, sample_filename, verify_sample_file, write_sample
-from eagle_pipeline.errors import BadInput
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AUX_IDS = [2, 15, 27]

@@ -1,7 +1,6 @@
 """The command-line contract: exit codes, one-line errors, --help, --dry-run without a model."""
 
 import pytest
-
 from conftest import SMOKE_CONFIG, run_stage, write_config
 
 SCRIPTS = ["01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py"]
@@ -40,9 +39,10 @@ def test_prompt_count_beyond_the_file_is_refused(tmp_path):
 
 
 def test_help_explains_options():
-    from conftest import REPO
     import subprocess
     import sys
+
+    from conftest import REPO
 
     out = subprocess.run([sys.executable, str(REPO / "01_generate_data.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--set" in out.stdout and "--force" in out.stdout and "--dry-run" in out.stdout

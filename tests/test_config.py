@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, write_config
+
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
 

@@ -4,8 +4,8 @@ import json
 import os
 
 import pytest
-
 from conftest import write_config
+
 from eagle_pipeline import atomic
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput

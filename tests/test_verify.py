@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_convert import (  # noqa: E402  (shared checkpoint builders)
+from test_convert import (  # shared checkpoint builders
     TINY,
     TINY_DRAFT_VOCAB,
     TINY_LAYER_IDS,

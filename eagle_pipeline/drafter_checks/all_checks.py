@@ -8,6 +8,7 @@ from typing import Any
 from eagle_pipeline.drafter_checks.config_checks import check_config
 from eagle_pipeline.drafter_checks.parity import acceptance_parity
 from eagle_pipeline.drafter_checks.shapes import check_shapes
+from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S
 from eagle_pipeline.drafter_checks.vllm_load import check_vllm
 from eagle_pipeline.errors import BadInput
 
@@ -18,7 +19,8 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
                    expected: dict[str, Any] | None = None, parity_source_dir: str | Path | None = None,
                    parity_prompts: list | None = None, num_speculative_tokens: int = 3, max_tokens: int = 32,
                    tolerance: float = 0.05, engine_kwargs: dict[str, Any] | None = None,
-                   env: dict[str, str] | None = None, engine: str = "vllm") -> dict[str, Any]:
+                   env: dict[str, str] | None = None, engine: str = "vllm",
+                   timeout_s: float = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
     """Run all four checks on a drafter folder; `expected` maps (dotted) config keys to required values.
 
     `engine` is the engine the folder was written for ("vllm" or "sglang"). Parity runs only for a
@@ -40,7 +42,7 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         checks["shapes"] = check_shapes(drafter_dir, reference_dir)
     except BadInput as problem:
         checks["shapes"] = {"ok": False, "detail": {"problems": [str(problem)]}}
-    vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, env=env)
+    vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s)
     checks["config"] = check_config(drafter_dir, target_dir, expected, vllm["config"], engine)
     load = vllm["load"]
     checks["vllm_load"] = {"ok": bool(load.get("ok")), "detail": load}
@@ -50,7 +52,7 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
     elif parity_source_dir is not None and parity_prompts:
         checks["parity"] = acceptance_parity(target_dir, parity_source_dir, drafter_dir, parity_prompts,
                                              num_speculative_tokens, max_tokens, tolerance,
-                                             engine_kwargs=engine_kwargs, env=env)
+                                             engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s)
     else:
         checks["parity"] = {"ok": False, "skipped": True,
                             "detail": "not run: no parity_source_dir and parity_prompts given"}

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.drafter_checks.subprocess_json import run_json_subprocess
+from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S, run_json_subprocess
 from eagle_pipeline.engine import eagle3_engine_kwargs
 
 
@@ -81,7 +81,8 @@ def compare_acceptance(run_a: dict[str, Any], run_b: dict[str, Any], tolerance: 
 
 def acceptance_parity(target_dir: str | Path, dir_a: str | Path, dir_b: str | Path, prompts: list,
                       num_speculative_tokens: int, max_tokens: int, tolerance: float, *,
-                      engine_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+                      engine_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                      timeout_s: float = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
     """Run vLLM greedily with drafter A (e.g. the speculators checkpoint) and B (its conversion) and
     compare accepted tokens per draft position; `prompts` are strings or chat message lists."""
     runs = []
@@ -93,7 +94,7 @@ def acceptance_parity(target_dir: str | Path, dir_a: str | Path, dir_b: str | Pa
                     "--prompts", str(prompts_file), "--num-speculative-tokens", str(num_speculative_tokens),
                     "--max-tokens", str(max_tokens), "--engine-kwargs", json.dumps(engine_kwargs or {})]
             try:
-                runs.append(run_json_subprocess(args, env))
+                runs.append(run_json_subprocess(args, env, timeout=timeout_s))
             except (RuntimeError, subprocess.TimeoutExpired) as error:
                 return {"ok": False, "detail": {"tolerance": tolerance, "problems": [f"{drafter}: {error}"]}}
     return compare_acceptance(runs[0], runs[1], tolerance)

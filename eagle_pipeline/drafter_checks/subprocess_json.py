@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# Default for one vLLM job (a start, a load or a parity run); stage 05 passes convert.engine_timeout_s.
 SUBPROCESS_TIMEOUT_S = 1800
 
 
@@ -24,14 +25,11 @@ def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env |= extra or {}
-    # The child imports this package from the same checkout as the caller.
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
 def run_json_subprocess(args: list[str], env: dict[str, str] | None = None,
-                        timeout: int = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
+                        timeout: float = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
     """Run `python -m eagle_pipeline.drafter_checks.cli ARGS --out FILE` and return FILE's JSON (or the failure)."""
     with tempfile.TemporaryDirectory(prefix="eagle-verify-") as tmp:
         out = Path(tmp) / "result.json"

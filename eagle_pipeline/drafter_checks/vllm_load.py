@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.convert import NORM_FLAGS, weight_files
-from eagle_pipeline.drafter_checks.subprocess_json import run_json_subprocess
+from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S, run_json_subprocess
 from eagle_pipeline.engine import eagle3_engine_kwargs
 
 # Parameters vLLM's EAGLE proposer replaces with the target's after loading, so a drafter may omit them.
@@ -146,12 +146,12 @@ def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any
 
 
 def check_vllm(drafter_dir: str | Path, target_dir: str | Path, *, engine_kwargs: dict[str, Any] | None = None,
-               env: dict[str, str] | None = None) -> dict[str, Any]:
+               env: dict[str, str] | None = None, timeout_s: float = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
     """vLLM's view of the config and its load_weights result, from a fresh subprocess."""
     args = ["inspect", "--target", str(target_dir), "--drafter", str(drafter_dir),
             "--engine-kwargs", json.dumps(engine_kwargs or {})]
     try:
-        return run_json_subprocess(args, env)
+        return run_json_subprocess(args, env, timeout=timeout_s)
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         message = str(error)
         return {"config": {"error": message}, "load": {"ok": False, "error": message}}

@@ -6,13 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from eagle_pipeline.config import TrainConfig
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import check_layer_ids
 from eagle_pipeline.samples import SAMPLES_DIR, sample_path
 from eagle_pipeline.train.settings import TrainRun
+from eagle_pipeline.vocab_map import load_vocab_map
 
 
 def check_inputs(train: TrainConfig, run: TrainRun) -> Any:
@@ -48,26 +47,6 @@ def verifier_text_config(verifier: Path) -> Any:
         return get_verifier_config(str(verifier))
     except (OSError, ValueError, KeyError) as exc:
         raise BadInput(f"verifier.path: cannot read {verifier / 'config.json'}: {exc}") from exc
-
-
-def load_vocab_map(d2t_path: Path, t2d_path: Path) -> tuple[np.ndarray, np.ndarray]:
-    for path in (d2t_path, t2d_path):
-        if not Path(path).is_file():
-            raise BadInput(f"{path}: vocab map file is missing; run stage 03 (build_vocab_map) first")
-    d2t = np.load(d2t_path)
-    t2d = np.load(t2d_path)
-    if d2t.ndim != 1 or d2t.dtype != np.int64:
-        raise BadInput(f"{d2t_path}: expected a 1-D int64 array (offsets), got {d2t.dtype} {d2t.shape}")
-    if t2d.ndim != 1 or t2d.dtype != np.bool_:
-        raise BadInput(f"{t2d_path}: expected a 1-D bool array, got {t2d.dtype} {t2d.shape}")
-    if int(t2d.sum()) != d2t.shape[0]:
-        raise BadInput(
-            f"{t2d_path}: marks {int(t2d.sum())} tokens but {d2t_path} has {d2t.shape[0]}; "
-            f"the two files come from different vocab maps, rebuild them together"
-        )
-    if not np.array_equal(np.flatnonzero(t2d), np.arange(d2t.shape[0]) + d2t):
-        raise BadInput(f"{d2t_path}: draft ids do not map onto the tokens marked in {t2d_path}; rebuild both")
-    return d2t, t2d
 
 
 def _check_training_data(train: TrainConfig, run: TrainRun, hidden_size: int) -> None:
