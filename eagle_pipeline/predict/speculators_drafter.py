@@ -6,7 +6,9 @@ draft steps fed the drafter's own previous hidden output and the embedding of it
 (vllm/model_executor/models/llama_eagle3.py:124-151 and 261-288; vllm/v1/spec_decode/llm_base_proposer.py
 689-768). The layer math is speculators' (`Eagle3FirstLayerMixin.forward`), which equals vLLM's
 `LlamaDecoderLayer.forward` in llama_eagle3.py (norm the embedding with `input_layernorm`, the hidden part
-with `hidden_norm`, residual from the normed hidden only with `norm_before_residual`).
+with `hidden_norm`, residual from the normed hidden only with `norm_before_residual`). Rows sit at vLLM's
+positions (row p at p, draft step j at p + j); speculators' training puts row p at p + 1 (its
+`shift_batch`), which rotary embeddings cannot tell apart, as only relative positions enter attention.
 
 Knobs that reproduce engine-side mistakes without touching the checkpoint:
 - `d2t`: the map the engine applies to draft ids (`target = draft + d2t[draft]`, llama_eagle3.py:385-394);
