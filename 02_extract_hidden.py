@@ -153,16 +153,13 @@ def run(stage: Stage, dry_run: bool) -> None:
     capture_seconds = 0.0
     if todo:
         from eagle_pipeline.capture import HiddenStateCapture
-        from eagle_pipeline.engine import apply_engine_env
+        from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
         from eagle_pipeline.samples import write_sample
 
         apply_engine_env(cfg)
         engine = HiddenStateCapture(
-            verifier.path, layer_ids, num_layers=verifier.num_layers,
-            tensor_parallel_size=cfg.verifier.tensor_parallel_size, dtype=cfg.verifier.dtype,
-            max_model_len=cfg.verifier.max_model_len, trust_remote_code=cfg.verifier.trust_remote_code,
-            extra_engine_args={**({"enable_expert_parallel": True} if cfg.verifier.enable_expert_parallel else {}), **cfg.verifier.engine_args},
-            storage_path=stage.dir / "connector_scratch",
+            verifier.path, layer_ids, num_layers=verifier.num_layers, max_model_len=cfg.verifier.max_model_len,
+            storage_path=stage.dir / "connector_scratch", **capture_engine_kwargs(cfg),
         )
         with engine, tqdm(total=todo_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
             t0 = time.monotonic()

@@ -25,7 +25,16 @@ from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.report import format_speedup, render_report_md, write_report
 from eagle_pipeline.serve.server import check_port_free
-from eagle_pipeline.stage import Stage, Start, is_complete, main, not_run_yet_note, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import (
+    Stage,
+    Start,
+    is_complete,
+    main,
+    not_run_yet_note,
+    require_complete,
+    require_sample_layout,
+    upstream_fingerprint,
+)
 from eagle_pipeline.verifier import Verifier
 
 
@@ -87,13 +96,23 @@ def run(stage: Stage, dry_run: bool) -> None:
         concurrency=s.concurrency, seed=cfg.seed, port=s.port, log_dir=stage.dir / "logs", **server_kwargs(cfg),
         startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
     )
+    if s.predict and "none" in modes:
+        from eagle_pipeline.predict.served import predict_served, served_checkpoint
+
+        _, layout = require_sample_layout(cfg)
+        print(f"stage 06: predicting acceptance offline on the {len(prompts)} answers served without speculation")
+        prediction = predict_served(cfg, verifier.path, layout, served_checkpoint(cfg, require_complete(cfg, 4)),
+                                    report["token_ids"]["none"], s.num_speculative_tokens, stage.dir / "prediction_scratch")
+        report.update({k: v for k, v in prediction.items() if k.startswith("predict")})
+        report["predicted_num_drafts"] = prediction.get("num_drafts")
     ok, message = verdict(report, s.min_acceptance_length)
     report["verdict"] = message
     report["prompt_ids"] = [p["id"] for p in prompts]
     write_report(stage.dir, report, [p["messages"] for p in prompts])
 
     counts = {k: report.get(k) for k in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
-                                         "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match")}
+                                         "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match",
+                                         "predicted_mean_acceptance_length", "predicted_per_position_acceptance")}
     counts["passed"] = ok
     stage.finish(counts, output_fingerprint=value_fingerprint(counts))
     print(render_report_md(report))

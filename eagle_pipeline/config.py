@@ -163,6 +163,10 @@ class ServeConfig(Section):
     port: Optional[int] = Field(None, ge=1, le=65535)
     ngram_baseline: bool = True
     min_acceptance_length: float = Field(1.5, ge=1)
+    # Replay the trained drafter offline on the no-speculation server's answers (eagle_pipeline/predict) and
+    # report the predicted acceptance beside the served one: a large gap means the engine serves the drafter
+    # differently from how it was trained. Costs one hidden-state capture engine start.
+    predict: bool = True
     # A cold start of a ~600 GB target (weights from disk, graph capture on 8 GPUs) takes tens of minutes.
     startup_timeout_s: float = Field(3600.0, gt=0, description="seconds a vLLM server may take to become healthy")
 

@@ -94,3 +94,13 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
         "model": target,
         "speculative_config": {"method": "eagle3", "model": drafter, "num_speculative_tokens": num_speculative_tokens},
     }
+
+
+def capture_engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """`HiddenStateCapture` arguments (beyond model, layers and length) for the verifier in this config."""
+    v = cfg.verifier
+    extra = {"enable_expert_parallel": True} if v.enable_expert_parallel else {}
+    if cfg.device == "cuda":
+        extra["gpu_memory_utilization"] = v.gpu_memory_utilization
+    return {"tensor_parallel_size": v.tensor_parallel_size, "dtype": v.dtype, "trust_remote_code": v.trust_remote_code,
+            "extra_engine_args": {**extra, **v.engine_args}}

@@ -18,6 +18,9 @@ class RequestResult:
     prompt_tokens: int
     latency_s: float
     finish_reason: str | None
+    # The ids the server rendered and generated (vLLM's `return_token_ids`): what an offline replay needs.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 @dataclass
@@ -65,7 +68,8 @@ def run_prompts(
         try:
             response = client.chat.completions.create(
                 model=model, messages=prompts[index], max_tokens=max_tokens, temperature=temperature, seed=seed,
-                extra_body={"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else None,
+                extra_body={"return_token_ids": True,
+                            **({"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else {})},
             )
         except BadRequestError as exc:
             stop.set()
@@ -84,6 +88,8 @@ def run_prompts(
             prompt_tokens=response.usage.prompt_tokens,
             latency_s=latency,
             finish_reason=choice.finish_reason,
+            prompt_token_ids=getattr(response, "prompt_token_ids", None),
+            token_ids=getattr(choice, "token_ids", None),
         )
 
     started = time.perf_counter()

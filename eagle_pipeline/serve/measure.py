@@ -213,4 +213,5 @@ def measure_modes(
     report = summarize(measurements, num_speculative_tokens=num_speculative_tokens, temperature=temperature,
                        max_tokens=max_tokens, concurrency=concurrency)
     report["texts"] = {mode: m.run.texts for mode, m in measurements.items()}
+    report["token_ids"] = {mode: [(r.prompt_token_ids, r.token_ids) for r in m.run.requests] for mode, m in measurements.items()}
     return report

@@ -13,8 +13,8 @@ from eagle_pipeline import atomic
 
 
 def write_report_json(path: str | os.PathLike, report: dict) -> None:
-    """report.json without the per-prompt texts (those go to responses.jsonl)."""
-    atomic.write_json(path, {k: v for k, v in report.items() if k != "texts"})
+    """report.json without the per-prompt texts and token ids (the texts go to responses.jsonl)."""
+    atomic.write_json(path, {k: v for k, v in report.items() if k not in ("texts", "token_ids")})
 
 
 def write_responses_jsonl(path: str | os.PathLike, prompts: Sequence[list[dict]], report: dict) -> None:
@@ -70,6 +70,18 @@ def render_report_md(report: dict) -> str:
             f"| {_fmt(s['tpot_ms'])} | {_fmt(s['ttft_ms'])} | {_fmt(s.get('acceptance_rate'), 3)} "
             f"| {_fmt(s.get('mean_acceptance_length'))} | {_fmt(s['server_start_s'], 1)} |"
         )
+    predicted = report.get("predicted_per_position_acceptance")
+    served = (modes.get("eagle3") or {}).get("per_position_acceptance")
+    if predicted and served:
+        lines += ["", "## Predicted offline vs served (eagle3)", "",
+                  "The trained checkpoint replayed on the answers served without speculation, fed as vLLM feeds it "
+                  "(eagle_pipeline/predict). Served far below predicted: the engine serves the drafter differently from "
+                  "how it was trained.", "",
+                  "| | mean acceptance length | " + " | ".join(f"position {i}" for i in range(len(served))) + " |",
+                  "|---|---|" + "---|" * len(served),
+                  f"| predicted | {_fmt(report.get('predicted_mean_acceptance_length'))} | "
+                  + " | ".join(_fmt(v, 3) for v in predicted) + " |",
+                  f"| served | {_fmt(report.get('mean_acceptance_length'))} | " + " | ".join(_fmt(v, 3) for v in served) + " |"]
     spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
     if spec_modes:
         width = max(len(modes[name]["per_position_acceptance"]) for name in spec_modes)
@@ -114,6 +126,10 @@ def render_report_png(report: dict) -> bytes:
             values = modes[name]["per_position_acceptance"]
             bars = left.bar([i + j * width for i in range(len(values))], values, width=width, label=name)
             left.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=8)
+            predicted = report.get("predicted_per_position_acceptance")
+            if name == "eagle3" and predicted:  # the offline replay's figure on top of the served bar
+                left.scatter([i + j * width for i in range(len(predicted))], predicted, marker="_", s=400,
+                             color="black", zorder=3, label="eagle3 predicted offline")
         # Centre each position's label under its group of bars.
         left.set_xticks([i + width * (len(spec_modes) - 1) / 2 for i in range(positions)],
                         [str(i) for i in range(positions)])
