@@ -67,7 +67,11 @@ case "$cmd" in
     # Signal the whole process group (runner, stage, its engine workers); a lock still held by the
     # launcher has no group of its own yet, so only that pid is signalled.
     target="$pid"; [ -z "$pgid" ] || target="-$pgid"
-    alive() { kill -0 -- "$target" 2>/dev/null; }
+    alive() {  # any process of the target left, zombies (dead, waiting to be reaped) aside
+      kill -0 -- "$target" 2>/dev/null || return 1
+      command -v ps >/dev/null || return 0
+      ps -e -o pid=,pgid=,stat= | awk -v p="$pid" -v g="$pgid" '(g == "" ? $1 == p : $2 == g) && $3 !~ /^Z/ {found = 1} END {exit !found}'
+    }
     grace="${EAGLE_STOP_GRACE:-30}"
     echo "stopping $stage of run $run, job $job: SIGTERM, SIGKILL after ${grace}s"
     kill -TERM -- "$target" 2>/dev/null || true
@@ -79,7 +83,7 @@ case "$cmd" in
       for _ in $(seq 1 50); do alive || break; sleep 0.2; done
     fi
     if alive; then
-      echo "error: $target is still alive after SIGKILL; check with: ps -o pid,pgid,args -g ${pgid:-$pid}" >&2
+      echo "error: $target is still alive after SIGKILL; check with: ps -eo pid,pgid,stat,args" >&2
       exit 1
     fi
     # After SIGTERM the runner released its lock and recorded the stage's exit code; after SIGKILL it
