@@ -3,14 +3,23 @@
 #   scripts/launch.sh STAGE|all CONFIG [--set key=value ...]
 # STAGE is a number (1..6) or a name (02_extract_hidden). Uses tmux when present, else nohup + setsid.
 # Per stage it writes <run>/logs/<stage>.out (everything printed), .pid while running, .exit at the end.
+# One job per run: the detached runner holds <run>/logs/run.lock until it exits (success, failure or
+# scripts/jobs.sh stop); a second launch is refused while it lives. A lock whose process is gone is stale
+# and is taken over with a note.
+# Exit codes: 0 started, 2 refused (bad arguments, no .venv, setup still running, run already running).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/joblock.sh
+. scripts/joblock.sh
 [ $# -ge 2 ] || { echo "usage: scripts/launch.sh STAGE|all CONFIG [--set key=value ...]" >&2; exit 2; }
 which="$1"; config="$2"; shift 2
 python=.venv/bin/python
+if [ -f logs/setup.pid ] && kill -0 "$(cat logs/setup.pid)" 2>/dev/null; then
+  echo "error: setup is still running (pid $(cat logs/setup.pid), log $PWD/logs/setup.log); start the run when it has finished" >&2
+  exit 2
+fi
 [ -x "$python" ] || { echo "error: .venv is missing; run scripts/setup_env.sh first" >&2; exit 2; }
-run_dir=$("$python" -c "import sys; from eagle_pipeline.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).run_dir)" "$config" "$@" 2>&1 | tail -n 1)
-case "$run_dir" in /*) ;; *) echo "error: $run_dir" >&2; exit 2 ;; esac
+run_dir=$(run_dir_of "$config" "$@") || exit 2
 stages=(01_generate_data 02_extract_hidden 03_build_vocab_map 04_train 05_convert 06_serve_test)
 case "$which" in
   all) selected=("${stages[@]}") ;;
@@ -18,25 +27,82 @@ case "$which" in
   0[1-6]_*) selected=("$which") ;;
   *) echo "error: unknown stage '$which'; use 1..6, a stage name, or all" >&2; exit 2 ;;
 esac
-mkdir -p "$run_dir/logs"
+mkdir -p "$run_dir/logs" logs/jobs
+lock="$run_dir/logs/run.lock"
+link="$PWD/logs/jobs/$(printf %s "$run_dir" | tr -c 'A-Za-z0-9._-' _).lock"  # sync looks here for live jobs
+
+refuse_running() {
+  echo "error: run $(basename "$run_dir") is already running: $(lock_describe "$lock"); stop it with: scripts/remote.sh stop $(lock_get "$lock" config) (on the host: scripts/jobs.sh stop $(lock_get "$lock" config))" >&2
+  exit 2
+}
+
+# A live holder means the GPUs are busy with this run: refuse. A dead one left its lock behind (SIGKILL,
+# reboot): say so and take it over; the stages resume from their own manifests.
+if [ -f "$lock" ]; then
+  if lock_live "$lock"; then refuse_running; fi
+  echo "note: taking over the stale lock of $(lock_describe "$lock"), which is no longer running" >&2
+  rm -f "$lock"
+fi
+
+# Reserve the lock atomically (noclobber fails if another launch got here first) under this launcher's
+# pid; the runner rewrites it under its own pid as soon as it starts. Released here on any early exit.
+started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+if ! (set -o noclobber; {
+    echo "pid=$$"
+    echo "pid_start=$(proc_start $$)"
+    echo "pgid="
+    echo "host=$(hostname)"
+    echo "started=$started"
+    echo "stages=${selected[*]}"
+    echo "config=$config"
+    echo "command=scripts/launch.sh $(printf '%q ' "$which" "$config" "$@")"
+  } > "$lock") 2>/dev/null; then
+  refuse_running
+fi
+trap '[ "$(lock_get "$lock" pid)" != $$ ] || rm -f "$lock"' EXIT
+ln -sfn "$lock" "$link"
+
 runner="$run_dir/logs/launch-$(date -u +%Y%m%dT%H%M%S).sh"
 {
   echo "#!/usr/bin/env bash"
+  echo "# Written by scripts/launch.sh: runs ${selected[*]} of $config while holding $lock."
   echo "cd $(printf %q "$PWD")"
+  echo ". scripts/joblock.sh"
+  echo "lock=$(printf %q "$lock"); link=$(printf %q "$link")"
+  echo "# A signal (scripts/jobs.sh stop sends SIGTERM to the group) reaches the stage too; bash runs the trap"
+  echo "# once the stage has exited, so its exit code is still recorded and no further stage starts."
+  echo "stopped=; trap 'stopped=TERM' TERM; trap 'stopped=INT' INT; trap 'stopped=HUP' HUP"
+  echo "trap '[ \"\$(lock_get \"\$lock\" pid)\" != \$\$ ] || rm -f \"\$lock\" \"\$link\"' EXIT"
+  echo "{ echo pid=\$\$; echo pid_start=\$(proc_start \$\$); echo pgid=\$(proc_pgid \$\$); grep -v '^pid=\\|^pid_start=\\|^pgid=' \"\$lock\"; } > \"\$lock.tmp\" && mv \"\$lock.tmp\" \"\$lock\""
   for stage in "${selected[@]}"; do
     log="$run_dir/logs/$stage"
+    echo "[ -z \"\$stopped\" ] || exit 143"
     echo "rm -f $(printf %q "$log.exit"); echo \$\$ > $(printf %q "$log.pid")"
     printf '%q ' "$python" -u "$stage.py" --config "$config" "$@"
     echo "> $(printf %q "$log.out") 2>&1; code=\$?"
-    echo "echo \$code > $(printf %q "$log.exit"); rm -f $(printf %q "$log.pid"); [ \$code -eq 0 ] || exit \$code"
+    echo "echo \$code > $(printf %q "$log.exit"); rm -f $(printf %q "$log.pid")"
+    echo "[ -z \"\$stopped\" ] || { echo \"== stopped by SIG\$stopped (exit \$code); rerun to resume\" >> $(printf %q "$log.out"); exit 143; }"
+    echo "[ \$code -eq 0 ] || exit \$code"
   done
 } > "$runner"
 chmod +x "$runner"
+
 session="eagle-$(basename "$run_dir")-$(date -u +%H%M%S)"
 if command -v tmux >/dev/null 2>&1 && [ -z "${EAGLE_NO_TMUX:-}" ]; then
   tmux new-session -d -s "$session" "$runner"
-  echo "started ${selected[*]} in tmux session $session; logs in $run_dir/logs/"
+  how="in tmux session $session"
 else
   nohup setsid "$runner" > "$run_dir/logs/launch.out" 2>&1 < /dev/null &
-  echo "started ${selected[*]} with nohup (pid $!); logs in $run_dir/logs/"
+  how="with nohup"
 fi
+
+# Return once the runner holds the lock, so the next command (a second run, stop, sync) sees the job.
+for _ in $(seq 1 100); do
+  [ "$(lock_get "$lock" pid)" = $$ ] || break
+  sleep 0.1
+done
+if [ "$(lock_get "$lock" pid)" = $$ ]; then
+  echo "error: the runner $runner did not start within 10 s; see $run_dir/logs/launch.out" >&2
+  exit 1
+fi
+echo "started ${selected[*]} $how (pid $(lock_get "$lock" pid)); logs in $run_dir/logs/"

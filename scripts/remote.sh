@@ -1,45 +1,85 @@
 #!/usr/bin/env bash
 # Drive the pipeline on a GPU host over SSH from a laptop (or on this machine with EAGLE_HOST=local).
-#   EAGLE_HOST=user@gpu-host scripts/remote.sh setup              # sync code, build .venv (GPU vLLM pinned)
-#   EAGLE_HOST=user@gpu-host scripts/remote.sh sync               # copy the code (not .venv, not runs)
-#   EAGLE_HOST=user@gpu-host scripts/remote.sh run all CONFIG     # all stages, detached (tmux or nohup)
-#   EAGLE_HOST=user@gpu-host scripts/remote.sh run 2 CONFIG [--set k=v]   # one stage
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh setup [cpu|gpu] [--follow]  # sync, build .venv detached (log in logs/)
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh sync [--configs]   # copy the code; configs only where the host has none
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh run all CONFIG     # sync, then all stages detached (tmux or nohup)
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh run 2 CONFIG [--set k=v]   # one stage (--no-sync: skip the sync)
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh stop CONFIG        # stop the run's job: SIGTERM, SIGKILL after 30 s
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh log CONFIG [STAGE] # follow a stage's log (Ctrl-C stops following)
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh log setup          # follow the setup log until setup ends
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh status CONFIG      # table of every stage from the manifests
 # EAGLE_REMOTE_DIR (default eagle3-pipeline, relative to the remote home) is where the code lives there.
+# One job per run: a second `run` of a run that is still running is refused, and sync (so also run and
+# setup) is refused while any job started from that folder runs. Configs edited on the host are kept;
+# `sync --configs` overwrites them. EAGLE_STOP_GRACE sets stop's SIGTERM-to-SIGKILL wait in seconds.
+# Exit codes: 0 done, 2 refused or bad arguments (one `error:` line), 1 failed.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 host="${EAGLE_HOST:?set EAGLE_HOST=user@host (or EAGLE_HOST=local to act on this machine)}"
 dir="${EAGLE_REMOTE_DIR:-eagle3-pipeline}"
 cmd="${1:-}"; shift || true
 
-on_host() {  # run a shell command in the code folder on the host
-  if [ "$host" = local ]; then (mkdir -p "$dir" && cd "$dir" && bash -c "$1"); else ssh -o BatchMode=yes "$host" "mkdir -p $dir && cd $dir && $1"; fi
+on_host() {  # run a shell command in the code folder on the host (stdin passes through)
+  if [ "$host" = local ]; then (mkdir -p "$dir" && cd "$dir" && bash -c "$1"); else ssh -o BatchMode=yes "$host" "mkdir -p $dir && cd $dir && ( $1 )"; fi
 }
 quote() { printf '%q ' "$@"; }
 
+# Copy each local configs/ file (arriving as a tar on stdin) to the host only where the host has none, or
+# where it differs and $overwrite is 1: the README has users edit verifier.path and data.prompts there.
+# Runs on the host; it is plain sh so an old or missing copy of the code there does not matter.
+# shellcheck disable=SC2016  # expanded on the host
+merge_configs='rm -rf .sync && mkdir -p .sync && tar -C .sync -xf - && (cd .sync && find configs -type f) | sort |
+  while read -r f; do
+    if [ ! -e "$f" ]; then mkdir -p "$(dirname "$f")" && cp -p ".sync/$f" "$f" && echo "added $f"
+    elif cmp -s ".sync/$f" "$f"; then :
+    elif [ "$overwrite" = 1 ]; then cp -p ".sync/$f" "$f" && echo "overwrote host'"'"'s $f"
+    else echo "kept host'"'"'s $f (differs from local); pass --configs to overwrite"; fi
+  done; rm -rf .sync'
+
 case "$cmd" in
   sync)
-    # tar over ssh: needs nothing on either side beyond what every Linux host has.
-    tar -C "$here" --exclude=./.venv --exclude=./runs --exclude=./.git --exclude=__pycache__ -cf - . \
-      | if [ "$host" = local ]; then mkdir -p "$dir" && tar -C "$dir" -xf -; else ssh -o BatchMode=yes "$host" "mkdir -p $dir && tar -C $dir -xf -"; fi
+    overwrite=0
+    case "${1:-}" in --configs) overwrite=1 ;; "") ;; *) echo "usage: remote.sh sync [--configs]" >&2; exit 2 ;; esac
+    # Never change code or configs under a live job: its later stages would run code it did not start with.
+    on_host '[ ! -x scripts/jobs.sh ] || scripts/jobs.sh busy "not syncing"'
+    # tar over ssh: needs nothing on either side beyond what every Linux host has. Host-side state
+    # (.venv, runs, logs, configs) is left out; configs follow separately so host edits survive.
+    tar -C "$here" --exclude=./.venv --exclude=./runs --exclude=./.git --exclude=./logs --exclude=./.sync \
+      --exclude=./configs --exclude=__pycache__ -cf - . | on_host "tar -xf -"
+    tar -C "$here" -cf - configs | on_host "overwrite=$overwrite; $merge_configs"
     echo "synced $here -> $host:$dir" ;;
+
   setup)
+    kind=""; follow=0
+    for arg in "$@"; do
+      case "$arg" in --follow) follow=1 ;; cpu|gpu) kind="$arg" ;; *) echo "usage: remote.sh setup [cpu|gpu] [--follow]" >&2; exit 2 ;; esac
+    done
     "$0" sync
-    on_host "scripts/setup_env.sh ${1:-gpu}" ;;
+    on_host "scripts/jobs.sh setup ${kind:-gpu}"
+    if [ "$follow" = 1 ]; then on_host "scripts/jobs.sh follow-setup"; else echo "follow it with: scripts/remote.sh log setup"; fi ;;
+
   run)
-    [ $# -ge 2 ] || { echo "usage: remote.sh run STAGE|all CONFIG [--set k=v ...]" >&2; exit 2; }
-    "$0" sync
+    sync=1; [ "${1:-}" != --no-sync ] || { sync=0; shift; }
+    [ $# -ge 2 ] || { echo "usage: remote.sh run [--no-sync] STAGE|all CONFIG [--set k=v ...]" >&2; exit 2; }
+    [ "$sync" = 0 ] || "$0" sync
     on_host "scripts/launch.sh $(quote "$@")" ;;
+
+  stop)
+    [ $# -ge 1 ] || { echo "usage: remote.sh stop CONFIG [--set k=v ...]" >&2; exit 2; }
+    on_host "scripts/jobs.sh stop $(quote "$@")" ;;
+
   log)
-    [ $# -ge 1 ] || { echo "usage: remote.sh log CONFIG [STAGE]" >&2; exit 2; }
+    [ $# -ge 1 ] || { echo "usage: remote.sh log CONFIG [STAGE] | remote.sh log setup" >&2; exit 2; }
+    if [ "$1" = setup ]; then on_host "scripts/jobs.sh follow-setup"; exit; fi
     config="$1"; stage="${2:-}"
     on_host "run_dir=\$(.venv/bin/python -c 'import sys; from eagle_pipeline.config import load_config; print(load_config(sys.argv[1]).run_dir)' $(quote "$config")); \
       f=\$(ls -t \$run_dir/logs/${stage:+*$stage*}*.out 2>/dev/null | head -n 1); [ -n \"\$f\" ] || { echo 'no log yet' >&2; exit 2; }; \
       echo \"== \$f\"; tail -n 50 -F \"\$f\"" ;;
+
   status)
     [ $# -ge 1 ] || { echo "usage: remote.sh status CONFIG" >&2; exit 2; }
     on_host ".venv/bin/python scripts/status.py --config $(quote "$@")" ;;
+
   *)
-    sed -n '2,9p' "$0"; exit 2 ;;
+    sed -n '2,15p' "$0"; exit 2 ;;
 esac

@@ -1,15 +1,17 @@
-"""The SSH driver in its local mode: sync, detached run, status after a failed stage, log."""
+"""The SSH driver in its local mode: sync, detached run, the run lock, stop, status after a failed stage."""
 
 import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 from conftest import REPO, write_config
 
 
 def remote(tmp_path, *args, timeout=120):
-    env = {**os.environ, "EAGLE_HOST": "local", "EAGLE_REMOTE_DIR": str(tmp_path / "host"), "EAGLE_NO_TMUX": "1"}
+    env = {**os.environ, "EAGLE_HOST": "local", "EAGLE_REMOTE_DIR": str(tmp_path / "host"), "EAGLE_NO_TMUX": "1",
+           "EAGLE_STOP_GRACE": "20", "HF_HUB_OFFLINE": "1"}
     return subprocess.run([str(REPO / "scripts" / "remote.sh"), *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -18,6 +20,56 @@ def wait_for(path, timeout=120):
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.2)
+
+
+def wait_gone(path, timeout=30):
+    deadline = time.monotonic() + timeout
+    while path.exists() or path.is_symlink():
+        assert time.monotonic() < deadline, f"{path} is still there"
+        time.sleep(0.2)
+
+
+def synced_host(tmp_path):
+    """A host folder made by `sync`, with this checkout's .venv standing in for the one `setup` builds."""
+    result = remote(tmp_path, "sync")
+    assert result.returncode == 0, result.stderr
+    os.symlink(REPO / ".venv", tmp_path / "host" / ".venv")
+    return tmp_path / "host"
+
+
+def lock_fields(lock):
+    return dict(line.split("=", 1) for line in lock.read_text().splitlines() if "=" in line)
+
+
+def alive(pid):
+    """True while the process runs; a zombie (exited, its parent not yet reaping it) counts as ended."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def running_in_group(pgid):
+    """Pids of running (not zombie) processes in process group `pgid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def one_error_line(result):
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    return lines[0]
 
 
 def test_run_detached_then_status_shows_failed_stage_with_its_error(tmp_path):
@@ -34,6 +86,8 @@ def test_run_detached_then_status_shows_failed_stage_with_its_error(tmp_path):
     logs = tmp_path / "data" / "r" / "logs"
     wait_for(logs / "03_build_vocab_map.exit")
     assert (logs / "03_build_vocab_map.exit").read_text().strip() == "2"
+    wait_gone(logs / "run.lock")  # a failed stage releases the run lock as well
+    assert not list((host / "logs" / "jobs").iterdir())
 
     result = remote(tmp_path, "status", str(config))
     assert result.returncode == 0, result.stderr
@@ -58,3 +112,96 @@ def test_status_reads_manifests_of_finished_and_interrupted_stages(tmp_path):
     assert rows["01_generate_data"]["time"] == "0:02:05"
     assert rows["02_extract_hidden"]["state"] == "interrupted"
     assert rows["04_train"]["state"] == "pending"
+
+
+def test_lock_is_released_after_success_and_a_stale_lock_is_taken_over(tmp_path):
+    host = synced_host(tmp_path)
+    config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="r")
+    logs = tmp_path / "data" / "r" / "logs"
+    result = remote(tmp_path, "run", "--no-sync", "1", str(config), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    wait_for(logs / "01_generate_data.exit")
+    assert (logs / "01_generate_data.exit").read_text().strip() == "0"
+    wait_gone(logs / "run.lock")
+    assert not list((host / "logs" / "jobs").iterdir())
+
+    # A lock left by a job that died without cleaning up (SIGKILL, reboot): its pid is gone.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (logs / "run.lock").write_text(f"pid={dead.pid}\npgid={dead.pid}\nhost=h\nstages=04_train\nconfig={config}\n")
+    result = remote(tmp_path, "run", "--no-sync", "1", str(config), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert f"note: taking over the stale lock of stages 04_train of {config} (pid {dead.pid}" in result.stderr
+    wait_for(logs / "01_generate_data.exit")
+    wait_gone(logs / "run.lock")
+
+
+def test_second_run_and_sync_are_refused_while_a_job_runs_and_stop_ends_it(tmp_path):
+    synced_host(tmp_path)
+    # Stage 01 for real on the embedded model: starting its vLLM engine alone takes well over 10 s.
+    config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="r")
+    logs = tmp_path / "data" / "r" / "logs"
+    result = remote(tmp_path, "run", "--no-sync", "1", str(config))
+    assert result.returncode == 0 and "started 01_generate_data" in result.stdout, result.stderr
+    lock = lock_fields(logs / "run.lock")
+    pid = int(lock["pid"])
+    assert alive(pid) and lock["stages"] == "01_generate_data" and lock["config"] == str(config)
+    assert f"(pid {pid})" in result.stdout
+
+    for args in (("run", "1", str(config)), ("run", "--no-sync", "2", str(config)), ("sync",)):
+        line = one_error_line(remote(tmp_path, *args))
+        assert f"pid {pid}" in line and f"scripts/remote.sh stop {config}" in line, line
+    assert alive(pid) and not (logs / "02_extract_hidden.pid").exists()
+
+    result = remote(tmp_path, "stop", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stopped 01_generate_data of run r with SIGTERM" in result.stdout, result.stdout
+    assert not alive(pid) and not (logs / "run.lock").exists() and not (logs / "01_generate_data.pid").exists()
+    assert (logs / "01_generate_data.exit").read_text().strip() != "0"
+    assert not running_in_group(int(lock["pgid"]))  # nothing of the job's process group is left
+    result = remote(tmp_path, "stop", str(config))
+    assert result.returncode == 0 and "no job is running for run r" in result.stdout
+    assert remote(tmp_path, "sync").returncode == 0
+
+
+def test_sync_keeps_host_edited_configs_unless_told_to_overwrite(tmp_path):
+    host = synced_host(tmp_path)
+    local = (REPO / "configs" / "tiny.yaml").read_text()
+    edited = local + "# edited on the host\n"
+    (host / "configs" / "tiny.yaml").write_text(edited)
+    (host / "configs" / "mine.yaml").write_text("extends: tiny.yaml\n")
+    (host / "configs" / "tiny-smoke.yaml").unlink()
+    (host / "README.md").write_text("stale code")
+
+    result = remote(tmp_path, "sync")
+    assert result.returncode == 0, result.stderr
+    assert "kept host's configs/tiny.yaml (differs from local); pass --configs to overwrite" in result.stdout
+    assert "added configs/tiny-smoke.yaml" in result.stdout
+    assert (host / "configs" / "tiny.yaml").read_text() == edited
+    assert (host / "configs" / "mine.yaml").exists()
+    assert (host / "README.md").read_text() == (REPO / "README.md").read_text()  # code is always synced
+
+    result = remote(tmp_path, "sync", "--configs")
+    assert result.returncode == 0, result.stderr
+    assert "overwrote host's configs/tiny.yaml" in result.stdout
+    assert (host / "configs" / "tiny.yaml").read_text() == local
+    assert (host / "configs" / "mine.yaml").exists()
+    assert "kept" not in remote(tmp_path, "sync").stdout
+
+
+def test_stop_sends_sigkill_to_a_job_that_ignores_sigterm_and_clears_its_lock(tmp_path):
+    synced_host(tmp_path)
+    config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="r")
+    logs = tmp_path / "data" / "r" / "logs"
+    logs.mkdir(parents=True)
+    # A stand-in job in its own process group that shrugs off SIGTERM, holding the lock as a runner would.
+    job = subprocess.Popen(["bash", "-c", "trap '' TERM; while :; do sleep 0.1; done"], start_new_session=True)
+    (logs / "run.lock").write_text(f"pid={job.pid}\npgid={job.pid}\nhost=h\nstages=04_train\nconfig={config}\n")
+    (logs / "04_train.pid").write_text(f"{job.pid}\n")
+    env_grace = {**os.environ, "EAGLE_STOP_GRACE": "1"}
+    result = subprocess.run([str(REPO / "scripts" / "remote.sh"), "stop", str(config)], capture_output=True, text=True,
+                            timeout=60, env={**env_grace, "EAGLE_HOST": "local", "EAGLE_REMOTE_DIR": str(tmp_path / "host")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stopped 04_train of run r with SIGKILL" in result.stdout, result.stdout
+    assert job.wait(timeout=5) == -9
+    assert not (logs / "run.lock").exists() and not (logs / "04_train.pid").exists()
