@@ -2,8 +2,8 @@
 
 speculators saves its own nested format (`layers.0.*`, `embed_tokens`, verifier tensors). vLLM's
 `LlamaForCausalLMEagle3` wants a flat folder: `midlayer.*`, `fc`, `norm`, `lm_head`, embedded `d2t` (int64)
-and `t2d` (bool), no `embed_tokens`, every norm flag explicit (REFERENCE.md section 3). Then four checks,
-written to verify.json and printed as a table:
+and `t2d` (bool), no `embed_tokens`, every norm flag explicit (docs/formats.md, "The flat drafter folder").
+Then four checks, written to verify.json and printed as a table:
   1. shapes   every tensor against the config (and a reference drafter, e.g. a released Kimi one)
   2. config   parses with transformers.AutoConfig and vLLM's own config loader
   3. vllm_load vLLM's real Eagle3LlamaForCausalLM.load_weights accepts every key

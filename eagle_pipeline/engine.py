@@ -81,6 +81,12 @@ def serve_flags(model: str, *, host: str, port: int, max_model_len: int, dtype: 
     return flags
 
 
+def eagle3_speculative_config(drafter_dir: str | os.PathLike, num_speculative_tokens: int) -> dict[str, Any]:
+    """vLLM's `speculative_config` for speculating with the EAGLE-3 drafter folder `drafter_dir`, the same
+    dict for the offline engine (`LLM`, `EngineArgs`) and for `vllm serve --speculative-config`."""
+    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens}
+
+
 def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: int,
                          engine_kwargs: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None,
                          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -92,7 +98,7 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
         **(engine_kwargs or {}),
         **(overrides or {}),
         "model": target,
-        "speculative_config": {"method": "eagle3", "model": drafter, "num_speculative_tokens": num_speculative_tokens},
+        "speculative_config": eagle3_speculative_config(drafter, num_speculative_tokens),
     }
 
 

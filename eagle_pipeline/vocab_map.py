@@ -62,8 +62,10 @@ def safetensors_vocab_map_problems(d2t_file: Path, t2d_file: Path, vocab_size: i
     return [f"{where}: {problem}" for problem in problems]
 
 
-def load_vocab_map(d2t_path: str | Path, t2d_path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Stage 03's d2t.npy and t2d.npy, checked against each other; BadInput names the file."""
+def load_vocab_map(d2t_path: str | Path, t2d_path: str | Path,
+                   vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 03's d2t.npy and t2d.npy, checked against each other and, when given, against the verifier's
+    `vocab_size`; BadInput names the file."""
     for path in (d2t_path, t2d_path):
         if not Path(path).is_file():
             raise BadInput(f"{path}: vocab map file is missing; run stage 03 (build_vocab_map) first")
@@ -73,6 +75,9 @@ def load_vocab_map(d2t_path: str | Path, t2d_path: str | Path) -> tuple[np.ndarr
         raise BadInput(f"{d2t_path}: expected a 1-D int64 array (offsets), got {d2t.dtype} {d2t.shape}")
     if t2d.ndim != 1 or t2d.dtype != np.bool_:
         raise BadInput(f"{t2d_path}: expected a 1-D bool array, got {t2d.dtype} {t2d.shape}")
-    # The sizes come from the files themselves; a caller compares them with the verifier's vocabulary.
+    # The pair is judged at its own sizes first, so that a map built for another verifier is named as such.
     check_vocab_map(torch.from_numpy(d2t), torch.from_numpy(t2d), t2d.shape[0], d2t.shape[0], str(d2t_path))
+    if vocab_size is not None and t2d.shape[0] != vocab_size:
+        raise BadInput(f"{t2d_path}: has {t2d.shape[0]} entries but the verifier's vocabulary has {vocab_size}; "
+                       "rebuild the vocab map for this verifier")
     return d2t, t2d

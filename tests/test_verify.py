@@ -51,7 +51,7 @@ def kimi_speculators_config() -> dict:
             "target_hidden_size": None, "dtype": "bfloat16"}
 
 
-# REFERENCE.md section 3, "Kimi shapes".
+# docs/formats.md, "Kimi-K2.5 drafter shapes".
 KIMI_TABLE = {
     "fc.weight": ((7168, 21504), "BF16"),
     "midlayer.self_attn.q_proj.weight": ((8192, 14336), "BF16"),

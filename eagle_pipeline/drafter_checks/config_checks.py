@@ -22,7 +22,7 @@ def _dotted(config: dict[str, Any], key: str) -> Any:
 
 
 def flat_config_problems(config: dict[str, Any], target: dict[str, Any], engine: str = "vllm") -> list[str]:
-    """Fields the engines read, present and consistent with the target (REFERENCE section 3)."""
+    """Fields the engines read, present and consistent with the target (docs/formats.md, "config.json fields")."""
     problems = []
     if config.get("architectures") != [FLAT_ARCHITECTURE]:
         problems.append(f"architectures is {config.get('architectures')}, expected [{FLAT_ARCHITECTURE!r}]")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from eagle_pipeline.engine import eagle3_speculative_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, run_prompts
 from eagle_pipeline.serve.server import VllmServer
@@ -148,7 +149,7 @@ def speculative_config_for(
         drafter_dir = Path(drafter_dir)
         if not (drafter_dir / "config.json").is_file():
             raise BadInput(f"{drafter_dir}: no config.json; point to a converted drafter (stage 05 output)")
-        return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens}
+        return eagle3_speculative_config(drafter_dir, num_speculative_tokens)
     raise BadInput(f"serve.modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 

@@ -26,12 +26,7 @@ def check_inputs(train: TrainConfig, run: TrainRun) -> Any:
     num_layers = int(text_config.num_hidden_layers)
     check_layer_ids(run.layer_ids, num_layers)
 
-    _, t2d = load_vocab_map(run.d2t_path, run.t2d_path)
-    if t2d.shape[0] != int(text_config.vocab_size):
-        raise BadInput(
-            f"{run.t2d_path}: has {t2d.shape[0]} entries but the verifier's vocabulary has "
-            f"{text_config.vocab_size}; rebuild the vocab map for this verifier"
-        )
+    load_vocab_map(run.d2t_path, run.t2d_path, vocab_size=int(text_config.vocab_size))
 
     _check_training_data(train, run, int(text_config.hidden_size))
     return text_config
