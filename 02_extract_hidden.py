@@ -25,7 +25,6 @@ from pathlib import Path
 
 from eagle_pipeline import atomic, plots
 from eagle_pipeline.chat_tokens import tokenize_conversation
-from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.layer_ids import resolve_layer_ids
 from eagle_pipeline.samples import SAMPLES_DIR, SampleLayout, estimate_bytes, sample_files, sample_matches, sample_path
@@ -54,11 +53,6 @@ def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     upstream = require_complete(cfg, 1)
     hs_cfg = cfg.hidden_states
-    if hs_cfg.max_seq_len >= cfg.verifier.max_model_len:
-        raise BadInput(
-            f"hidden_states.max_seq_len: {hs_cfg.max_seq_len} must be below verifier.max_model_len "
-            f"({cfg.verifier.max_model_len}); the engine needs room for one sampled token"
-        )
     verifier = Verifier.from_config(cfg)
     layer_ids = resolve_layer_ids(hs_cfg.layer_ids, verifier.num_layers)
     num_states = len(layer_ids) + 1
