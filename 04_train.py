@@ -14,14 +14,13 @@ Output in <data_root>/<run_name>/04_train/: checkpoints/<epoch>/ (speculators fo
 metrics.csv, loss_curves.png, tensorboard/, manifest.json (tokens/s, peak memory, final accuracies).
 """
 
-import json
 import subprocess
 
 from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
-from eagle_pipeline.stage import Stage, Start, check_disk, main, require_complete, require_sample_layout, upstream_fingerprint
+from eagle_pipeline.stage import Stage, Start, check_disk, main, read_manifest, require_complete, require_sample_layout, upstream_fingerprint
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
 
@@ -87,7 +86,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
-        done = json.loads((stage.dir / "manifest.json").read_text())["counts"].get("epochs_completed")
+        done = read_manifest(stage.dir)["counts"].get("epochs_completed")
         if done == t.epochs:
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return
