@@ -25,7 +25,7 @@ from eagle_pipeline import atomic, plots
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
-from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.prompts import load_training_and_eval_prompts
 from eagle_pipeline.stage import Stage, Start, main
 from eagle_pipeline.verifier import Verifier, check_verifier_path
 
@@ -37,7 +37,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     # -- inputs ------------------------------------------------------------------------------------
     check_verifier_path(cfg)
     prompts_path = cfg.resolve_path(cfg.data.prompts)
-    prompts = load_prompts(prompts_path, cfg.data.prompt_field, "data.prompts")
+    # The held-out file is checked here too, so that a bad one is refused before hours of generation.
+    prompts, _ = load_training_and_eval_prompts(prompts_path, cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field)
     if cfg.data.num_samples > len(prompts):
         raise BadInput(
             f"data.num_samples: {cfg.data.num_samples} exceeds the {len(prompts)} prompts in {prompts_path}; "

@@ -83,11 +83,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         return plan_without_conversations(stage)
     upstream = require_complete(cfg, 1)
     hs_cfg = cfg.hidden_states
-    if hs_cfg.max_seq_len >= cfg.verifier.max_model_len:
-        raise BadInput(
-            f"hidden_states.max_seq_len: {hs_cfg.max_seq_len} must be below verifier.max_model_len "
-            f"({cfg.verifier.max_model_len}); the engine needs room for one sampled token"
-        )
     verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     layer_ids, num_states, hidden_size = list(layout.layer_ids), layout.num_hidden_states, layout.hidden_size

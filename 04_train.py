@@ -14,7 +14,6 @@ Output in <data_root>/<run_name>/04_train/: checkpoints/<epoch>/ (speculators fo
 metrics.csv, loss_curves.png, tensorboard/, manifest.json (tokens/s, peak memory, final accuracies).
 """
 
-import json
 import subprocess
 
 from eagle_pipeline.config import REPO_ROOT
@@ -29,6 +28,7 @@ from eagle_pipeline.stage import (
     main,
     not_run_yet_note,
     planned_sample_layout,
+    read_manifest,
     require_complete,
     require_sample_layout,
     upstream_fingerprint,
@@ -109,7 +109,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
-        done = json.loads((stage.dir / "manifest.json").read_text())["counts"].get("epochs_completed")
+        done = read_manifest(stage.dir)["counts"].get("epochs_completed")
         if done == t.epochs:
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return

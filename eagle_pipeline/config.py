@@ -6,16 +6,28 @@
   the schema.
 - Relative paths in a config are taken relative to the repository root, so a command works from any
   directory.
+- Every number has a range and must be finite; rules that tie fields together (a generation length below
+  the context length, ...) are checked here too, so that a bad value is refused when the config loads,
+  `--dry-run` included, and never midway through a stage.
+- An error names the file that set the offending value: the base a value was inherited from, or `--set`.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
+import dataclasses
+import difflib
+import functools
+import importlib.util
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
@@ -25,45 +37,93 @@ from eagle_pipeline.samples import StorageDtype
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# Upper bounds are far beyond any real run; they exist so that a slipped digit (1e10 epochs, a tensor
+# parallel size of 80000) is refused up front instead of failing deep inside an engine or an allocator.
+MAX_PARALLEL = 1024
+MAX_TOKENS = 1 << 24  # 16M tokens: longer than any model's context; lengths inside a context stay below it
+MAX_COUNT = 10**9
+MAX_WIDTH = 1 << 20  # hidden / intermediate sizes
+MAX_VOCAB = 1 << 24
+MAX_SEED = 2**32 - 1  # numpy's limit; torch and vLLM take any of these
+
+
+def cross_field(field: str, message: str) -> PydanticCustomError:
+    """A rule that ties fields together; `field` (relative to the model raising it) is the one blamed."""
+    return PydanticCustomError("cross_field", "{message}", {"field": field, "message": message})
+
+
+def _is_number(annotation: Any) -> bool:
+    """int, float, or an Optional of one."""
+    if annotation in (int, float):
+        return True
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(a in (int, float) for a in typing.get_args(annotation))
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: YAML reads .inf and .nan as floats, and neither is a usable setting anywhere.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bools_for_numbers_no_nul(cls, value, info):
+        # pydantic reads true as 1; `seed: true` or `epochs: yes` is a mistake, not a number.
+        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        # A NUL byte makes every file-system call fail with a traceback.
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("contains a NUL character; remove it")
+        return value
 
 
 class VerifierConfig(Section):
     path: str = Field(description="HF model directory of the target, or embedded:<name> for a bundled model")
     trust_remote_code: bool = False
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL)
     enable_expert_parallel: bool = False
-    max_model_len: int = Field(2048, ge=16)
+    max_model_len: int = Field(2048, ge=16, le=MAX_TOKENS)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    cpu_kvcache_gib: int = Field(4, ge=1, description="VLLM_CPU_KVCACHE_SPACE for the CPU backend")
+    cpu_kvcache_gib: int = Field(4, ge=1, le=65536, description="VLLM_CPU_KVCACHE_SPACE for the CPU backend")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM engine arguments")
+
+    @field_validator("engine_args")
+    @classmethod
+    def _known_engine_args(cls, args):
+        # A misspelt engine argument would otherwise surface as a TypeError after minutes of model loading.
+        names = vllm_engine_arg_names()
+        if names is None:  # no vLLM here: nothing can start an engine, so there is nothing to check against
+            return args
+        for key in args:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), sorted(names), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else "see vllm.engine.arg_utils.EngineArgs for the valid names"
+                raise cross_field(str(key), f"not a vLLM engine argument; {hint}")
+        return args
 
 
 class DataConfig(Section):
     prompts: str = Field(description="JSONL file of prompts, or a local `datasets` folder")
     prompt_field: str = "prompt"
     eval_prompts: str = Field(description="held-out prompts for stage 06, never used in training")
-    num_samples: int = Field(ge=1, description="how many training conversations to generate")
-    num_eval_prompts: int = Field(32, ge=1)
+    num_samples: int = Field(ge=1, le=MAX_COUNT, description="how many training conversations to generate")
+    num_eval_prompts: int = Field(32, ge=1, le=MAX_COUNT)
 
 
 class GenerationConfig(Section):
-    max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(256, ge=1, lt=MAX_TOKENS)
+    temperature: float = Field(0.0, ge=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
     reasoning: bool = Field(False, description="thinking on or off, through the template's own switch (enable_thinking, thinking, ...)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra chat-template arguments; override the detected thinking switch")
     system_prompt: Optional[str] = None
-    batch_size: int = Field(32, ge=1, description="prompts per engine call; a crash loses at most one batch")
+    batch_size: int = Field(32, ge=1, le=MAX_COUNT, description="prompts per engine call; a crash loses at most one batch")
 
 
 class HiddenStatesConfig(Section):
     layer_ids: Optional[list[int]] = Field(None, description="aux layer ids (HF hidden_states indices); default (2, L//2, L-3)")
     storage_dtype: StorageDtype = Field(StorageDtype.BFLOAT16, description="bfloat16, or fp8 with per-token scales (half the disk)")
-    max_seq_len: int = Field(2048, ge=8)
-    batch_size: int = Field(16, ge=1)
+    max_seq_len: int = Field(2048, ge=8, lt=MAX_TOKENS)
+    batch_size: int = Field(16, ge=1, le=MAX_COUNT)
 
     @field_validator("layer_ids")
     @classmethod
@@ -76,39 +136,49 @@ class HiddenStatesConfig(Section):
 
 
 class VocabConfig(Section):
-    draft_vocab_size: int = Field(ge=1)
+    # At most the target's vocabulary: that needs the model, so stage 03 checks it (dry run included).
+    draft_vocab_size: int = Field(ge=1, le=MAX_VOCAB)
 
 
 class DraftShape(Section):
     """An explicit drafter layer shape (Llama decoder layer); None fields come from the verifier."""
 
-    hidden_size: Optional[int] = None
-    num_hidden_layers: Optional[int] = Field(None, ge=1)
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    intermediate_size: Optional[int] = None
+    hidden_size: Optional[int] = Field(None, ge=1, le=MAX_WIDTH)
+    num_hidden_layers: Optional[int] = Field(None, ge=1, le=256)
+    num_attention_heads: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL)
+    num_key_value_heads: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL)
+    head_dim: Optional[int] = Field(None, ge=1, le=4096)
+    intermediate_size: Optional[int] = Field(None, ge=1, le=MAX_WIDTH)
     hidden_act: Optional[str] = None
-    rope_theta: Optional[float] = None
-    rms_norm_eps: Optional[float] = None
-    max_position_embeddings: Optional[int] = None
+    rope_theta: Optional[float] = Field(None, gt=0, le=1e12)
+    rms_norm_eps: Optional[float] = Field(None, gt=0, lt=1)
+    max_position_embeddings: Optional[int] = Field(None, ge=1, le=MAX_TOKENS)
+
+    @model_validator(mode="after")
+    def _heads_group_evenly(self):
+        # Grouped-query attention shares each key/value head among an equal number of query heads.
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv is not None and heads % kv:
+            raise cross_field("num_attention_heads", f"{heads} is not a multiple of num_key_value_heads ({kv}); "
+                                                     f"choose head counts that divide evenly")
+        return self
 
 
 class TrainConfig(Section):
-    epochs: int = Field(3, ge=1)
-    lr: float = Field(1e-4, gt=0)
+    epochs: int = Field(3, ge=1, le=100_000)
+    lr: float = Field(1e-4, gt=0, le=1)
     optimizer: Literal["adamw", "muon"] = "adamw"
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    total_seq_len: int = Field(2048, ge=8, description="tokens per packed batch")
-    ttt_steps: int = Field(3, ge=1)
+    total_seq_len: int = Field(2048, ge=8, le=MAX_TOKENS, description="tokens per packed batch")
+    ttt_steps: int = Field(3, ge=1, le=64)
     # Loss weight of draft position k is decay**k; below 1 it spends the drafter's capacity on the early
     # positions, which decide most of the acceptance length.
-    ttt_step_loss_decay: float = 1.0
+    ttt_step_loss_decay: float = Field(1.0, gt=0, le=1)
     val_ratio: float = Field(0.05, gt=0, lt=1)
-    keep_last: int = Field(2, ge=1)
-    num_workers: int = Field(2, ge=0)
-    threads: Optional[int] = Field(None, ge=1, description="torch threads for CPU training; None uses every core")
-    num_gpus: int = Field(0, ge=0, description="0 trains on the CPU; 1 or more launches torch.distributed.run")
+    keep_last: int = Field(2, ge=1, le=100_000)
+    num_workers: int = Field(2, ge=0, le=MAX_PARALLEL)
+    threads: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL, description="torch threads for CPU training; None uses every core")
+    num_gpus: int = Field(0, ge=0, le=MAX_PARALLEL, description="0 trains on the CPU; 1 or more launches torch.distributed.run")
     fsdp_shard: bool = Field(False, description="multi-GPU: shard the drafter with FSDP instead of replicating it")
     draft_shape: Optional[DraftShape] = Field(None, description="explicit drafter shape; None derives it from the verifier")
     # speculators' EAGLE-3 defaults; drafters trained with SpecForge (and SGLang) use all False.
@@ -117,13 +187,6 @@ class TrainConfig(Section):
     fc_norm: bool = False
     norm_output: bool = True
     init_from: Optional[str] = Field(None, description="drafter directory to fine-tune from")
-
-    @field_validator("ttt_step_loss_decay")
-    @classmethod
-    def _decay_in_range(cls, decay):
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"must be in (0, 1], got {decay}")
-        return decay
 
     @field_validator("fsdp_shard")
     @classmethod
@@ -148,35 +211,44 @@ class TrainConfig(Section):
 class ConvertConfig(Section):
     sglang: bool = False
     reference_dir: Optional[str] = Field(None, description="released drafter to compare shapes against")
-    parity_prompts: int = Field(4, ge=1)
-    parity_max_tokens: int = Field(32, ge=1)
-    parity_tolerance: float = Field(0.05, ge=0, description="allowed per-position acceptance difference")
+    parity_prompts: int = Field(4, ge=1, le=MAX_COUNT)
+    parity_max_tokens: int = Field(32, ge=1, le=MAX_TOKENS)
+    parity_tolerance: float = Field(0.05, ge=0, le=1, description="allowed per-position acceptance difference")
     # Each check starts its own engine: a cold start of a ~600 GB target alone takes tens of minutes.
-    engine_timeout_s: float = Field(3600.0, gt=0, description="seconds one vLLM job of the checks may take")
+    engine_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds one vLLM job of the checks may take")
 
 
 class ServeConfig(Section):
-    num_speculative_tokens: int = Field(3, ge=1)
-    max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    concurrency: int = Field(4, ge=1)
+    num_speculative_tokens: int = Field(3, ge=1, le=64)
+    max_tokens: int = Field(128, ge=1, lt=MAX_TOKENS)
+    temperature: float = Field(0.0, ge=0, le=10)
+    concurrency: int = Field(4, ge=1, le=MAX_PARALLEL)
     port: Optional[int] = Field(None, ge=1, le=65535)
     ngram_baseline: bool = True
-    min_acceptance_length: float = Field(1.5, ge=1)
+    min_acceptance_length: float = Field(1.5, ge=1, le=65)
     # Replay the trained drafter offline on the no-speculation server's answers (eagle_pipeline/predict) and
     # report the predicted acceptance beside the served one: a large gap means the engine serves the drafter
     # differently from how it was trained. Costs one hidden-state capture engine start.
     predict: bool = True
     # A cold start of a ~600 GB target (weights from disk, graph capture on 8 GPUs) takes tens of minutes.
-    startup_timeout_s: float = Field(3600.0, gt=0, description="seconds a vLLM server may take to become healthy")
+    startup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds a vLLM server may take to become healthy")
+
+    @model_validator(mode="after")
+    def _reachable_acceptance(self):
+        # Each verification step accepts at most every draft token plus the verifier's own token.
+        if self.min_acceptance_length > self.num_speculative_tokens + 1:
+            raise cross_field("min_acceptance_length", f"{self.min_acceptance_length} can never be reached with "
+                                                       f"num_speculative_tokens {self.num_speculative_tokens} (at most "
+                                                       f"{self.num_speculative_tokens + 1}); lower it or draft more tokens")
+        return self
 
 
 class RunConfig(Section):
     run_name: str
     data_root: str
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["cpu", "cuda"] = "cpu"
-    disk_budget_gb: Optional[float] = Field(None, description="disk this run is expected to need on data_root")
+    disk_budget_gb: Optional[float] = Field(None, gt=0, le=1e7, description="disk this run is expected to need on data_root")
     verifier: VerifierConfig
     data: DataConfig
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -186,10 +258,31 @@ class RunConfig(Section):
     convert: ConvertConfig = Field(default_factory=ConvertConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
+    @field_validator("run_name")
+    @classmethod
+    def _run_name_stays_inside(cls, name):
+        # The run folder is data_root/run_name and --force deletes inside it: it must not point elsewhere.
+        if not name.strip() or name in (".", "..") or any(c in name for c in "/\\") or Path(name).is_absolute():
+            raise ValueError(f"{name!r} must be a plain folder name (no '/', '\\', '.' or '..'), e.g. my-run")
+        return name
+
+    @field_validator("data_root")
+    @classmethod
+    def _data_root_given(cls, root):
+        if not root.strip():
+            raise ValueError("must not be empty (it would write runs into the repository itself); set a folder, e.g. runs")
+        return root
+
     @model_validator(mode="after")
-    def _names(self):
-        if not self.run_name or "/" in self.run_name:
-            raise ValueError("run_name must be a non-empty folder name without '/'")
+    def _lengths_fit_the_context(self):
+        # The engine needs at least one prompt token besides what it generates or stores.
+        limit = self.verifier.max_model_len
+        for field, value in (("generation.max_tokens", self.generation.max_tokens),
+                             ("hidden_states.max_seq_len", self.hidden_states.max_seq_len),
+                             ("serve.max_tokens", self.serve.max_tokens)):
+            if value >= limit:
+                raise cross_field(field, f"{value} must be below verifier.max_model_len ({limit}); "
+                                         f"lower it or raise verifier.max_model_len")
         return self
 
     # -- derived paths -------------------------------------------------------------------------
@@ -214,28 +307,137 @@ def resolve_path(value: str) -> Path:
     return path if path.is_absolute() else REPO_ROOT / path
 
 
+# -- vLLM's engine arguments ----------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_engine_arg_names() -> frozenset[str] | None:
+    """The field names of vllm.engine.arg_utils.EngineArgs, or None where vLLM is not installed.
+
+    Read from the module's source rather than by importing it: importing vLLM takes seconds and writes
+    platform notices to stderr, which every config load (dry runs included) would pay for.
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        tree = None
+    for node in tree.body if tree else ():
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs" and not node.bases:
+            return frozenset(
+                stmt.target.id for stmt in node.body
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and "ClassVar" not in ast.unparse(stmt.annotation)
+                and not (stmt.value is not None and "init=False" in ast.unparse(stmt.value).replace(" ", ""))
+            )
+    # A layout this reader does not know (the class moved or inherits fields): ask the dataclass itself.
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs) if f.init)
+
+
 # -- loading ---------------------------------------------------------------------------------------
 
+# Where each key of a merged config came from: key path -> the file (or --set) that set it last.
+Origins = dict[tuple[str, ...], str]
 
-def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(key)
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may override on purpose
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key; SafeLoader reports it itself
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _parse_yaml(path: Path) -> Any:
+    try:
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise BadInput(f"{path}: is a folder, not a config file; name a .yaml file inside it, e.g. configs/tiny.yaml") from None
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read the config ({e.strerror}); check the path and its permissions") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise BadInput(f"{path} line {line}: byte 0x{raw[e.start]:02x} is not UTF-8; save the file as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except _DuplicateKey as e:
+        raise BadInput(f"{path} line {e.line}: key {e.key!r} appears again (first at line {e.first_line}) and would "
+                       f"silently replace the first; merge the two into one") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" line {mark.line + 1}" if mark else ""
+        raise BadInput(f"{path}{at}: not valid YAML ({_one_line(getattr(e, 'problem', None) or e)}); fix the syntax") from None
+
+
+def _resolve(path: Path, what: str) -> Path:
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as e:  # Python 3.11 raises RuntimeError for a symlink loop
+        raise BadInput(f"{path}: {what} cannot be resolved ({_one_line(e)}); point it at a real file") from None
+
+
+def _origins(data: dict, source: str, prefix: tuple[str, ...] = ()) -> Origins:
+    found: Origins = {}
+    for key, value in data.items():
+        found[prefix + (key,)] = source
+        if isinstance(value, dict):
+            found.update(_origins(value, source, prefix + (key,)))
+    return found
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], Origins]:
     if path in chain:
         raise BadInput(f"{path}: 'extends' forms a cycle ({' -> '.join(map(str, chain + (path,)))}); remove one link")
     if not path.exists():
         where = f" (extended by {chain[-1]})" if chain else ""
         raise BadInput(f"{path}: config file not found{where}; check the path")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" line {mark.line + 1}" if mark else ""
-        raise BadInput(f"{path}{at}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+    data = _parse_yaml(path)
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
-        raise BadInput(f"{path}: a config must be a YAML mapping of keys to values")
+        raise BadInput(f"{path}: a config must be a YAML mapping of keys to values, not a {type(data).__name__}; "
+                       f"start from configs/tiny.yaml")
     parent = data.pop("extends", None)
+    origins = _origins(data, str(path))
     if parent is None:
-        return data
-    base = _read_yaml((path.parent / parent).resolve(), chain + (path,))
-    return deep_merge(base, data)
+        return data, origins
+    if not isinstance(parent, str) or not parent.strip():
+        raise BadInput(f"{path}: extends: expected one base file name, got {parent!r}; a config extends a single "
+                       f"base (the base may extend another)")
+    base_path = _resolve(path.parent / parent, "extends")
+    if base_path.is_dir():
+        raise BadInput(f"{path}: extends: {base_path} is a folder; name a .yaml file")
+    base, base_origins = _read_yaml(base_path, chain + (path,))
+    return deep_merge(base, data), {**base_origins, **origins}
 
 
 def deep_merge(base: dict, overlay: dict) -> dict:
@@ -248,7 +450,7 @@ def deep_merge(base: dict, overlay: dict) -> dict:
     return merged
 
 
-def apply_override(data: dict, assignment: str) -> None:
+def apply_override(data: dict, assignment: str, origins: Origins | None = None) -> None:
     """Apply one `a.b.c=value` override; the value is parsed as YAML (so 3 is an int, [1,2] a list)."""
     if "=" not in assignment:
         raise BadInput(f"--set {assignment!r}: expected dotted.key=value, e.g. --set data.num_samples=10")
@@ -269,13 +471,26 @@ def apply_override(data: dict, assignment: str) -> None:
             raise BadInput(f"--set {dotted}: {key!r} is a value, not a section")
         node = child
     node[keys[-1]] = value
+    if origins is not None:
+        origins[tuple(keys)] = f"--set {assignment}"
 
 
-def _explain(error: ValidationError, source: str, section: str | None = None) -> str:
+def _blame(origins: Origins, loc: tuple, default: str) -> str:
+    """The source that set the value at `loc` (or the nearest section above it)."""
+    for n in range(len(loc), 0, -1):
+        if tuple(loc[:n]) in origins:
+            return origins[tuple(loc[:n])]
+    return default
+
+
+def _explain(error: ValidationError, source: str, section: str | None = None, origins: Origins | None = None) -> str:
     first = error.errors()[0]
-    loc = (section, *first["loc"]) if section else first["loc"]
-    where = ".".join(str(p) for p in loc) or "(top level)"
+    loc = tuple(str(p) for p in ((section, *first["loc"]) if section else first["loc"]))
     kind = first["type"]
+    if kind == "cross_field":  # a rule across fields names the one it blames
+        loc = loc + tuple(first["ctx"]["field"].split("."))
+    source = _blame(origins or {}, loc, source)
+    where = ".".join(loc) or "(top level)"
     if kind == "extra_forbidden":
         parent, _, key = where.rpartition(".")
         place = f"section {parent!r}" if parent else "the top level"
@@ -284,18 +499,23 @@ def _explain(error: ValidationError, source: str, section: str | None = None) ->
         return f"{source}: {where} is required; set it in the config or with --set {where}=..."
     if kind == "value_error":  # the schema's own validators word the whole message
         return f"{source}: {where}: {first['ctx']['error']}"
+    if kind == "cross_field":
+        return f"{source}: {where}: {first['ctx']['message']}"
     return f"{source}: {where}: {first['msg']} (got {first.get('input')!r})"
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    path = Path(path).resolve()
-    data = _read_yaml(path)
+    given = Path(path)
+    path = _resolve(given, "--config")
+    if path.is_dir():
+        raise BadInput(f"{given}: --config names a folder; name a .yaml file, e.g. configs/tiny.yaml")
+    data, origins = _read_yaml(path)
     for assignment in overrides:
-        apply_override(data, assignment)
+        apply_override(data, assignment, origins)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise BadInput(_explain(e, str(path))) from None
+        raise BadInput(_explain(e, str(path), origins=origins)) from None
 
 
 def load_section(name: str, values: dict[str, Any], source: str) -> Section:

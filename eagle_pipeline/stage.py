@@ -60,14 +60,35 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+MANIFEST_FIELDS = {"status": str, "inputs": dict, "counts": dict}
+
+
 def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    """A stage folder's manifest, None when there is none; a damaged one is refused (BadInput) naming the fix."""
     path = Path(stage_dir) / "manifest.json"
     if not path.exists():
         return None
+    name = Path(stage_dir).name
+    fix = f"rerun that stage ({name}.py) with --force to rebuild it" if name in STAGES.values() else "rerun that stage with --force to rebuild it"
+    if path.is_dir():
+        raise BadInput(f"{path}: is a folder, not a manifest file; {fix}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise BadInput(f"{path}: manifest is not valid JSON; rerun the stage with --force to rebuild it") from None
+        raw = path.read_bytes()
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read the manifest ({e.strerror}); fix its permissions or {fix}") from None
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadInput(f"{path}: manifest is not UTF-8 text; {fix}") from None
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{path}: manifest is not valid JSON (line {e.lineno}: {e.msg}); {fix}") from None
+    if not isinstance(manifest, dict):
+        raise BadInput(f"{path}: manifest is a JSON {type(manifest).__name__}, not an object; {fix}")
+    for key, kind in MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            what = "lacks" if key not in manifest else f"has a {type(manifest[key]).__name__} for"
+            raise BadInput(f"{path}: manifest {what} {key!r} (a {kind.__name__}); {fix}")
+    return manifest
 
 
 def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:
@@ -166,13 +187,15 @@ class Stage:
         mix a smaller set with artifacts built from the larger one.
         """
         self.inputs = inputs
-        old = read_manifest(self.dir)
-        if old is not None and self.force:
+        # --force does not read the old manifest: it is how a damaged one gets replaced.
+        if self.force and (self.dir / "manifest.json").exists():
             log.info("--force: removing the output in %s (logs are kept)", self.dir)
             for child in self.dir.iterdir():
                 if child.name != "logs":
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
             old = None
+        else:
+            old = read_manifest(self.dir)
         if old is not None:
             changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs", {}).get(k) != inputs.get(k))
             if changed:
@@ -200,8 +223,10 @@ class Stage:
 
     def already_complete(self, inputs: dict[str, Any], samples: int | None = None) -> bool:
         """True when the output is complete for exactly these inputs (reads only; for checks worth skipping)."""
+        if self.force:
+            return False
         old = read_manifest(self.dir)
-        return (not self.force and old is not None and old.get("status") == "complete" and old.get("inputs") == inputs
+        return (old is not None and old.get("status") == "complete" and old.get("inputs") == inputs
                 and (samples is None or old.get("counts", {}).get("samples") == samples))
 
     def write_config(self) -> None:
@@ -250,7 +275,7 @@ def _exit_codes(log_path_holder: list[Path | None]) -> Iterator[None]:
     try:
         yield
     except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)  # one line, whatever the message holds
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: finished work is kept; rerun the same command to resume", file=sys.stderr)

@@ -67,3 +67,10 @@ def finished_small_run(small_run):
     for script in ("04_train.py", "05_convert.py", "06_serve_test.py"):
         ok(run_stage(script, config, timeout=1800))
     return config, run_dir
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many generated bad-input cases tests/test_schema_fuzz.py tried (the figure BENCHMARKS.md quotes)."""
+    fuzz = sys.modules.get("test_schema_fuzz")
+    if fuzz is not None and fuzz.CASES_TRIED[0]:
+        terminalreporter.write_line(f"schema fuzz: {fuzz.CASES_TRIED[0]} generated bad-input cases tried")

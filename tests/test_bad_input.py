@@ -95,6 +95,47 @@ def _prompts(content: str):
     return setup
 
 
+def _prompt_bytes(content: bytes):
+    def setup(run_dir, tmp):
+        path = tmp / "prompts.jsonl"
+        path.write_bytes(content)
+        return ["--set", f"data.prompts={path}"]
+    return setup
+
+
+def _eval_is_train(run_dir, tmp):
+    return ["--set", f"data.eval_prompts={REPO / 'data' / 'prompts_train.jsonl'}"]
+
+
+def _eval_copy_of_train(run_dir, tmp):
+    (tmp / "copy.jsonl").write_bytes((REPO / "data" / "prompts_train.jsonl").read_bytes())
+    return ["--set", f"data.eval_prompts={tmp / 'copy.jsonl'}"]
+
+
+def _config_file(text: bytes):
+    """Replace the case's config with this content (the run config is rewritten after setup runs)."""
+    def setup(run_dir, tmp):
+        (tmp / "raw.yaml").write_bytes(text.replace(b"TINY", str(REPO / "configs" / "tiny.yaml").encode())
+                                       .replace(b"ROOT", str(tmp / "data").encode()))
+        return ["--config", str(tmp / "raw.yaml")]
+    return setup
+
+
+def _broken_manifest(kind: str):
+    def setup(run_dir, tmp):
+        folder = run_dir / "01_generate_data"
+        folder.mkdir(parents=True)
+        path = folder / "manifest.json"
+        {"folder": lambda: path.mkdir(),
+         "not-utf8": lambda: path.write_bytes(b'{"status": "compl\xe9te"}'),
+         "not-json": lambda: path.write_text('{"status": "complete",'),
+         "a-list": lambda: path.write_text("[1, 2]"),
+         "no-status": lambda: path.write_text('{"inputs": {}, "counts": {}}'),
+         "counts-a-list": lambda: path.write_text('{"status": "complete", "inputs": {}, "counts": []}'),
+         }[kind]()
+    return setup
+
+
 def _set(*pairs):
     return lambda run_dir, tmp: [a for p in pairs for a in ("--set", p)]
 
@@ -154,6 +195,37 @@ CASES = [
     ("checkpoint-without-weights", {}, lambda r, t: fake_trained(r, with_weights=False), "05_convert.py", [], "checkpoints/0"),
     ("reference-drafter-not-a-model", {"convert": {"reference_dir": "/nonexistent/ref"}}, lambda r, t: fake_trained(r, with_weights=True), "05_convert.py", [], "convert.reference_dir: /nonexistent/ref has no config.json"),
     ("serve-port-in-use", {}, _busy_port, "06_serve_test.py", [], "serve.port"),
+    # config files
+    ("config-not-utf8", {}, _config_file(b"extends: TINY\nrun_name: caf\xe9\ndata_root: ROOT\n"),
+     "01_generate_data.py", ["--dry-run"], "raw.yaml line 2: byte 0xe9 is not UTF-8"),
+    ("config-duplicate-section", {}, _config_file(b"extends: TINY\ndata_root: ROOT\ntrain: {epochs: 2}\ntrain: {lr: 0.1}\n"),
+     "01_generate_data.py", ["--dry-run"], "raw.yaml line 4: key 'train' appears again (first at line 3)"),
+    ("config-extends-a-list", {}, _config_file(b"extends: [TINY]\ndata_root: ROOT\n"),
+     "01_generate_data.py", ["--dry-run"], "extends: expected one base file name"),
+    ("config-is-a-list", {}, _config_file(b"- TINY\n"), "01_generate_data.py", ["--dry-run"], "must be a YAML mapping"),
+    ("config-is-a-folder", {}, lambda r, t: ["--config", str(t)], "01_generate_data.py", ["--dry-run"], "--config names a folder"),
+    ("run-name-escapes", {}, _set("run_name=.."), "01_generate_data.py", [], "run_name: '..' must be a plain folder name"),
+    ("data-root-empty", {}, _set("data_root=''"), "01_generate_data.py", [], "data_root: must not be empty"),
+    ("engine-arg-misspelt", {"verifier": {"engine_args": {"enforce_eagr": True}}}, None, "02_extract_hidden.py", ["--dry-run"], "did you mean 'enforce_eager'"),
+    # prompt files
+    ("prompts-not-utf8", {}, _prompt_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n'),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:2: byte 0xe9 is not UTF-8"),
+    ("prompts-line-not-object", {}, _prompts('{"prompt": "ok"}\n["a list"]\n'),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:2: expected a JSON object"),
+    ("prompts-message-not-object", {}, _prompts('{"messages": ["hi"]}\n'),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:1: messages[0] must be an object with 'role' and 'content'"),
+    ("prompts-message-content-not-string", {}, _prompts('{"messages": [{"role": "user", "content": 3}]}\n'),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:1: messages[0]: 'role' and 'content' must be strings"),
+    ("prompts-blank-lines-only", {}, _prompts("\n\n"), "01_generate_data.py", ["--dry-run"], "holds no prompts"),
+    ("prompts-duplicate-id", {}, _prompts('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n'),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:2: id 'a' was already used at"),
+    ("eval-prompts-missing", {}, _set("data.eval_prompts=/nonexistent-eval.jsonl"),
+     "01_generate_data.py", ["--dry-run"], "data.eval_prompts: /nonexistent-eval.jsonl does not exist"),
+    ("eval-prompts-are-the-training-file", {}, _eval_is_train, "01_generate_data.py", ["--dry-run"], "is the same file as data.prompts"),
+    ("eval-prompts-copy-the-training-file", {}, _eval_copy_of_train, "01_generate_data.py", ["--dry-run"], "holds the same prompts as data.prompts"),
+    # manifests
+    *[(f"manifest-{kind}", {}, _broken_manifest(kind), "02_extract_hidden.py", ["--dry-run"], "rerun that stage (01_generate_data.py) with --force")
+      for kind in ("folder", "not-utf8", "not-json", "a-list", "no-status", "counts-a-list")],
 ]
 
 
@@ -219,3 +291,21 @@ def test_changed_train_setting_is_refused_naming_it(tmp_path):
     # A resumable setting is not an input: the rerun gets past the manifest to the same vocab map check.
     resumed = run_stage("04_train.py", config, "--set", "train.epochs=9")
     assert resumed.returncode == 2 and "marks 0 tokens" in resumed.stderr.strip().splitlines()[-1], resumed.stderr[-2000:]
+
+
+def test_force_replaces_a_damaged_manifest_that_a_plain_rerun_refuses(tmp_path):
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.errors import BadInput
+    from eagle_pipeline.stage import Stage, Start
+
+    cfg = load_config(write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="r"))
+    folder = cfg.stage_dir("03_build_vocab_map")
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("not json")
+    (folder / "d2t.npy").write_bytes(b"old")
+    with pytest.raises(BadInput, match=r"manifest\.json: manifest is not valid JSON .*rerun that stage \(03_build_vocab_map\.py\) with --force"):
+        Stage(3, cfg, force=False).start({"x": "1"})
+    assert (folder / "d2t.npy").exists()
+    assert not Stage(3, cfg, force=True).already_complete({"x": "1"})
+    assert Stage(3, cfg, force=True).start({"x": "1"}) is Start.STARTED
+    assert not (folder / "d2t.npy").exists() and json.loads((folder / "manifest.json").read_text())["status"] == "running"

@@ -99,3 +99,116 @@ def test_prompt_files_have_unique_ids_and_share_no_prompt():
         assert len({r["prompt"] for r in group}) == len(group)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
     assert load_config(REPO / "configs" / "tiny.yaml").data.num_samples <= len(train)
+
+
+# -- config files an adversarial user hands in ------------------------------------------------------
+
+
+def test_non_utf8_byte_names_the_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(f"extends: {REPO / 'configs' / 'tiny.yaml'}\nrun_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(BadInput, match=r"c\.yaml line 2: byte 0xe9 is not UTF-8; save the file as UTF-8"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("[a.yaml, b.yaml]", r"extends: expected one base file name, got \['a.yaml', 'b.yaml'\]"),
+    ("{x: 1}", r"extends: expected one base file name"),
+    ("''", r"extends: expected one base file name"),
+    (".", r"extends: .* is a folder; name a \.yaml file"),
+])
+def test_extends_must_name_one_file(tmp_path, value, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"extends: {value}\nrun_name: x\n")
+    with pytest.raises(BadInput, match=expected):
+        load_config(path)
+
+
+def test_config_that_is_a_folder_or_a_symlink_loop(tmp_path):
+    with pytest.raises(BadInput, match=r"--config names a folder; name a \.yaml file"):
+        load_config(tmp_path)
+    (tmp_path / "a.yaml").symlink_to(tmp_path / "b.yaml")
+    (tmp_path / "b.yaml").symlink_to(tmp_path / "a.yaml")
+    with pytest.raises(BadInput, match=r"a\.yaml: --config cannot be resolved"):
+        load_config(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize("text,kind", [("- a\n- b\n", "list"), ("just words\n", "str"), ("42\n", "int")])
+def test_config_that_is_not_a_mapping(tmp_path, text, kind):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(BadInput, match=rf"a config must be a YAML mapping of keys to values, not a {kind}"):
+        load_config(path)
+
+
+def test_repeated_section_is_refused_naming_key_and_lines(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\ntrain:\n  epochs: 2\nseed: 1\ntrain:\n  lr: 0.1\n")
+    with pytest.raises(BadInput, match=r"c\.yaml line 5: key 'train' appears again \(first at line 2\)"):
+        load_config(path)
+
+
+def test_repeated_nested_key_is_refused_too(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\ntrain: {{epochs: 2, epochs: 3}}\n")
+    with pytest.raises(BadInput, match=r"key 'epochs' appears again"):
+        load_config(path)
+
+
+def test_yaml_merge_keys_still_work(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\n"
+                    "serve: &shared {temperature: 0.5, max_tokens: 20}\n"
+                    "generation:\n  <<: *shared\n  max_tokens: 30\n")
+    cfg = load_config(path)
+    assert cfg.generation.temperature == 0.5 and cfg.generation.max_tokens == 30
+
+
+def test_a_typo_in_a_base_is_blamed_on_the_base(tmp_path):
+    (tmp_path / "base.yaml").write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\ntrain:\n  epohcs: 2\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nseed: 3\n")
+    with pytest.raises(BadInput, match=r"base\.yaml: unknown key 'epohcs' in section 'train'") as refused:
+        load_config(tmp_path / "child.yaml")
+    assert "child.yaml" not in str(refused.value)
+
+
+def test_a_bad_value_from_set_is_blamed_on_set(tmp_path):
+    with pytest.raises(BadInput, match=r"^--set train\.lr=5: train\.lr: Input should be less than or equal to 1"):
+        load_config(write_config(tmp_path / "c.yaml"), ["train.lr=5"])
+
+
+@pytest.mark.parametrize("name", ["..", ".", "/etc", "a/b", "a\\b", "a\x00b", "", "  "])
+def test_run_name_must_stay_inside_data_root(tmp_path, name):
+    with pytest.raises(BadInput, match=r"run_name: "):
+        load_config(write_config(tmp_path / "c.yaml", run_name=name))
+
+
+def test_empty_data_root_is_refused(tmp_path):
+    with pytest.raises(BadInput, match=r"data_root: must not be empty"):
+        load_config(write_config(tmp_path / "c.yaml", data_root=""))
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["generation.max_tokens=1280"], r"generation\.max_tokens: 1280 must be below verifier\.max_model_len \(1280\)"),
+    (["verifier.max_model_len=1024"], r"hidden_states\.max_seq_len: 1024 must be below verifier\.max_model_len \(1024\)"),
+    (["serve.max_tokens=2000"], r"serve\.max_tokens: 2000 must be below verifier\.max_model_len"),
+    (["train.draft_shape={num_attention_heads: 6, num_key_value_heads: 4}"],
+     r"train\.draft_shape\.num_attention_heads: 6 is not a multiple of num_key_value_heads \(4\)"),
+    (["serve.min_acceptance_length=4.5"], r"serve\.min_acceptance_length: 4\.5 can never be reached"),
+    (["seed=true"], r"seed: expected a number, got true"),
+    (["verifier.path=/models/a\x00b"], r"verifier\.path: contains a NUL character"),
+])
+def test_cross_field_and_type_rules(tmp_path, overrides, expected):
+    with pytest.raises(BadInput, match=expected):
+        load_config(write_config(tmp_path / "c.yaml"), overrides)
+
+
+def test_unknown_engine_arg_is_named_with_the_closest_valid_one(tmp_path):
+    from eagle_pipeline.config import vllm_engine_arg_names
+
+    if vllm_engine_arg_names() is None:
+        pytest.skip("vLLM is not installed: engine_args cannot be checked")
+    assert {"enforce_eager", "max_num_seqs", "gpu_memory_utilization"} <= vllm_engine_arg_names()
+    with pytest.raises(BadInput, match=r"verifier\.engine_args\.enforce_eagr: not a vLLM engine argument; did you mean 'enforce_eager'\?"):
+        load_config(write_config(tmp_path / "c.yaml"), ["verifier.engine_args.enforce_eagr=true"])
+    assert load_config(write_config(tmp_path / "c.yaml"), ["verifier.engine_args.max_num_seqs=4"])

@@ -376,5 +376,5 @@ def test_loss_decay_reaches_speculators_config(llama_case, tmp_path):
     resolved = TrainConfig.resolve(runner.speculators_argv(train, run))
     assert resolved.model_dump_json().count('"ttt_step_loss_decay":0.8') == 1
 
-    with pytest.raises(BadInput, match=r"train.ttt_step_loss_decay: must be in \(0, 1\], got 1.5"):
+    with pytest.raises(BadInput, match=r"train.ttt_step_loss_decay: Input should be less than or equal to 1 \(got 1.5\)"):
         runner.train_drafter(settings(ttt_step_loss_decay=1.5), llama_case.run(tmp_path / "b"))

@@ -1,0 +1,161 @@
+"""Generated bad input: every numeric field of the config schema, pushed past its range and fed wrong types.
+
+The cases come from the schema itself (pydantic field metadata, walked recursively through every section), so
+a field added later is covered without touching this file, and a field added without a range fails
+`test_every_numeric_field_has_a_range`. Each bad value must raise BadInput naming the dotted field; each value
+on a boundary of its range must load. A handful go through a real stage script to check the CLI contract.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from pathlib import Path
+
+import annotated_types as at
+import pytest
+from conftest import run_stage, write_config
+from pydantic import BaseModel
+
+from eagle_pipeline.config import MAX_TOKENS, RunConfig, load_config
+from eagle_pipeline.errors import BadInput
+
+# Cases tried in this session; conftest's terminal summary prints the total.
+CASES_TRIED = [0]
+
+
+def _unwrap(annotation):
+    """(type, optional) for int | float | Optional[...]; a BaseModel subclass for a nested section."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    real = [a for a in args if a is not type(None)]
+    return (real[0] if len(real) == 1 else None), type(None) in args
+
+
+def numeric_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, type, dict]]:
+    """(dotted name, int or float, {"ge"/"gt"/"le"/"lt": bound}) for every numeric field, recursively."""
+    found = []
+    for name, info in model.model_fields.items():
+        kind, _ = _unwrap(info.annotation)
+        dotted = prefix + name
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            found += numeric_fields(kind, dotted + ".")
+        elif kind in (int, float):
+            bounds = {}
+            for meta in info.metadata:
+                for attr, cls in (("ge", at.Ge), ("gt", at.Gt), ("le", at.Le), ("lt", at.Lt)):
+                    if isinstance(meta, cls):
+                        bounds[attr] = getattr(meta, attr)
+            found.append((dotted, kind, bounds))
+    return found
+
+
+FIELDS = numeric_fields()
+
+# Cross-field rules the schema enforces: a boundary value of one field is valid only with these set as well.
+LENGTHS = ("generation.max_tokens", "hidden_states.max_seq_len", "serve.max_tokens")
+COMPANIONS = {
+    "verifier.max_model_len": [f"{f}=8" for f in LENGTHS],
+    **{f: [f"verifier.max_model_len={MAX_TOKENS}"] for f in LENGTHS},
+    "serve.min_acceptance_length": ["serve.num_speculative_tokens=64"],
+    "serve.num_speculative_tokens": ["serve.min_acceptance_length=1"],
+}
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return {math.inf: ".inf", -math.inf: "-.inf"}.get(value, ".nan" if math.isnan(value) else repr(value))
+    return str(value)
+
+
+def cases_for(kind: type, bounds: dict) -> tuple[list[str], list[str]]:
+    """(bad values, boundary values that must load), as --set strings."""
+    step = 1 if kind is int else None
+    bad, good = ["lots", "[1, 2]", "{a: 1}", "true", "''"], []
+    if kind is int:
+        bad.append("1.5")
+    else:
+        bad += [".inf", "-.inf", ".nan"]
+    lo = bounds.get("ge", bounds.get("gt"))
+    hi = bounds.get("le", bounds.get("lt"))
+    if "ge" in bounds:
+        bad.append(_fmt(bounds["ge"] - (step or max(abs(bounds["ge"]) * 1e-3, 1e-9))))
+        good.append(_fmt(bounds["ge"]))
+    if "gt" in bounds:
+        bad.append(_fmt(bounds["gt"]))
+        good.append(_fmt(bounds["gt"] + (step or min(1e-6, (hi - lo) / 2 if hi is not None else 1e-6))))
+    if "le" in bounds:
+        bad.append(_fmt(bounds["le"] + (step or max(abs(bounds["le"]) * 1e-3, 1e-9))))
+        good.append(_fmt(bounds["le"]))
+    if "lt" in bounds:
+        bad.append(_fmt(bounds["lt"]))
+        good.append(_fmt(bounds["lt"] - (step or min(1e-6, (hi - lo) / 2))))
+    if kind is float:
+        bad.append("1e999")  # YAML reads it as a string; the schema reads it as infinity
+    return bad, good
+
+
+@pytest.fixture(scope="module")
+def base_config(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    return write_config(tmp / "c.yaml", data_root=str(tmp / "data"), run_name="fuzz")
+
+
+def test_the_walk_reaches_every_section():
+    names = {f[0] for f in FIELDS}
+    sections = {n.split(".")[0] for n in names}
+    assert {"seed", "disk_budget_gb", "train.draft_shape.hidden_size", "train.lr", "vocab.draft_vocab_size"} <= names
+    assert {"verifier", "data", "generation", "hidden_states", "vocab", "train", "convert", "serve"} <= sections
+    assert len(FIELDS) >= 40, len(FIELDS)
+
+
+@pytest.mark.parametrize("dotted,kind,bounds", FIELDS, ids=[f[0] for f in FIELDS])
+def test_every_numeric_field_has_a_range(dotted, kind, bounds):
+    assert {"ge", "gt"} & set(bounds) and {"le", "lt"} & set(bounds), f"{dotted} needs a lower and an upper bound"
+
+
+@pytest.mark.parametrize("dotted,kind,bounds", FIELDS, ids=[f[0] for f in FIELDS])
+def test_out_of_range_and_wrong_types_are_refused_naming_the_field(base_config, dotted, kind, bounds):
+    bad, good = cases_for(kind, bounds)
+    companions = COMPANIONS.get(dotted, [])
+    for value in bad:
+        CASES_TRIED[0] += 1
+        with pytest.raises(BadInput) as refused:
+            load_config(base_config, [*companions, f"{dotted}={value}"])
+        message = str(refused.value)
+        assert dotted in message and "\n" not in message, f"{dotted}={value}: {message}"
+    for value in good:
+        CASES_TRIED[0] += 1
+        try:
+            cfg = load_config(base_config, [*companions, f"{dotted}={value}"])
+        except BadInput as e:
+            pytest.fail(f"{dotted}={value} is on the boundary of {bounds} and must load: {e}")
+        node = cfg
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        assert math.isclose(node, float(value)), (dotted, value, node)
+
+
+# -- the same contract through a stage script -------------------------------------------------------
+
+CLI_CASES = [
+    ("negative-seed", ["seed=-1"], "seed"),
+    ("nan-lr", ["train.lr=.nan"], "train.lr"),
+    ("temperature-too-high", ["generation.temperature=11"], "generation.temperature"),
+    ("zero-draft-heads", ["train.draft_shape.num_attention_heads=0"], "train.draft_shape.num_attention_heads"),
+    ("heads-not-divisible", ["train.draft_shape.num_attention_heads=6", "train.draft_shape.num_key_value_heads=4"],
+     "train.draft_shape.num_attention_heads"),
+    ("generation-beyond-context", ["generation.max_tokens=5000"], "generation.max_tokens"),
+    ("run-name-escapes", ["run_name=.."], "run_name"),
+]
+
+
+@pytest.mark.parametrize("name,sets,field", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_a_sample_through_the_cli_gets_exit_2_and_one_error_line(tmp_path, name, sets, field):
+    CASES_TRIED[0] += 1
+    config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r")
+    result = run_stage("01_generate_data.py", config, "--dry-run", *[a for s in sets for a in ("--set", s)])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, f"{name}: exit {result.returncode}\n{result.stderr[-2000:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], result.stderr
+    assert not (tmp_path / "data").exists()
