@@ -307,6 +307,8 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
         args = parse_args(description, argv)
         cfg = load_config(args.config, args.overrides)
         stage = Stage(number, cfg, force=args.force)
+        if not args.force:  # a damaged manifest of this stage is refused before any model loads, dry run too
+            read_manifest(stage.dir)
         check_data_root_writable(cfg, create=not args.dry_run)
         if not args.dry_run:
             log_path_holder[0] = stage.log_path

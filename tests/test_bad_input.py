@@ -226,6 +226,8 @@ CASES = [
     # manifests
     *[(f"manifest-{kind}", {}, _broken_manifest(kind), "02_extract_hidden.py", ["--dry-run"], "rerun that stage (01_generate_data.py) with --force")
       for kind in ("folder", "not-utf8", "not-json", "a-list", "no-status", "counts-a-list")],
+    ("own-manifest-damaged", {}, _broken_manifest("not-json"),
+     "01_generate_data.py", ["--dry-run"], "01_generate_data/manifest.json: manifest is not valid JSON"),
 ]
 
 
