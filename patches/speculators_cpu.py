@@ -8,9 +8,10 @@ speculators' `Trainer` and checkpointer assume an accelerator. Without one:
     CPU host; bf16 autocast then never happens and an fp32 run cannot be told from a bf16 one.
   - `SingleGPUCheckpointer` loads resumed weights and optimizer state onto `get_current_device()`,
     which answers "cuda:0" without an accelerator, so resuming a run fails.
-  - `distributed.maybe_setup_distributed` (under torchrun) pins the rank to accelerator LOCAL_RANK and
-    raises "No accelerator found" otherwise, so CPU processes cannot form a process group; the patch
-    starts a gloo group instead and sets the same topology state.
+  - `distributed.maybe_setup_distributed` (under torchrun) pins each rank to accelerator LOCAL_RANK
+    ("Cannot access accelerator device when none is available") and takes that device's backend, so
+    CPU processes cannot form a process group; the patch starts a gloo group instead and sets the
+    same topology state.
 Two more points are plain bugs, also on GPU hosts:
   - `--max-steps` stops the epoch that reaches it, but `run_training` then starts every remaining epoch
     and trains one more step in each.
