@@ -8,6 +8,10 @@ speculators' `Trainer` and checkpointer assume an accelerator. Without one:
     CPU host; bf16 autocast then never happens and an fp32 run cannot be told from a bf16 one.
   - `SingleGPUCheckpointer` loads resumed weights and optimizer state onto `get_current_device()`,
     which answers "cuda:0" without an accelerator, so resuming a run fails.
+  - `distributed.maybe_setup_distributed` (under torchrun) pins each rank to accelerator LOCAL_RANK
+    ("Cannot access accelerator device when none is available") and takes that device's backend, so
+    CPU processes cannot form a process group; the patch starts a gloo group instead and sets the
+    same topology state.
 Two more points are plain bugs, also on GPU hosts:
   - `--max-steps` stops the epoch that reaches it, but `run_training` then starts every remaining epoch
     and trains one more step in each.
@@ -34,6 +38,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import inspect
+import os
 import time
 from typing import Any
 
@@ -58,6 +63,10 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     "speculators.utils.util:get_current_device": "68b44f84e1897e958d90be746d444d5df9096b6b89db5aff7f2642e134571a2e",
     "speculators.train.checkpointer:SingleGPUCheckpointer.load_model_state_dict": "ee677396facb87fbb732d9dd4de5a2726cf543600fb9f5eb50b75e2eaa0ef1b9",
     "speculators.train.checkpointer:SingleGPUCheckpointer.load_optimizer_state_dict": "3145716bb1072077e9427b5783437f65ae1b1cd2ecddd1dc174e1fc50310f068",
+    # Replaced on the CPU (gloo); the CPU branch sets the module state these two define and reset.
+    "speculators.train.distributed:maybe_setup_distributed": "ce8ff9c12a247fe797346cfd7b3fc852c6f2b0632676a01249b02fe9f77acf8c",
+    "speculators.train.distributed:maybe_destroy_distributed": "b8270d7f1d89bb33162d86e6980dc73a75cf425bfebfd73002a341faf25bbb24",
+    "speculators.train.distributed:_init_sp_process_groups": "15dabcf74ef4a1795611394e197ac4daa233e8f0442c7e4e6f0c0b418f339bcc",
     # Wrapped for --max-steps across epochs (and a device consumer, like val_epoch).
     "speculators.train.trainer:Trainer.train_epoch": "a84f3c8000da1b71a9a0eab955b0398ce23b717986df94b65b9f6c71c054ac8c",
     "speculators.train.trainer:Trainer.run_training": "83e395bd403ee08f5d008fe6fa0695f21db4ba7cba7dc26d5d3fde312c74235c",
@@ -190,6 +199,37 @@ def _patch_checkpointer_device() -> None:
     checkpointer_module.get_current_device = get_current_device_or_cpu
 
 
+def _patch_cpu_process_group() -> None:
+    from speculators.train import cli
+    from speculators.train import distributed as distributed_module
+
+    upstream_setup = distributed_module.maybe_setup_distributed
+
+    @functools.wraps(upstream_setup)
+    def maybe_setup_distributed(sp_size: int = 1) -> None:
+        if not _no_accelerator() or "LOCAL_RANK" not in os.environ:
+            return upstream_setup(sp_size)
+        # Upstream's own steps without the accelerator: no device to pin, gloo is the CPU backend.
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        distributed_module._local_rank = int(os.environ["LOCAL_RANK"])
+        distributed_module._is_distributed = True
+        distributed_module._rank = dist.get_rank()
+        distributed_module._world_size = dist.get_world_size()
+        distributed_module._init_sp_process_groups(distributed_module._rank, distributed_module._world_size, sp_size)
+        distributed_module.logger.info(
+            f"Started distributed (gloo) with local_rank={distributed_module._local_rank}, "
+            f"dp_size={distributed_module._dp_size}, sp_size={distributed_module._sp_size}",
+            extra={"override_rank0_filter": True},
+        )
+        return None
+
+    # cli.main calls the name it imported.
+    distributed_module.maybe_setup_distributed = maybe_setup_distributed
+    cli.maybe_setup_distributed = maybe_setup_distributed
+
+
 class _MaxStepsReached(Exception):
     """Raised at the start of an epoch once --max-steps optimizer steps have been taken."""
 
@@ -261,6 +301,7 @@ def apply() -> None:
     _patch_trainer_device()
     _patch_step_timer()
     _patch_checkpointer_device()
+    _patch_cpu_process_group()
     _patch_max_steps_across_epochs()
     _patch_fine_tune_master_weights()
     _applied = True

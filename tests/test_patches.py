@@ -57,6 +57,26 @@ def test_device_patches_act_only_without_an_accelerator(monkeypatch):
     assert checkpointer.get_current_device() == "cuda:0"  # upstream's own answer on this GPU-less host
 
 
+def test_process_group_patch_acts_only_for_torchrun_ranks_without_an_accelerator(monkeypatch):
+    from speculators.train import cli, distributed
+
+    speculators_cpu.apply()
+    # Upstream sets these before it fails; restored for the other tests.
+    monkeypatch.setattr(distributed, "_is_distributed", False)
+    monkeypatch.setattr(distributed, "_local_rank", 0)
+    assert cli.maybe_setup_distributed is distributed.maybe_setup_distributed
+    # Outside torchrun: upstream's no-op.
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cli.maybe_setup_distributed()
+    assert not distributed.is_distributed()
+    # With an accelerator, upstream pins the rank to it (which fails on this GPU-less host).
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match=r"Cannot access accelerator device"):
+        cli.maybe_setup_distributed()
+    # The gloo branch itself runs under torch.distributed.run: tests/test_training.py.
+
+
 def test_step_timer_measures_without_an_accelerator():
     from speculators.train.trainer import _StepTimer
 

@@ -300,6 +300,54 @@ def test_torchrun_command_runs_the_launch_module_on_every_rank(llama_case, tmp_p
         settings(fsdp_shard=True)
 
 
+def test_torchrun_command_on_the_cpu_needs_a_process_count(llama_case, tmp_path):
+    with pytest.raises(BadInput, match=r"multi-GPU runs train on 'cuda'"):
+        launch.torchrun_command(settings(), llama_case.run(tmp_path / "a"))
+    command = launch.torchrun_command(settings(), llama_case.run(tmp_path / "b"), num_processes=2)
+    assert command[4] == "--nproc_per_node=2"
+    with pytest.raises(ValueError, match=r"num_processes is for CPU runs"):
+        launch.torchrun_command(settings(num_gpus=8), llama_case.run(tmp_path / "c", device="cuda"), num_processes=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp_shard", [False, True], ids=["replicated", "fsdp"])
+def test_launcher_trains_with_two_cpu_processes(llama_case, trained, tmp_path, fsdp_shard):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "04_train"
+    # The config only allows fsdp_shard with num_gpus set; the run's device decides where it trains.
+    train = settings(epochs=1, num_gpus=2 if fsdp_shard else 0, fsdp_shard=fsdp_shard)
+    run = llama_case.run(out, max_steps=3)
+    command = launch.torchrun_command(train, run, num_processes=2)
+    # COLUMNS: speculators' console log wraps its lines at the terminal width.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "COLUMNS": "300"}
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "w") as log:
+        result = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+    log_text = log_path.read_text()
+    assert result.returncode == 0, log_text[-5000:]
+    # Both ranks joined one gloo process group (patches/speculators_cpu.py).
+    for local_rank in (0, 1):
+        assert f"Started distributed (gloo) with local_rank={local_rank}, dp_size=2" in log_text
+
+    summary = runner.finalize_training(train, run)
+    assert summary["epochs_completed"] == 1 and summary["last"] == {"epoch": 0, "step": 3, "checkpoint": "checkpoints/0"}
+    assert summary["best"]["epoch"] == 0 and summary["this_run"]["world_size"] == 2
+    assert ("--fsdp-shard" in summary["this_run"]["argv"]) == fsdp_shard
+    # The checkpoint holds what a single-process run's does.
+    single = trained["out"] / trained["summary"]["last"]["checkpoint"]
+    assert sorted(p.name for p in (out / "checkpoints/0").iterdir()) == sorted(p.name for p in single.iterdir())
+    assert list(checkpoints.complete_checkpoints(out / "checkpoints")) == [0]
+    tensors, single_tensors = load_file(str(out / "checkpoints/0/model.safetensors")), load_file(str(single / "model.safetensors"))
+    assert {k: v.shape for k, v in tensors.items()} == {k: v.shape for k, v in single_tensors.items()}
+    # Only rank 0 records metrics: every step once, one validation.
+    rows = read_rows(out)
+    assert list(rows[0]) == list(read_rows(trained["out"])[0])
+    assert [int(r["step"]) for r in rows if r["split"] == "train"] == [1, 2, 3]
+    assert [int(r["epoch"]) for r in rows if r["split"] == "val"] == [0]
+    assert all(np.isfinite(float(r["loss"])) for r in rows)
+
+
 def make_kimi_k25_verifier(folder: Path):
     """A tiny DeepSeek-V3 (MLA + MoE) text model inside a Kimi-K2.5 config, weights under Kimi's names."""
     from safetensors.torch import save_file
