@@ -91,6 +91,8 @@ class Verifier:
 
     def fingerprints(self) -> dict[str, str]:
         tokenizer_parts = {name: file_fingerprint(self.path / name) for name in TOKENIZER_FILES if (self.path / name).exists()}
+        # A remote-code tokenizer (Kimi-K2.5's tokenization_kimi.py) is part of how text becomes ids.
+        tokenizer_parts.update({p.name: file_fingerprint(p) for p in sorted(self.path.glob("tokenization_*.py"))})
         return {
             "verifier": model_dir_fingerprint(self.path),
             "tokenizer": text_fingerprint(json.dumps(tokenizer_parts, sort_keys=True)),

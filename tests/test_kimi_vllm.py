@@ -1,12 +1,20 @@
 """vLLM's CPU build on a tiny DeepSeek-V3 (MLA + MoE) verifier wrapped as Kimi-K2.5 ships it.
 
-What runs: stages 01 and 02 through the real stage scripts. vLLM 0.32's CPU platform executes MLA with its
-reference CPU_MLA backend (vllm/v1/attention/backends/mla/cpu_mla.py: SDPA prefill and the
-`mla_decode_kvcache` kernel), and stage 02's captured states equal HF transformers' for the same model.
-That kernel is compiled for one latent size only, kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576
-(DeepSeek-V3's and Kimi-K2's own), so the tiny verifier keeps those two dimensions and shrinks everything
-else; with another latent size the engine fails at its first forward pass ("Head dimension 24 is not
-supported by MLA" for 16 + 8).
+What runs: stages 01 and 02 through the real stage scripts, with Kimi-K2.5's tokenizer and template traps
+(tests/kimi_standin.py, checked without vLLM in test_kimi_standin.py): the tokenizer is remote code
+(`tokenization_kimi.py`, a transformers Python-backend `TikTokenTokenizer` over `tiktoken.model`, loaded
+through `auto_map` with `verifier.trust_remote_code`) and has no character offsets, and the chat template
+switches thinking with `thinking`, not `enable_thinking`, and thinks unless it is false. Stage 01 with
+`generation.reasoning: false` must end every prompt in `<think></think>` after the assistant header
+(and record `{"thinking": False}`), with `reasoning: true` in `<think>`; stage 02 must train on stage 01's
+prompt + completion ids as they are, loss on the completion only.
+
+vLLM 0.32's CPU platform executes MLA with its reference CPU_MLA backend
+(vllm/v1/attention/backends/mla/cpu_mla.py: SDPA prefill and the `mla_decode_kvcache` kernel), and stage
+02's captured states equal HF transformers' for the same model. That kernel is compiled for one latent size
+only, kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 (DeepSeek-V3's and Kimi-K2's own), so the tiny
+verifier keeps those two dimensions and shrinks everything else; with another latent size the engine fails
+at its first forward pass ("Head dimension 24 is not supported by MLA" for 16 + 8).
 
 What does not run: EAGLE-3 speculative decoding on an MLA target, i.e. stage 05's parity check and
 stage 06's eagle3 server. Without AMX the CPU platform forces the KV cache block size to 16 for MLA
@@ -16,16 +24,16 @@ failure: it fails, with a message saying why, the day the pinned vLLM can do it.
 
 The wrapper is Kimi-K2.5's layout: `KimiK25ForConditionalGeneration` with the DeepSeek-V3 text model under
 `text_config` and its weights under `language_model.`, a vision tower and a preprocessor config. The
-stand-in has no real vision tower and its tokenizer (SmolLM2's) no Kimi media tokens, so vLLM's profiling
-run with a dummy image would fail ("Failed to apply prompt replacement for mm_items['vision_chunk'][0]");
-the pipeline is text-only, and `language_model_only` makes vLLM skip the vision tower and its weights.
+stand-in has no real vision tower; the pipeline is text-only, and `language_model_only` makes vLLM skip
+the vision tower, its weights and the profiling run with a dummy image (with SmolLM2's tokenizer, before
+the stand-in had Kimi's media tokens, that run failed: "Failed to apply prompt replacement for
+mm_items['vision_chunk'][0]").
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,15 +41,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMOKE, ok, run_stage, write_smoke_config
+from kimi_standin import SPECIAL_TOKENS, VOCAB, kimi_k25_config, write_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LAYER_IDS = [1, 2, 3]
 NUM_LAYERS = 4
 HIDDEN = 64
-VOCAB = 49152  # the embedded SmolLM2 tokenizer's
 ENGINE_ARGS = {"enforce_eager": True, "language_model_only": True}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+ASSISTANT_HEADER = "<|im_assistant|>assistant<|im_middle|>"
 # Kimi-K2.5's preprocessor_config.json, which vLLM's Kimi-K2.5 processor reads even for text-only use.
 MEDIA_PROC_CFG = {
     "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384, "patch_limit_on_one_side": 512,
@@ -52,11 +60,9 @@ MEDIA_PROC_CFG = {
 
 
 def make_kimi_k25(folder: Path):
-    """A tiny random Kimi-K2.5 folder (config, weights, tokenizer); returns the HF text model it holds."""
+    """A tiny random Kimi-K2.5 folder (config, weights, Kimi's tokenizer files); returns the HF text model it holds."""
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from eagle_pipeline.embedded import resolve_verifier_path
 
     torch.manual_seed(0)
     text = DeepseekV3Config(
@@ -65,7 +71,8 @@ def make_kimi_k25(folder: Path):
         n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
         # vLLM's CPU MLA decode kernel exists for a 576-wide latent only (CPUMLABackend.get_supported_head_sizes).
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
-        max_position_embeddings=2048, rope_theta=50000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        max_position_embeddings=2048, rope_theta=50000.0, tie_word_embeddings=False,
+        bos_token_id=SPECIAL_TOKENS["[BOS]"], eos_token_id=SPECIAL_TOKENS["<|im_end|>"],
     )
     model = DeepseekV3ForCausalLM(text).eval()
     # save_pretrained writes the checkpoint layout (one tensor per expert, as DeepSeek-V3 and Kimi ship
@@ -82,20 +89,9 @@ def make_kimi_k25(folder: Path):
         # computes); vLLM creates the router's e_score_correction_bias only for topk_method noaux_tc.
         "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     }
-    config = {
-        "model_type": "kimi_k25",
-        "architectures": ["KimiK25ForConditionalGeneration"],
-        "text_config": text_config,
-        "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64},
-        # Kimi-K2.5's config.json carries both; vLLM's EAGLE-3 proposer reads the media token from the target.
-        "media_placeholder_token_id": 163605,
-        "tie_word_embeddings": False,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(kimi_k25_config(text_config)))
     (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}))
-    tokenizer_source = resolve_verifier_path("embedded:smollm2-135m-instruct")
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_source / name, folder / name)
+    write_tokenizer(folder)
     return model
 
 
@@ -143,18 +139,94 @@ def kimi(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return root, make_kimi_k25(root / "kimi")
 
 
+def kimi_config(root: Path, run_name: str, **overrides) -> Path:
+    return write_smoke_config(
+        root / f"{run_name}.yaml", data_root=str(root / "data"), run_name=run_name,
+        # Kimi-K2.5's tokenizer is remote code (tokenization_kimi.py, named by auto_map).
+        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS, "trust_remote_code": True},
+        **overrides,
+    )
+
+
 @pytest.fixture(scope="module")
 def kimi_run(kimi) -> Path:
-    """Stages 01 and 02 for real on the tiny Kimi-K2.5 verifier; returns the run folder."""
+    """Stages 01 and 02 for real on the tiny Kimi-K2.5 verifier, reasoning off; returns the run folder."""
     root, _ = kimi
-    config = write_smoke_config(
-        root / "run.yaml", data_root=str(root / "data"), run_name="k",
-        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS},
-        hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
-    )
+    config = kimi_config(root, "k", generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3})
     for script in ("01_generate_data.py", "02_extract_hidden.py"):
         ok(run_stage(script, config))
     return root / "data" / "k"
+
+
+@pytest.fixture(scope="module")
+def kimi_thinking_run(kimi) -> Path:
+    """Stage 01 only, reasoning on, as small as it gets (one more engine start); returns the run folder."""
+    root, _ = kimi
+    ok(run_stage("01_generate_data.py", kimi_config(root, "k-think", data={"num_samples": 2}, generation={"reasoning": True, "max_tokens": 4})))
+    return root / "data" / "k-think"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(kimi):
+    from transformers import AutoTokenizer
+
+    root, _ = kimi
+    return AutoTokenizer.from_pretrained(root / "kimi", trust_remote_code=True)
+
+
+def test_vllm_loads_the_remote_code_tokenizer_not_a_converted_fast_one(kimi):
+    # Without trust_remote_code, vLLM (through transformers) would build a fast tokenizer from tiktoken.model.
+    from transformers import PythonBackend, TokenizersBackend
+    from vllm.tokenizers import get_tokenizer
+
+    root, _ = kimi
+    tokenizer = get_tokenizer(str(root / "kimi"), trust_remote_code=True)
+    assert isinstance(tokenizer, PythonBackend) and not isinstance(tokenizer, TokenizersBackend)
+    assert "TikTokenTokenizer" in [cls.__name__ for cls in type(tokenizer).__mro__]
+
+
+def stage_01(run: Path) -> tuple[dict, list[dict]]:
+    from datasets import load_from_disk
+
+    stage = run / "01_generate_data"
+    return json.loads((stage / "manifest.json").read_text()), list(load_from_disk(str(stage / "conversations")))
+
+
+def test_stage_01_switches_kimis_thinking_off_with_its_own_variable(kimi_run, tokenizer):
+    manifest, rows = stage_01(kimi_run)
+    assert manifest["status"] == "complete"
+    assert manifest["inputs"]["chat_template_kwargs"] == {"thinking": False}
+    ending = [*tokenizer.encode(ASSISTANT_HEADER), SPECIAL_TOKENS["<think>"], SPECIAL_TOKENS["</think>"]]
+    for row in rows:
+        prompt = row["prompt_token_ids"]
+        assert prompt[-len(ending):] == ending, tokenizer.decode(prompt[-12:])
+        # vLLM rendered and tokenized the prompt as transformers does with the remote-code tokenizer.
+        text = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True, thinking=False)
+        assert prompt == tokenizer.encode(text, add_special_tokens=False)
+        assert row["completion_token_ids"] and max(row["completion_token_ids"]) < VOCAB
+
+
+def test_stage_01_lets_kimi_think_when_reasoning_is_on(kimi_thinking_run, tokenizer):
+    manifest, rows = stage_01(kimi_thinking_run)
+    assert manifest["inputs"]["chat_template_kwargs"] == {"thinking": True}
+    ending = [*tokenizer.encode(ASSISTANT_HEADER), SPECIAL_TOKENS["<think>"]]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["prompt_token_ids"][-len(ending):] == ending, tokenizer.decode(row["prompt_token_ids"][-12:])
+
+
+def test_stage_02_trains_on_exactly_the_ids_stage_01_recorded(kimi_run):
+    from datasets import load_from_disk
+
+    _, conversations = stage_01(kimi_run)
+    recorded = {row["sample_id"]: row for row in conversations}
+    rows = load_from_disk(str(kimi_run / "02_extract_hidden" / "data"))
+    assert sorted(rows["sample_id"]) == sorted(recorded)
+    for row in rows:
+        prompt, completion = recorded[row["sample_id"]]["prompt_token_ids"], recorded[row["sample_id"]]["completion_token_ids"]
+        # No re-rendering, no re-tokenization (the Python-backend tokenizer has no offsets to map a mask with).
+        assert [int(t) for t in row["input_ids"]] == prompt + completion
+        assert [int(m) for m in row["loss_mask"]] == [0] * len(prompt) + [1] * len(completion)
 
 
 def hf_states(model, token_ids: torch.Tensor) -> torch.Tensor:
@@ -198,7 +270,7 @@ import json, sys
 if __name__ == "__main__":
     from vllm import LLM
     target, drafter, engine_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    LLM(model=target, dtype="float32", max_model_len=256, seed=0, **engine_args,
+    LLM(model=target, dtype="float32", max_model_len=256, seed=0, trust_remote_code=True, **engine_args,
         speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": 3})
     print("EAGLE3 ENGINE STARTED")
 """
