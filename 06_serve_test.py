@@ -103,7 +103,9 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"stage 06: predicting acceptance offline on the {len(prompts)} answers served without speculation")
         prediction = predict_served(cfg, verifier.path, layout, served_checkpoint(cfg, require_complete(cfg, 4)),
                                     report["token_ids"]["none"], s.num_speculative_tokens, stage.dir / "prediction_scratch")
-        report.update({k: v for k, v in prediction.items() if k.startswith("predict")})
+        # NaN (a position no chain reached) is not JSON: such a figure is reported as missing.
+        report.update({k: [None if x != x else x for x in v] if isinstance(v, list) else v
+                       for k, v in prediction.items() if k.startswith("predict")})
         report["predicted_num_drafts"] = prediction.get("num_drafts")
     ok, message = verdict(report, s.min_acceptance_length)
     report["verdict"] = message
