@@ -64,3 +64,16 @@ def test_acceptance_below_the_floor_fails_the_stage(finished):
     config, _ = finished
     result = run_stage("06_serve_test.py", config, "--set", "serve.min_acceptance_length=3.99")
     assert result.returncode == 1 and "FAIL: mean acceptance length" in result.stdout
+
+
+def test_offline_prediction_of_the_intact_drafter_agrees_with_what_vllm_served(finished):
+    _, run_dir = finished
+    report = read(run_dir / "06_serve_test" / "report.json")
+    predicted, served = report["predicted_per_position_acceptance"], report["per_position_acceptance"]
+    assert len(predicted) == len(served) == 3
+    # The replay counts the drafts of the same greedy answers vLLM verified (all but each answer's last few
+    # tokens), so a drafter served as trained measures what it predicts, up to a few drafts' worth.
+    assert report["predicted_num_drafts"] > 0
+    assert abs(report["predicted_mean_acceptance_length"] - report["mean_acceptance_length"]) <= 0.2
+    assert all(abs(p - s) <= 0.15 for p, s in zip(predicted, served))
+    assert "Predicted offline vs served" in (run_dir / "06_serve_test" / "report.md").read_text()
