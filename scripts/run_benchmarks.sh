@@ -2,11 +2,11 @@
 # Reproduce every figure of BENCHMARKS.md on a finished pipeline run and rewrite the file.
 #   scripts/run_benchmarks.sh [CONFIG] [--quick] [--set key=value ...] [--out FILE]
 # CONFIG (default configs/tiny.yaml) names the finished run: `scripts/run_pipeline.sh CONFIG` first.
-# About 20 minutes on an idle 2-core machine; --quick runs every part on a few samples in a few minutes.
+# About 20 minutes on an idle 2-core machine; --quick runs every part once, as small as it runs, in a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=configs/tiny.yaml
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then config="$1"; shift; fi
 scripts/setup_env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-exec .venv/bin/python scripts/benchmark.py --config "$config" "$@"
+exec .venv/bin/python -m bench.run --config "$config" "$@"

@@ -45,6 +45,17 @@ def tiny_config(tmp_path: Path) -> Path:
     return write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="t")
 
 
+def skip_without_bf16_matmul() -> None:
+    """Skip, saying why, on a CPU where torch has no bf16 matmul kernel. vLLM's CPU linear layers fall back
+    from oneDNN (which has no bf16 matmul on AVX2-only CPUs) to torch's kernel, so a bf16 engine fails only
+    when that one is missing too."""
+    from bench.flops import unavailable_matmul_kernels
+
+    missing = unavailable_matmul_kernels("bfloat16")
+    if "torch" in missing:
+        pytest.skip(f"a bf16 vLLM engine cannot run here: torch matmul {missing['torch']}")
+
+
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

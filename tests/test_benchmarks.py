@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import REPO, write_config
 
-from eagle_pipeline import benchmark_report, benchmarks
+from bench import figures, flops, report, serve_ab, stats
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
 
@@ -24,37 +24,37 @@ SMOLLM2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 
 
 
 def test_spread_quotes_the_median_and_keeps_the_range():
-    s = benchmarks.spread([3.0, 1.0, 10.0])
+    s = stats.spread([3.0, 1.0, 10.0])
     assert (s["median"], s["min"], s["max"], s["n"]) == (3.0, 1.0, 10.0, 3)
     with pytest.raises(ValueError):
-        benchmarks.spread([])
+        stats.spread([])
 
 
 def test_ratios_are_taken_pair_by_pair():
-    assert benchmarks.paired_ratios([2.0, 9.0], [1.0, 3.0]) == [2.0, 3.0]
+    assert stats.paired_ratios([2.0, 9.0], [1.0, 3.0]) == [2.0, 3.0]
     with pytest.raises(ValueError):
-        benchmarks.paired_ratios([1.0], [1.0, 2.0])
+        stats.paired_ratios([1.0], [1.0, 2.0])
 
 
 def test_interleaving_rotates_which_side_goes_first():
-    assert [benchmarks.interleaved_order(["a", "b"], r) for r in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
-    assert benchmarks.interleaved_order(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert [stats.interleaved_order(["a", "b"], r) for r in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert stats.interleaved_order(["a", "b", "c"], 1) == ["b", "c", "a"]
 
 
 def test_rounds_cover_every_prompt_once_and_none_is_empty():
-    chunks = benchmarks.split_rounds(list(range(8)), 3)
+    chunks = stats.split_rounds(list(range(8)), 3)
     assert chunks == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    assert benchmarks.split_rounds([1, 2], 5) == [[1], [2]]
+    assert stats.split_rounds([1, 2], 5) == [[1], [2]]
 
 
 def test_acceptance_length_stderr_from_per_position_rates():
     # Every draft token accepted: no spread at all.
-    assert benchmarks.acceptance_length_stderr([1.0, 1.0, 1.0], 100) == 0.0
+    assert stats.acceptance_length_stderr([1.0, 1.0, 1.0], 100) == 0.0
     # One draft position accepted half the time: a fair coin, standard deviation 0.5.
-    assert benchmarks.acceptance_length_stderr([0.5, 0.0, 0.0], 100) == pytest.approx(0.05)
+    assert stats.acceptance_length_stderr([0.5, 0.0, 0.0], 100) == pytest.approx(0.05)
     # P(A>0)=.5, P(A>1)=.25: A is 0, 1, 2 with .5, .25, .25 -> mean .75, E[A^2] 1.25, variance .6875.
-    assert benchmarks.acceptance_length_stderr([0.5, 0.25], 1) == pytest.approx(math.sqrt(0.6875))
-    assert benchmarks.acceptance_length_stderr([], 10) is None and benchmarks.acceptance_length_stderr([0.5], 0) is None
+    assert stats.acceptance_length_stderr([0.5, 0.25], 1) == pytest.approx(math.sqrt(0.6875))
+    assert stats.acceptance_length_stderr([], 10) is None and stats.acceptance_length_stderr([0.5], 0) is None
 
 
 # ---------------------------------------------------------------- FLOPs per token and ceilings
@@ -62,8 +62,8 @@ def test_acceptance_length_stderr_from_per_position_rates():
 
 def test_decoder_params_of_smollm2():
     # Per layer: q 576x576, k and v 576x192, o 576x576, gate/up/down 576x1536; 30 layers.
-    assert benchmarks.decoder_matmul_params(SMOLLM2) == 30 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536) == 106_168_320
-    assert benchmarks.lm_head_params(SMOLLM2) == 49152 * 576
+    assert flops.decoder_matmul_params(SMOLLM2) == 30 * (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536) == 106_168_320
+    assert flops.lm_head_params(SMOLLM2) == 49152 * 576
 
 
 def test_decoder_params_match_the_linear_layers_of_a_real_llama():
@@ -73,34 +73,88 @@ def test_decoder_params_match_the_linear_layers_of_a_real_llama():
                  num_hidden_layers=3, vocab_size=100)
     model = LlamaForCausalLM(LlamaConfig(**shape))
     linear = sum(m.weight.numel() for m in model.model.layers.modules() if type(m).__name__ == "Linear")
-    assert benchmarks.decoder_matmul_params(shape) == linear
+    assert flops.decoder_matmul_params(shape) == linear
 
 
 def test_prefill_flops_count_weights_twice_and_causal_attention():
     # One sequence of n tokens: token i sees i + 1 positions, mean (n + 1) / 2.
     n = 99
     attention = 4 * 30 * 9 * 64 * (n + 1) / 2
-    assert benchmarks.prefill_flops_per_token(SMOLLM2, [n]) == pytest.approx(2 * 106_168_320 + attention)
+    assert flops.prefill_flops_per_token(SMOLLM2, [n]) == pytest.approx(2 * 106_168_320 + attention)
     # Longer sequences cost more per token, never less than the weights.
-    assert benchmarks.prefill_flops_per_token(SMOLLM2, [500]) > benchmarks.prefill_flops_per_token(SMOLLM2, [50])
+    assert flops.prefill_flops_per_token(SMOLLM2, [500]) > flops.prefill_flops_per_token(SMOLLM2, [50])
 
 
 def test_generation_flops_add_the_lm_head_per_output_token():
-    per_token = benchmarks.generation_flops_per_output_token(SMOLLM2, prompt_tokens=0, completion_tokens=1000, samples=10)
+    per_token = flops.generation_flops_per_output_token(SMOLLM2, prompt_tokens=0, completion_tokens=1000, samples=10)
     weights = 2 * (106_168_320 + 49152 * 576)
     assert weights < per_token < weights * 1.1
-    with_prompts = benchmarks.generation_flops_per_output_token(SMOLLM2, prompt_tokens=1000, completion_tokens=1000, samples=10)
+    with_prompts = flops.generation_flops_per_output_token(SMOLLM2, prompt_tokens=1000, completion_tokens=1000, samples=10)
     assert with_prompts > per_token + 2 * 106_168_320 * 0.99
 
 
 def test_matmul_peak_is_the_faster_kernel_of_each_repetition():
-    samples = [benchmarks.matmul_flops_per_s(64, 0.01) for _ in range(2)]
+    samples = [flops.matmul_flops_per_s(64, 0.01) for _ in range(2)]
     for rates in samples:
-        assert "torch" in rates["float32"] and all(v > 0 for r in rates.values() for v in r.values())
-    peak = benchmarks.summarize_matmul(samples, 64, threads=2)
+        assert "torch" in rates["float32"] and all(v > 0 for v in rates["float32"].values())
+        # A kernel this CPU lacks (bf16 on AVX2-only CPUs) is n/a with its reason; every other one ran.
+        assert all(v > 0 if stats.is_available(v) else v.startswith("n/a (no bf16 matmul kernel on this CPU: ")
+                   for v in rates["bfloat16"].values())
+    peak = flops.summarize_matmul(samples, 64, threads=2)
     for dtype in ("float32", "bfloat16"):
-        assert peak["flops_per_s"][dtype]["values"] == [max(r[dtype].values()) for r in samples]
-        assert peak["kernels"][dtype]["torch"]["n"] == 2
+        kernels = [{k: v for k, v in r[dtype].items() if stats.is_available(v)} for r in samples]
+        if all(kernels):
+            assert peak["flops_per_s"][dtype]["values"] == [max(k.values()) for k in kernels]
+        else:
+            assert dtype == "bfloat16" and peak["flops_per_s"][dtype].startswith("n/a (no bf16 matmul kernel")
+        torch_figure = peak["kernels"][dtype]["torch"]
+        assert torch_figure["n"] == 2 if stats.is_available(torch_figure) else dtype == "bfloat16"
+
+
+NO_PRIMITIVE = "could not create a primitive descriptor for the matmul primitive"
+
+
+@pytest.fixture
+def no_bf16_matmul_kernel(monkeypatch):
+    """This CPU as an AVX2-only one: torch's and oneDNN's bf16 matmul raise oneDNN's error."""
+    import torch
+
+    def refuse_bf16(kernel):
+        def make_step(a, b):
+            if a.dtype == torch.bfloat16:
+                raise RuntimeError(NO_PRIMITIVE)
+            return kernel(a, b)
+        return make_step
+
+    kernels = flops.matmul_kernels()
+    monkeypatch.setattr(flops, "matmul_kernels", lambda: {name: refuse_bf16(k) for name, k in kernels.items()})
+
+
+def test_a_missing_bf16_kernel_is_na_with_its_reason_and_the_document_renders(no_bf16_matmul_kernel):
+    reason = f"n/a (no bf16 matmul kernel on this CPU: {NO_PRIMITIVE})"
+    peak = flops.summarize_matmul([flops.matmul_flops_per_s(64, 0.01)], 64, threads=2)
+    assert peak["flops_per_s"]["float32"]["median"] > 0
+    assert peak["flops_per_s"]["bfloat16"] == reason
+    assert set(peak["kernels"]["bfloat16"].values()) == {reason}
+    assert flops.unavailable_matmul_kernels("bfloat16") == {name: reason for name in flops.matmul_kernels()}
+    assert flops.unavailable_matmul_kernels("float32") == {}
+
+    results = _results()
+    results["ceiling"] = json.loads(json.dumps(peak))  # as the JSON holds it
+    cap, gen = results["capture"], results["generation"]
+    cap["ceiling_tokens_per_s"] = flops.ceiling_tokens_per_s(peak, cap["flops_per_token"])
+    cap["fraction_of_ceiling"] = flops.share_of_ceiling_per_repetition(
+        cap["tokens_per_s"]["vllm"]["values"][:1], peak, cap["flops_per_token"])
+    gen["ceiling_tokens_per_s"] = flops.ceiling_tokens_per_s(peak, gen["flops_per_token"])
+    gen["fraction_of_ceiling"] = flops.share_of_ceiling(gen["output_tokens_per_s"], gen["ceiling_tokens_per_s"])
+    assert cap["ceiling_tokens_per_s"]["bfloat16"] == gen["fraction_of_ceiling"]["bfloat16"] == reason
+    assert cap["fraction_of_ceiling"]["float32"] > 0 and gen["fraction_of_ceiling"]["float32"] > 0
+
+    text = report.render_markdown(results)
+    check_benchmarks_md(text)
+    assert f"| ceiling: bfloat16 matmul peak / FLOPs per token | {reason} | - | - |" in text
+    assert f"| ceiling: bfloat16 matmul peak / FLOPs per output token | {reason} | - |" in text
+    assert f"| bfloat16 | {reason} |" in text
 
 
 # ---------------------------------------------------------------- serving summary
@@ -120,7 +174,7 @@ def test_serving_summary_pairs_rounds_and_sums_counters():
         "eagle3": [_round(80.0, ["a", "x"], drafts=10, accepted=(6, 3, 1)), _round(45.0, ["c"], drafts=10, accepted=(4, 1, 0))],
     }
     servers = {"none": None, "eagle3": {"method": "eagle3"}}
-    summary = benchmarks.summarize_serving(per_round, servers, {"none": 1.0, "eagle3": 2.0}, num_prompts=3, max_tokens=8,
+    summary = serve_ab.summarize_serving(per_round, servers, {"none": 1.0, "eagle3": 2.0}, num_prompts=3, max_tokens=8,
                                            temperature=0.0, concurrency=2)
     eagle = summary["modes"]["eagle3"]
     assert summary["baseline"] == "none" and summary["rounds"] == 2
@@ -145,12 +199,12 @@ def _manifest(path, stage, counts, config=None, wall=1.0):
 def test_a_missing_run_is_refused_with_the_command_that_makes_it(tmp_path):
     cfg = load_config(write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r"))
     with pytest.raises(BadInput, match=r"06_serve_test not complete.*scripts/run_pipeline.sh configs/x.yaml"):
-        benchmark_report.read_pipeline_run(cfg, "configs/x.yaml")
+        figures.read_pipeline_run(cfg, "configs/x.yaml")
 
 
 def test_the_script_exits_2_with_one_error_line_when_the_run_is_missing(tmp_path):
     config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r")
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", str(config)],
+    result = subprocess.run([sys.executable, "-m", "bench.run", "--config", str(config)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "scripts/run_pipeline.sh" in result.stderr
@@ -165,25 +219,25 @@ def test_training_figures_use_the_median_step_and_step_time(tmp_path):
     (train / "run_stats.json").write_text(json.dumps({"steps": 10, "train_step_seconds": 5.0}))
     (train / "metrics.csv").write_text("split,epoch,step,tokens_per_s\r\ntrain,0,1,100\r\ntrain,0,2,50\r\n"
                                        "train,0,3,80\r\nval,0,3,\r\n")
-    figures = benchmark_report.training_figures(json.loads((train / "manifest.json").read_text()), train)
-    assert figures["tokens_per_s_median_step"] == 80.0 and figures["steps_per_s"] == 2.0
-    assert figures["val_full_acc"] == [0.4, 0.2] and figures["peak_rss_mb"] == 1200.0 and figures["wall_s"] == 60.0
+    run = figures.training_figures(json.loads((train / "manifest.json").read_text()), train)
+    assert run["tokens_per_s_median_step"] == 80.0 and run["steps_per_s"] == 2.0
+    assert run["val_full_acc"] == [0.4, 0.2] and run["peak_rss_mb"] == 1200.0 and run["wall_s"] == 60.0
 
 
 def test_storage_figures_per_token_and_per_thousand_samples():
     manifest = {"config": {"hidden_states": {"storage_dtype": "fp8"}},
                 "counts": {"samples": 4, "tokens": 1000, "stored_bytes": 2_500_000, "num_hidden_states": 4,
                            "hidden_size": 576}}
-    s = benchmark_report.storage_figures(manifest)
+    s = figures.storage_figures(manifest)
     assert s["bytes_per_token"] == 2500 and s["bytes_per_1k_samples"] == 625_000_000 and s["storage_dtype"] == "fp8"
 
 
 def test_fp8_verdict_weighs_the_difference_against_the_noise():
-    assert "within two standard errors" in benchmark_report.fp8_verdict(-0.01, 0.02, 1.5, "bfloat16")
-    loses = benchmark_report.fp8_verdict(-0.2, 0.02, 1.5, "bfloat16")
+    assert "within two standard errors" in figures.fp8_verdict(-0.01, 0.02, 1.5, "bfloat16")
+    loses = figures.fp8_verdict(-0.2, 0.02, 1.5, "bfloat16")
     assert loses.startswith("fp8 storage loses 0.200") and "-40%" in loses and loses.endswith("as bfloat16.")
-    assert "higher" in benchmark_report.fp8_verdict(0.2, 0.02, 1.5, "bfloat16")
-    assert "No acceptance" in benchmark_report.fp8_verdict(None, None, None, "bfloat16")
+    assert "higher" in figures.fp8_verdict(0.2, 0.02, 1.5, "bfloat16")
+    assert "No acceptance" in figures.fp8_verdict(None, None, None, "bfloat16")
 
 
 # ---------------------------------------------------------------- the document
@@ -207,7 +261,7 @@ def check_benchmarks_md(text: str) -> None:
 
 
 def _results():
-    s = benchmarks.spread
+    s = stats.spread
     modes = {
         "none": {"tokens_per_s": s([85.0, 86.0, 84.0]), "ratio_to_baseline": s([1.0, 1.0, 1.0]), "speculative_config": None},
         "ngram": {"tokens_per_s": s([95.0]), "ratio_to_baseline": s([1.12]), "mean_acceptance_length": 2.48,
@@ -251,7 +305,7 @@ def _results():
         "storage": {"bf16": storage, "fp8": {**storage, "bytes_per_token": 2320.0, "bytes_per_1k_samples": 5e8},
                     "ratio_fp8_over_bf16": 0.5},
         "fp8_cost": {"epochs": 3, "bf16": 1.3, "fp8": 1.28, "difference": -0.02, "stderr": 0.028,
-                     "verdict": benchmark_report.fp8_verdict(-0.02, 0.028, 1.3, "bfloat16")},
+                     "verdict": figures.fp8_verdict(-0.02, 0.028, 1.3, "bfloat16")},
         "pipeline": {"run_dir": "runs/tiny", "finished_at": "2026-11-30T23:30:00+00:00", "total_wall_s": 1321.0,
                      "stages_wall_s": {"01_generate_data": 273.0, "02_extract_hidden": 118.0, "03_build_vocab_map": 2.0,
                                        "04_train": 655.0, "05_convert": 74.0, "06_serve_test": 198.0},
@@ -261,7 +315,7 @@ def _results():
 
 
 def test_markdown_has_every_figure_with_its_baseline():
-    text = benchmark_report.render_markdown(_results())
+    text = report.render_markdown(_results())
     check_benchmarks_md(text)
     assert "| 1 | hidden-state capture, tokens/s (vLLM, stage 02's path) | 2,300 [2,200-2,400] | HF transformers 1,100 [1,000-1,200] | 2.10x |" in text
     assert "| 5 | training data, bytes per token, bf16 storage | 4,617 | fp8 2,320 | 0.50x |" in text
@@ -281,7 +335,7 @@ def test_quick_benchmark_runs_every_part_and_writes_the_document(finished_small_
     config, run_dir = finished_small_run
     out = tmp_path / "BENCHMARKS.md"
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "benchmark.py"), "--config", str(config), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.run", "--config", str(config), "--quick", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_benchmarks_md(out.read_text())

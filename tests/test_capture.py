@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import skip_without_bf16_matmul
 from safetensors.torch import save_file
 
 from eagle_pipeline.capture import kv_transfer_config, speculative_config
@@ -190,6 +191,7 @@ def prompts(verifier_dir) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory, verifier_dir, prompts) -> Path:
     """Folder with hs_<i>.safetensors for `prompts`, captured by vLLM through the CPU connector."""
+    skip_without_bf16_matmul()  # the capture runs the verifier in bf16 (the capture tool's default dtype)
     work = tmp_path_factory.mktemp("capture")
     (work / "prompts.json").write_text(json.dumps(prompts))
     scratch = work / "connector-scratch"

@@ -1,0 +1,82 @@
+"""The benchmark's work folder and its two storage arms: drafters that differ only in how their training
+data is stored, made by running stages 02-04 for real on copies of the pipeline run's conversations."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from eagle_pipeline import atomic
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.samples import SAMPLES_DIR, sample_path
+from eagle_pipeline.stage import read_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+WORK_MARKER = ".benchmark-work-dir"
+ARMS = {"bf16": "bfloat16", "fp8": "fp8"}  # arm name -> hidden_states.storage_dtype
+
+
+def prepare_work_dir(path: Path) -> None:
+    """Empty the work folder of an earlier benchmark; refuse a folder that is not one."""
+    if path.exists():
+        if any(path.iterdir()) and not (path / WORK_MARKER).exists():
+            raise BadInput(f"--work-dir: {path} exists and is not a benchmark work folder; choose an empty or new folder")
+        shutil.rmtree(path)
+    (path / "logs").mkdir(parents=True)
+    (path / WORK_MARKER).write_text("made by `python -m bench.run`; emptied by every run\n")
+
+
+def copy_conversations(source_stage: Path, target_stage: Path, num_samples: int) -> int:
+    """Start an arm from the pipeline's finished stage 01: its first `num_samples` conversations."""
+    from datasets import load_from_disk
+
+    conversations = load_from_disk(str(source_stage / "conversations"))
+    if num_samples < len(conversations):
+        conversations = conversations.select(range(num_samples))
+    target_stage.mkdir(parents=True)
+    conversations.save_to_disk(str(target_stage / "conversations"))
+    manifest = read_manifest(source_stage)
+    manifest["counts"] = {**manifest["counts"], "samples": len(conversations), "copied_from": str(source_stage)}
+    atomic.write_json(target_stage / "manifest.json", manifest)
+    return len(conversations)
+
+
+def copy_captured_states(source_stage: Path, target_stage: Path, num_samples: int) -> None:
+    """Give an arm the pipeline run's captured states of its conversations, so that its stage 02 resumes
+    with nothing left to capture (no vLLM engine). Only for an arm that stores them as the pipeline run
+    did: stage 02 keeps a file whose token ids and shape match, whatever its storage dtype."""
+    source, target = source_stage / "data" / SAMPLES_DIR, target_stage / "data" / SAMPLES_DIR
+    target.mkdir(parents=True)
+    for row in range(num_samples):
+        if sample_path(source, row).is_file():
+            shutil.copyfile(sample_path(source, row), sample_path(target, row))
+
+
+def run_stage(script: str, config: str, overrides: list[str], log_path: Path, log: Callable[[str], None]) -> None:
+    """One stage script as its own process (as the pipeline runs it); its output goes to log_path."""
+    command = [sys.executable, str(REPO / f"{script}.py"), "--config", config]
+    for assignment in overrides:
+        command += ["--set", assignment]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "w") as out:
+        out.write("$ " + " ".join(command) + "\n")
+        out.flush()
+        result = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        log(tail)
+        raise RuntimeError(f"{script} exited with {result.returncode}; its output: {log_path}")
+
+
+def convert_drafter(run_dir: Path, out_dir: Path, vocab_size: int) -> None:
+    """The arm's drafter in vLLM's format, from the checkpoint stage 05 would pick (best, else last)."""
+    from eagle_pipeline.convert import convert_for_vllm
+
+    trained = read_manifest(run_dir / "04_train")
+    best = trained["counts"].get("best") or {}
+    checkpoint = run_dir / "04_train" / (best.get("checkpoint") or trained["counts"]["last_checkpoint"])
+    convert_for_vllm(checkpoint, out_dir, target_vocab_size=vocab_size, layer_ids=trained["inputs"]["layer_ids"])
