@@ -64,10 +64,11 @@ class Settings:
     @classmethod
     def for_mode(cls, quick: bool) -> "Settings":
         if quick:
-            # Every part once: one repetition and round, one capture batch, one prompt with room for a few
-            # drafts, one epoch; the time left is mostly engine and server start-up.
+            # Every part once: one repetition and round, one capture batch, one epoch; two prompts (sent
+            # concurrently, so hardly slower than one) with room for a few drafts, so that n-gram finds a
+            # match to draft from. The time left is mostly engine and server start-up.
             return cls(matmul_size=256, matmul_seconds=0.05, repetitions=1, capture_samples=2, arm_samples=6, epochs=1,
-                       serve_prompts=1, serve_max_tokens=16, reuse_pipeline_states=True)
+                       serve_prompts=2, serve_max_tokens=16, reuse_pipeline_states=True)
         # The two storage drafters dominate the time (stages 02 and 04, twice): 300 samples x 3 epochs each
         # keeps the whole benchmark near 20 minutes on a 2-core machine.
         return cls(matmul_size=2048, matmul_seconds=1.0, repetitions=3, capture_samples=64, arm_samples=300, epochs=3,
