@@ -23,6 +23,7 @@ import time
 
 from eagle_pipeline import atomic, plots
 from eagle_pipeline.chat_template import chat_template_kwargs
+from eagle_pipeline.embedded import EMBEDDED_PREFIX
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_training_and_eval_prompts
@@ -53,6 +54,12 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"expert_parallel={cfg.verifier.enable_expert_parallel}")
         print(f"  sampling temperature={cfg.generation.temperature} top_p={cfg.generation.top_p} "
               f"max_tokens={cfg.generation.max_tokens} reasoning={cfg.generation.reasoning}")
+        if not cfg.verifier.path.startswith(EMBEDDED_PREFIX):
+            # A model folder's tokenizer is cheap to load and is where remote code breaks first (docs/engines.md);
+            # an embedded model is converted on first use, which a dry run must not do.
+            verifier = Verifier.from_config(cfg)
+            template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
+            print(f"  tokenizer {type(verifier.tokenizer).__name__}, chat template arguments {template_kwargs}")
         print(f"  output {stage.dir}")
         return
 

@@ -35,6 +35,16 @@ def check_verifier_path(cfg: RunConfig) -> None:
         check_model_dir(cfg.resolve_path(raw))
 
 
+def _import_fix(error: ImportError) -> str:
+    """What to do when a model's remote tokenizer code imports something this transformers lacks."""
+    if "bytes_to_unicode" in str(error):
+        # Older Kimi-K2 revisions of tokenization_kimi.py import it from the GPT-2 tokenizer module, which
+        # transformers 5 removed; Moonshot's current revision imports it from convert_slow_tokenizer.
+        return ("take the model's current tokenization_kimi.py, or change its import to "
+                "`from transformers.convert_slow_tokenizer import bytes_to_unicode` (docs/engines.md)")
+    return "the model's remote code was written for another transformers version: update the model's code files"
+
+
 @dataclass
 class Verifier:
     path: Path
@@ -80,6 +90,8 @@ class Verifier:
 
         try:
             return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        except ImportError as e:
+            raise BadInput(f"verifier.path: the tokenizer code in {self.path} fails to import ({e}); {_import_fix(e)}") from None
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
             raise BadInput(f"verifier.path: cannot load a tokenizer from {self.path} ({type(e).__name__}: {e}); check the folder") from None
 

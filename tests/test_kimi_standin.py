@@ -137,3 +137,36 @@ def test_the_generation_prompt_ends_in_the_think_token_ids(tokenizer):
     on = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert off[-len(header) - 2:] == [*header, think, end_think]
     assert on[-len(header) - 1:] == [*header, think]
+
+
+def _dry_run_stage_01(folder, tmp_path):
+    from conftest import run_stage, write_smoke_config
+
+    config = write_smoke_config(tmp_path / "kimi.yaml", data_root=str(tmp_path / "data"), run_name="k",
+                                verifier={"path": str(folder), "trust_remote_code": True})
+    return run_stage("01_generate_data.py", config, "--dry-run")
+
+
+def test_the_dry_run_loads_the_remote_code_tokenizer_and_shows_the_thinking_switch(folder, tmp_path):
+    result = _dry_run_stage_01(folder, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tokenizer TikTokenTokenizer, chat template arguments {'thinking': False}" in result.stdout
+    assert not (tmp_path / "data").exists()
+
+
+def test_remote_code_importing_bytes_to_unicode_from_gpt2_is_refused_with_the_fix(folder, tmp_path):
+    # Older Kimi-K2 revisions of tokenization_kimi.py import it from the GPT-2 module transformers 5 removed.
+    import shutil
+
+    old = tmp_path / "kimi_old_revision"
+    shutil.copytree(folder, old)
+    code = old / "tokenization_kimi.py"
+    current = "from transformers.convert_slow_tokenizer import bytes_to_unicode"
+    assert current in code.read_text()
+    code.write_text(code.read_text().replace(current, "from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode"))
+    result = _dry_run_stage_01(old, tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: verifier.path:"), result.stderr
+    assert "bytes_to_unicode" in lines[0] and "from transformers.convert_slow_tokenizer import bytes_to_unicode" in lines[0]
+    assert not (tmp_path / "data").exists()

@@ -17,20 +17,11 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from transformers import PreTrainedTokenizer
 
+# Where Kimi's current file takes GPT-2's byte spelling from; its older revision imported it from
+# transformers.models.gpt2.tokenization_gpt2, which transformers 5 removed (docs/engines.md).
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable spelling of every byte, which token strings use (as in Kimi's file)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    codes = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            codes.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, codes)))
 
 
 class TikTokenTokenizer(PreTrainedTokenizer):
