@@ -233,7 +233,7 @@ class Stage:
                     return Start.ALREADY_COMPLETE
                 for rel, problem in damaged:
                     log.warning("%s: %s", self.dir / rel, problem)
-                log.warning("stage %s was complete but %d of its recorded files are missing or damaged: "
+                log.warning("stage %s was complete but %d recorded file(s) are missing or damaged: "
                             "removing them and redoing what they held", self.name, len(damaged))
                 outputs.remove_damaged(self.dir, damaged)
         self.dir.mkdir(parents=True, exist_ok=True)
