@@ -112,8 +112,9 @@ def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:
         )
     damaged = outputs.damaged_outputs(folder, manifest.get("outputs", []))
     if damaged:
+        permissions = "fix its permissions or " if damaged[0][1].startswith("cannot be read") else ""
         raise BadInput(
-            f"{outputs.describe(folder, damaged)}, since stage {STAGES[number]} finished; "
+            f"{outputs.describe(folder, damaged)}, since stage {STAGES[number]} finished; {permissions}"
             f"rerun {STAGES[number]}.py --config <same config> to remake it (it redoes only what is damaged)"
         )
     return manifest
