@@ -132,6 +132,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     def disk_needed(todo: list[int]) -> int:
         return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size, hs_cfg.storage_dtype)
 
+    stage.check_unchanged(inputs, samples=len(rows))  # a changed input is named before a want of disk
     if not stage.already_complete(inputs, samples=len(rows)):  # refused for want of disk before anything is written
         todo = samples_to_capture(rows, hs_dir, num_states, hidden_size)
         check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples")

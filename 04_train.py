@@ -111,6 +111,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
     )
     samples = hidden_manifest["counts"]["samples"]
+    stage.check_unchanged(inputs, samples)  # a changed input is named before the slower checks below
     if not stage.already_complete(inputs, samples):  # checked before anything is written
         check_disk(stage.dir, need, "drafter checkpoints")
         check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)

@@ -75,6 +75,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "reference_dir": str(reference) if reference else None,
         "convert": value_fingerprint(c.model_dump(mode="json", exclude={"engine_timeout_s"})),
     }
+    stage.check_unchanged(inputs)  # a changed input is named before the checkpoint is read
     if not stage.already_complete(inputs):
         convert.read_speculators_checkpoint(checkpoint)  # a checkpoint without weights is refused before any write
     # Read before the manifest is written too: a bad prompt file is refused with the stage folder untouched.

@@ -210,24 +210,9 @@ class Stage:
             for child in self.dir.iterdir():
                 if child.name != "logs":
                     shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-            old = None
-        else:
-            old = read_manifest(self.dir)
+        old = self.check_unchanged(inputs, samples)
         if old is not None:
-            changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs", {}).get(k) != inputs.get(k))
-            if changed:
-                key = changed[0]
-                raise BadInput(
-                    f"{self.dir}: input {key!r} changed since this output was made "
-                    f"({_short(old.get('inputs', {}).get(key))} -> {_short(inputs.get(key))}); "
-                    f"rerun with --force to rebuild this stage (and then the stages after it), or restore the old input"
-                )
             had = old.get("counts", {}).get("samples")
-            if samples is not None and had is not None and samples < had:
-                raise BadInput(
-                    f"{self.dir}: sample count went down from {had} to {samples}; "
-                    f"rerun with --force to rebuild this stage with {samples} samples, or set the count back to {had}"
-                )
             if old.get("status") == "complete" and (samples is None or had == samples):
                 damaged = self._damaged(old)
                 if not damaged:
@@ -244,6 +229,33 @@ class Stage:
         self._write_manifest("running", counts={}, extra={})
         self.write_config()
         return Start.STARTED
+
+    def check_unchanged(self, inputs: dict[str, Any], samples: int | None = None) -> dict[str, Any] | None:
+        """Refuse (BadInput) an output made from other inputs, or from more samples; reads only.
+
+        Returns the old manifest (None when there is none, or with --force). Stages call it before their
+        own, slower input checks so that a changed input is named first; `start` calls it again.
+        """
+        if self.force:
+            return None
+        old = read_manifest(self.dir)
+        if old is None:
+            return None
+        changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs", {}).get(k) != inputs.get(k))
+        if changed:
+            key = changed[0]
+            raise BadInput(
+                f"{self.dir}: input {key!r} changed since this output was made "
+                f"({_short(old.get('inputs', {}).get(key))} -> {_short(inputs.get(key))}); "
+                f"rerun with --force to rebuild this stage (and then the stages after it), or restore the old input"
+            )
+        had = old.get("counts", {}).get("samples")
+        if samples is not None and had is not None and samples < had:
+            raise BadInput(
+                f"{self.dir}: sample count went down from {had} to {samples}; "
+                f"rerun with --force to rebuild this stage with {samples} samples, or set the count back to {had}"
+            )
+        return old
 
     def already_complete(self, inputs: dict[str, Any], samples: int | None = None) -> bool:
         """True when the output is complete for exactly these inputs (reads only; for checks worth skipping)."""
