@@ -60,6 +60,14 @@ def write_dataset(rows: list[dict], data_dir: Path) -> None:
             os.replace(tmp / name, data_dir / name)
 
 
+def samples_to_capture(rows: list[dict], hs_dir: Path, num_states: int, hidden_size: int) -> list[int]:
+    """Rows whose file is missing or no longer matches the row (token ids, shape, whole); reads only."""
+    from tqdm import tqdm
+
+    return [i for i, row in enumerate(tqdm(rows, desc="check existing", unit="file", leave=False))
+            if not sample_matches(sample_path(hs_dir, i), row["input_ids"], num_states, hidden_size)]
+
+
 def plan_without_conversations(stage: Stage) -> None:
     """Dry run on a fresh host: the shapes and the disk bound from the config and the target alone."""
     cfg = stage.cfg
@@ -118,35 +126,40 @@ def run(stage: Stage, dry_run: bool) -> None:
         "storage_dtype": hs_cfg.storage_dtype,
         "max_seq_len": hs_cfg.max_seq_len,
     }
+    data_dir = stage.dir / "data"
+    hs_dir = data_dir / SAMPLES_DIR
+
+    def disk_needed(todo: list[int]) -> int:
+        return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size, hs_cfg.storage_dtype)
+
+    stage.check_unchanged(inputs, samples=len(rows))  # a changed input is named before a want of disk
+    if not stage.already_complete(inputs, samples=len(rows)):  # refused for want of disk before anything is written
+        todo = samples_to_capture(rows, hs_dir, num_states, hidden_size)
+        check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples")
     if stage.start(inputs, samples=len(rows)) is Start.ALREADY_COMPLETE:
         print(f"stage 02 already complete for these inputs: {stage.dir}")
         return
 
-    data_dir = stage.dir / "data"
-    hs_dir = data_dir / SAMPLES_DIR
     hs_dir.mkdir(parents=True, exist_ok=True)
     write_dataset(rows, data_dir)
 
     # -- resume: keep files whose token ids still match their row -------------------------------------
-    from tqdm import tqdm
-
-    todo = []
-    for row_index, row in enumerate(tqdm(rows, desc="check existing", unit="file", leave=False)):
-        path = sample_path(hs_dir, row_index)
-        if path.exists() and sample_matches(path, row["input_ids"], num_states, hidden_size):
-            continue
-        path.unlink(missing_ok=True)
-        todo.append(row_index)
+    # Again after start(), which removes recorded files that no longer match the manifest.
+    todo = samples_to_capture(rows, hs_dir, num_states, hidden_size)
+    for row_index in todo:
+        sample_path(hs_dir, row_index).unlink(missing_ok=True)
     for row_index, stray in sample_files(hs_dir).items():  # rows beyond the current sample count
         if row_index >= len(rows):
             stray.unlink()
     todo_tokens = sum(rows[i]["seq_len"] for i in todo)
-    check_disk(hs_dir, estimate_bytes(todo_tokens, num_states, hidden_size, hs_cfg.storage_dtype), f"hidden states for {len(todo)} samples")
+    check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples")
     print(f"stage 02: {len(rows) - len(todo)} of {len(rows)} samples already captured, {len(todo)} to capture ({todo_tokens} tokens)")
 
     # -- capture with vLLM ----------------------------------------------------------------------------
     capture_seconds = 0.0
     if todo:
+        from tqdm import tqdm
+
         from eagle_pipeline.capture import HiddenStateCapture
         from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
         from eagle_pipeline.samples import write_sample

@@ -33,6 +33,7 @@ from eagle_pipeline.stage import (
     require_sample_layout,
     upstream_fingerprint,
 )
+from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
 
@@ -103,10 +104,18 @@ def run(stage: Stage, dry_run: bool) -> None:
         "init_from": model_dir_fingerprint(init_from) if init_from else None,
         "seed": cfg.seed,
     }
+    vocab_dir = cfg.stage_dir("03_build_vocab_map")
+    train_run = TrainRun(
+        data_dir=cfg.stage_dir("02_extract_hidden") / "data", d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
+        verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
+        storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
+    )
     samples = hidden_manifest["counts"]["samples"]
+    stage.check_unchanged(inputs, samples)  # a changed input is named before the slower checks below
     if not stage.already_complete(inputs, samples):  # checked before anything is written
         check_disk(stage.dir, need, "drafter checkpoints")
         check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)
+        check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
         done = read_manifest(stage.dir)["counts"].get("epochs_completed")
@@ -116,12 +125,6 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     from eagle_pipeline.train import launch, runner
 
-    vocab_dir = cfg.stage_dir("03_build_vocab_map")
-    train_run = TrainRun(
-        data_dir=cfg.stage_dir("02_extract_hidden") / "data", d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
-        verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
-        storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
-    )
     if t.num_gpus == 0:
         summary = runner.train_drafter(t, train_run)
     else:

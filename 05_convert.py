@@ -75,8 +75,12 @@ def run(stage: Stage, dry_run: bool) -> None:
         "reference_dir": str(reference) if reference else None,
         "convert": value_fingerprint(c.model_dump(mode="json", exclude={"engine_timeout_s"})),
     }
+    stage.check_unchanged(inputs)  # a changed input is named before the checkpoint is read
     if not stage.already_complete(inputs):
         convert.read_speculators_checkpoint(checkpoint)  # a checkpoint without weights is refused before any write
+    # Read before the manifest is written too: a bad prompt file is refused with the stage folder untouched.
+    parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
+                                                           "data.eval_prompts")[: c.parity_prompts]]
     if stage.start(inputs) is Start.ALREADY_COMPLETE:
         print(f"stage 05 already complete for these inputs: {stage.dir}")
         return
@@ -92,8 +96,6 @@ def run(stage: Stage, dry_run: bool) -> None:
     # -- verify with vLLM's own code --------------------------------------------------------------
     from eagle_pipeline.engine import engine_env, llm_kwargs
 
-    parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
-                                                           "data.eval_prompts")[: c.parity_prompts]]
     expected = {
         "vocab_size": verifier.vocab_size,
         "draft_vocab_size": cfg.vocab.draft_vocab_size,

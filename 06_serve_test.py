@@ -23,7 +23,7 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.serve.measure import measure_modes
-from eagle_pipeline.serve.report import format_speedup, render_report_md, write_report
+from eagle_pipeline.serve.report import format_speedup, read_report, render_report_md, write_report
 from eagle_pipeline.serve.server import check_port_free
 from eagle_pipeline.stage import (
     Stage,
@@ -70,6 +70,11 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature {s.temperature}, "
               f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}")
         return
+    # Every input is checked before the manifest is written: a refusal leaves the stage folder as it was.
+    predicting = s.predict and "none" in modes
+    if predicting:
+        _, layout = require_sample_layout(cfg)
+        trained = require_complete(cfg, 4)
     verifier = Verifier.from_config(cfg)
     template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
     inputs = {
@@ -81,7 +86,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "chat_template_kwargs": template_kwargs,
     }
     if stage.start(inputs) is Start.ALREADY_COMPLETE:
-        report = json.loads((stage.dir / "report.json").read_text())
+        report = read_report(stage.dir / "report.json")
         ok, message = verdict(report, s.min_acceptance_length)
         print(f"stage 06 already complete for these inputs: {stage.dir}\n{message}")
         if not ok:
@@ -96,12 +101,11 @@ def run(stage: Stage, dry_run: bool) -> None:
         concurrency=s.concurrency, seed=cfg.seed, port=s.port, log_dir=stage.dir / "logs", **server_kwargs(cfg),
         startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
     )
-    if s.predict and "none" in modes:
+    if predicting:
         from eagle_pipeline.predict.served import predict_served, served_checkpoint
 
-        _, layout = require_sample_layout(cfg)
         print(f"stage 06: predicting acceptance offline on the {len(prompts)} answers served without speculation")
-        prediction = predict_served(cfg, verifier.path, layout, served_checkpoint(cfg, require_complete(cfg, 4)),
+        prediction = predict_served(cfg, verifier.path, layout, served_checkpoint(cfg, trained),
                                     report["token_ids"]["none"], s.num_speculative_tokens, stage.dir / "prediction_scratch")
         # NaN (a position no chain reached) is not JSON: such a figure is reported as missing.
         report.update({k: [None if x != x else x for x in v] if isinstance(v, list) else v

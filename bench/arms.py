@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle_pipeline import atomic
+from eagle_pipeline import atomic, outputs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.samples import SAMPLES_DIR, sample_path
 from eagle_pipeline.stage import read_manifest
@@ -41,6 +41,8 @@ def copy_conversations(source_stage: Path, target_stage: Path, num_samples: int)
     conversations.save_to_disk(str(target_stage / "conversations"))
     manifest = read_manifest(source_stage)
     manifest["counts"] = {**manifest["counts"], "samples": len(conversations), "copied_from": str(source_stage)}
+    # The copy holds other files than the source: its record is of its own files, or stage 02 refuses them.
+    manifest["outputs"] = outputs.record_outputs(target_stage)
     atomic.write_json(target_stage / "manifest.json", manifest)
     return len(conversations)
 

@@ -101,12 +101,29 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def read_config_json(path: Path, fix: str) -> dict[str, Any]:
+    """A model folder's config.json as a dict; every way it can be wrong is a BadInput naming it and `fix`."""
+    try:
+        config = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"{path}: is missing; {fix}") from None
+    except OSError as e:
+        raise BadInput(f"{path}: cannot be read ({e.strerror}); fix its permissions or {fix}") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{path}: is not UTF-8 text; {fix}") from None
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{path}: is not valid JSON (line {e.lineno}: {e.msg}); {fix}") from None
+    if not isinstance(config, dict):
+        raise BadInput(f"{path}: is a JSON {type(config).__name__}, not an object; {fix}")
+    return config
+
+
 def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
     ckpt_dir = Path(ckpt_dir)
     config_path = ckpt_dir / "config.json"
     if not config_path.exists():
         raise BadInput(f"{config_path} is missing; point at a speculators checkpoint folder (04_train output)")
-    config = json.loads(config_path.read_text())
+    config = read_config_json(config_path, "rerun 04_train.py to write the checkpoint again")
     if config.get("speculators_model_type") != "eagle3":
         raise BadInput(
             f"{config_path}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'; "

@@ -238,6 +238,8 @@ def check_sample_file(path: Path, input_ids: Sequence[int], num_states: int, hid
     try:
         header, offset = read_header(path)
         end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    except OSError as e:
+        raise BadInput(f"{path}: cannot be read ({e.strerror}); fix its permissions, or delete it and rerun stage 02") from None
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise BadInput(f"{path}: not a readable safetensors file ({e}); delete it and rerun stage 02") from None
     if path.stat().st_size != offset + end:

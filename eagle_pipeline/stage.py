@@ -3,7 +3,9 @@
 A stage folder `<data_root>/<run_name>/<NN_stage>/` holds `manifest.json`. It is written when work starts
 (status "running", with the inputs that shape the output) and rewritten last, atomically, with status
 "complete". A rerun:
-- finds status "complete" and the same inputs: prints that and exits 0 without work;
+- finds status "complete" and the same inputs: checks that the files its manifest records are still as
+  recorded (eagle_pipeline/outputs.py), then prints that and exits 0 without work; when some are missing or
+  damaged it names them, deletes them and redoes the stage, whose resume logic then remakes only those;
 - finds different inputs (complete or not): refuses, naming the input that changed (exit 2), so that
   artifacts made from different inputs are never mixed; `--force` deletes the old output and starts over;
 - finds status "running" with the same inputs: resumes (the stage skips finished pieces).
@@ -27,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eagle_pipeline import atomic
+from eagle_pipeline import atomic, outputs
 from eagle_pipeline.config import RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
@@ -88,17 +90,32 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
         if not isinstance(manifest.get(key), kind):
             what = "lacks" if key not in manifest else f"has a {type(manifest[key]).__name__} for"
             raise BadInput(f"{path}: manifest {what} {key!r} (a {kind.__name__}); {fix}")
+    if "outputs" in manifest:
+        problem = outputs.malformed_record(manifest["outputs"])
+        if problem:
+            raise BadInput(f"{path}: manifest {problem}; {fix}")
     return manifest
 
 
 def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:
-    """The manifest of an earlier stage, which must have finished."""
+    """The manifest of an earlier stage, which must have finished and whose recorded files must be whole.
+
+    Every later stage calls this before it writes anything, so a damaged input is refused (naming the
+    file) instead of failing midway and leaving a "running" manifest behind.
+    """
     folder = cfg.stage_dir(STAGES[number])
     manifest = read_manifest(folder)
     if manifest is None or manifest.get("status") != "complete":
         raise BadInput(
             f"{folder}: stage {STAGES[number]} has not finished for run {cfg.run_name!r}; "
             f"run {STAGES[number]}.py --config <same config> first"
+        )
+    damaged = outputs.damaged_outputs(folder, manifest.get("outputs", []))
+    if damaged:
+        permissions = "fix its permissions or " if damaged[0][1].startswith("cannot be read") else ""
+        raise BadInput(
+            f"{outputs.describe(folder, damaged)}, since stage {STAGES[number]} finished; {permissions}"
+            f"rerun {STAGES[number]}.py --config <same config> to remake it (it redoes only what is damaged)"
         )
     return manifest
 
@@ -193,26 +210,18 @@ class Stage:
             for child in self.dir.iterdir():
                 if child.name != "logs":
                     shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-            old = None
-        else:
-            old = read_manifest(self.dir)
+        old = self.check_unchanged(inputs, samples)
         if old is not None:
-            changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs", {}).get(k) != inputs.get(k))
-            if changed:
-                key = changed[0]
-                raise BadInput(
-                    f"{self.dir}: input {key!r} changed since this output was made "
-                    f"({_short(old.get('inputs', {}).get(key))} -> {_short(inputs.get(key))}); "
-                    f"rerun with --force to rebuild this stage (and then the stages after it), or restore the old input"
-                )
             had = old.get("counts", {}).get("samples")
-            if samples is not None and had is not None and samples < had:
-                raise BadInput(
-                    f"{self.dir}: sample count went down from {had} to {samples}; "
-                    f"rerun with --force to rebuild this stage with {samples} samples, or set the count back to {had}"
-                )
             if old.get("status") == "complete" and (samples is None or had == samples):
-                return Start.ALREADY_COMPLETE
+                damaged = self._damaged(old)
+                if not damaged:
+                    return Start.ALREADY_COMPLETE
+                for rel, problem in damaged:
+                    log.warning("%s: %s", self.dir / rel, problem)
+                log.warning("stage %s was complete but %d recorded file(s) are missing or damaged: "
+                            "removing them and redoing what they held", self.name, len(damaged))
+                outputs.remove_damaged(self.dir, damaged)
         self.dir.mkdir(parents=True, exist_ok=True)
         swept = atomic.sweep_temporaries(self.dir)
         if swept:
@@ -221,19 +230,52 @@ class Stage:
         self.write_config()
         return Start.STARTED
 
+    def check_unchanged(self, inputs: dict[str, Any], samples: int | None = None) -> dict[str, Any] | None:
+        """Refuse (BadInput) an output made from other inputs, or from more samples; reads only.
+
+        Returns the old manifest (None when there is none, or with --force). Stages call it before their
+        own, slower input checks so that a changed input is named first; `start` calls it again.
+        """
+        if self.force:
+            return None
+        old = read_manifest(self.dir)
+        if old is None:
+            return None
+        changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs", {}).get(k) != inputs.get(k))
+        if changed:
+            key = changed[0]
+            raise BadInput(
+                f"{self.dir}: input {key!r} changed since this output was made "
+                f"({_short(old.get('inputs', {}).get(key))} -> {_short(inputs.get(key))}); "
+                f"rerun with --force to rebuild this stage (and then the stages after it), or restore the old input"
+            )
+        had = old.get("counts", {}).get("samples")
+        if samples is not None and had is not None and samples < had:
+            raise BadInput(
+                f"{self.dir}: sample count went down from {had} to {samples}; "
+                f"rerun with --force to rebuild this stage with {samples} samples, or set the count back to {had}"
+            )
+        return old
+
     def already_complete(self, inputs: dict[str, Any], samples: int | None = None) -> bool:
         """True when the output is complete for exactly these inputs (reads only; for checks worth skipping)."""
         if self.force:
             return False
         old = read_manifest(self.dir)
         return (old is not None and old.get("status") == "complete" and old.get("inputs") == inputs
-                and (samples is None or old.get("counts", {}).get("samples") == samples))
+                and (samples is None or old.get("counts", {}).get("samples") == samples) and not self._damaged(old))
+
+    def _damaged(self, manifest: dict[str, Any]) -> list[tuple[str, str]]:
+        # A manifest written before files were recorded has no `outputs`: it is trusted as it was then.
+        return outputs.damaged_outputs(self.dir, manifest.get("outputs", []))
 
     def write_config(self) -> None:
         atomic.write_text(self.dir / "config.yaml", dump_config(self.cfg))
 
     def finish(self, counts: dict[str, Any], output_fingerprint: str, extra: dict[str, Any] | None = None) -> None:
-        self._write_manifest("complete", counts=counts, extra={"output_fingerprint": output_fingerprint, **(extra or {})})
+        """Mark the stage complete, recording every file it made so that "complete" can be checked later."""
+        self._write_manifest("complete", counts=counts, extra={"output_fingerprint": output_fingerprint, **(extra or {}),
+                                                               "outputs": outputs.record_outputs(self.dir)})
 
     def _write_manifest(self, status: str, counts: dict[str, Any], extra: dict[str, Any]) -> None:
         manifest = {

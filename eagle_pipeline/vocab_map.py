@@ -62,6 +62,18 @@ def safetensors_vocab_map_problems(d2t_file: Path, t2d_file: Path, vocab_size: i
     return [f"{where}: {problem}" for problem in problems]
 
 
+def _read_npy(path: str | Path) -> np.ndarray:
+    try:
+        array = np.load(path, allow_pickle=False)
+    except OSError as e:
+        raise BadInput(f"{path}: cannot be read ({e.strerror}); fix its permissions or rebuild the vocab map (stage 03)") from None
+    except (ValueError, EOFError) as e:  # numpy's reader says ValueError for a bad header, EOFError for a torn one
+        raise BadInput(f"{path}: not a whole .npy array ({e}); rebuild the vocab map (stage 03, --force)") from None
+    if not isinstance(array, np.ndarray):
+        raise BadInput(f"{path}: holds several arrays, not one; rebuild the vocab map (stage 03, --force)")
+    return array
+
+
 def load_vocab_map(d2t_path: str | Path, t2d_path: str | Path,
                    vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Stage 03's d2t.npy and t2d.npy, checked against each other and, when given, against the verifier's
@@ -69,8 +81,7 @@ def load_vocab_map(d2t_path: str | Path, t2d_path: str | Path,
     for path in (d2t_path, t2d_path):
         if not Path(path).is_file():
             raise BadInput(f"{path}: vocab map file is missing; run stage 03 (build_vocab_map) first")
-    d2t = np.load(d2t_path)
-    t2d = np.load(t2d_path)
+    d2t, t2d = (_read_npy(path) for path in (d2t_path, t2d_path))
     if d2t.ndim != 1 or d2t.dtype != np.int64:
         raise BadInput(f"{d2t_path}: expected a 1-D int64 array (offsets), got {d2t.dtype} {d2t.shape}")
     if t2d.ndim != 1 or t2d.dtype != np.bool_:

@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/status.py --config configs/kimi-k2.5-10.yaml
 States: done (manifest complete), running (a live launch pid), failed (non-zero exit code, with the
-last error line), interrupted (work started, no live process, no exit code), pending (nothing yet).
+last error line), interrupted (work started, no live process, no exit code), damaged (a manifest that
+cannot be read, with what is wrong and the fix), pending (nothing yet).
 """
 
 import argparse
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.stage import STAGES
+from eagle_pipeline.stage import STAGES, read_manifest
 
 
 def alive(pid_file: Path) -> bool:
@@ -37,13 +38,16 @@ def last_error(out_file: Path) -> str:
 
 def stage_status(run_dir: Path, stage: str) -> dict:
     folder, logs = run_dir / stage, run_dir / "logs"
-    manifest = None
-    if (folder / "manifest.json").exists():
-        manifest = json.loads((folder / "manifest.json").read_text())
+    try:
+        manifest, damage = read_manifest(folder), ""
+    except BadInput as e:  # the same reader, and message, as the stages themselves
+        manifest, damage = None, " ".join(str(e).splitlines())
     exit_file, pid_file = logs / f"{stage}.exit", logs / f"{stage}.pid"
     code = exit_file.read_text().strip() if exit_file.exists() else None
     if pid_file.exists() and alive(pid_file):
         state = "running"
+    elif damage:
+        state = "damaged"
     elif manifest and manifest.get("status") == "complete" and code in (None, "0"):
         state = "done"
     elif code not in (None, "0"):
@@ -54,7 +58,7 @@ def stage_status(run_dir: Path, stage: str) -> dict:
         state = "pending"
     counts = (manifest or {}).get("counts", {})
     seconds = (manifest or {}).get("wall_time_s")
-    note = last_error(logs / f"{stage}.out") if state == "failed" else ""
+    note = last_error(logs / f"{stage}.out") if state == "failed" else damage if state == "damaged" else ""
     if state == "failed":
         note = f"exit {code}: {note}"
     return {

@@ -40,6 +40,16 @@ def run_stage(script: str, config: Path, *args: str, timeout: int = 900) -> subp
     )
 
 
+def stage_module(script: str):
+    """A stage script loaded as a module, to run its command line in this process: `stage.main(n, m.__doc__, m.run, argv)`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"stage_script_{script[:2]}", REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def tiny_config(tmp_path: Path) -> Path:
     return write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="t")

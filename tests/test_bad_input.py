@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, run_stage, write_config
+from conftest import REPO, run_stage, stage_module, write_config
 
 L, H, V = 30, 576, 49152  # the embedded verifier
 
@@ -273,15 +273,34 @@ def test_config_that_extends_a_missing_file(tmp_path):
     assert result.returncode == 2 and "base-missing.yaml: config file not found" in result.stderr
 
 
+def _interrupted_training(config: Path) -> int:
+    """Stage 04 run in this process with its input checks passed and training stopped by Ctrl-C; its exit code."""
+    from unittest import mock
+
+    from eagle_pipeline.stage import main
+
+    module = stage_module("04_train.py")
+    with mock.patch.object(module, "check_inputs"), mock.patch("eagle_pipeline.train.runner.train_drafter", side_effect=KeyboardInterrupt):
+        try:
+            main(4, module.__doc__, module.run, ["--config", str(config)])
+        except SystemExit as e:
+            return e.code
+    return 0
+
+
 def test_changed_train_setting_is_refused_naming_it(tmp_path):
     root = tmp_path / "data"
     run_dir = root / "r"
     config = write_config(tmp_path / "run.yaml", data_root=str(root), run_name="r")
     fake_hidden_states(run_dir)
     fake_vocab(run_dir)
-    # The first run records its inputs in the stage manifest, then stops at the fake vocab map.
+    # Every input is checked before the stage writes anything: the fake vocab map is refused, no manifest left.
     first = run_stage("04_train.py", config)
     assert first.returncode == 2 and "marks 0 tokens" in first.stderr, first.stderr[-2000:]
+    assert not (run_dir / "04_train" / "manifest.json").exists()
+    # A run interrupted once training started (input checks passed) has recorded its inputs.
+    interrupted = _interrupted_training(config)
+    assert interrupted == 130 and json.loads((run_dir / "04_train" / "manifest.json").read_text())["status"] == "running"
     before = snapshot(root)
 
     result = run_stage("04_train.py", config, "--set", "train.lr=0.002")

@@ -103,14 +103,18 @@ def test_status_reads_manifests_of_finished_and_interrupted_stages(tmp_path):
     for stage, status in (("01_generate_data", "complete"), ("02_extract_hidden", "running")):
         (run_dir / stage).mkdir(parents=True)
         (run_dir / stage / "manifest.json").write_text(json.dumps({
-            "status": status, "counts": {"samples": 300}, "wall_time_s": 125.0,
+            "status": status, "inputs": {}, "counts": {"samples": 300}, "wall_time_s": 125.0,
             "finished_at": "2026-11-29T10:00:00+00:00" if status == "complete" else None}))
+    (run_dir / "03_build_vocab_map").mkdir()
+    (run_dir / "03_build_vocab_map" / "manifest.json").write_text('{"status": "comp')  # torn by hand
     out = subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "scripts" / "status.py"), "--config", str(config), "--json"],
                          capture_output=True, text=True, check=True).stdout
     rows = {r["stage"]: r for r in json.loads(out)}
     assert rows["01_generate_data"]["state"] == "done" and rows["01_generate_data"]["samples"] == 300
     assert rows["01_generate_data"]["time"] == "0:02:05"
     assert rows["02_extract_hidden"]["state"] == "interrupted"
+    assert rows["03_build_vocab_map"]["state"] == "damaged"
+    assert "manifest is not valid JSON" in rows["03_build_vocab_map"]["note"] and "--force" in rows["03_build_vocab_map"]["note"]
     assert rows["04_train"]["state"] == "pending"
 
 

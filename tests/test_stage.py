@@ -92,3 +92,72 @@ def test_disk_check_refuses_with_numbers(tmp_path):
     with pytest.raises(BadInput, match=r"needs about .* GB but only .* GB is free"):
         check_disk(tmp_path, 10**18, "hidden states")
     check_disk(tmp_path, 1, "hidden states")
+
+
+def test_finished_stage_records_its_files_and_each_check_kind(cfg):
+    from safetensors.torch import save_file
+
+    from eagle_pipeline import outputs
+
+    stage = Stage(4, cfg, force=False)
+    stage.start({"a": "1"})
+    (stage.dir / "small.json").write_text('{"x": 1}')
+    (stage.dir / "big.bin").write_bytes(os.urandom(outputs.HASH_LIMIT + 1))
+    (stage.dir / "w").mkdir()
+    import torch
+
+    save_file({"t": torch.zeros(outputs.HASH_LIMIT // 4 + 1)}, str(stage.dir / "w" / "model.safetensors"))
+    (stage.dir / "logs").mkdir()
+    (stage.dir / "logs" / "x.log").write_text("not an output")
+    stage.finish({}, output_fingerprint="x")
+    recorded = {e["path"]: e for e in read_manifest(stage.dir)["outputs"]}
+    assert sorted(recorded) == ["big.bin", "small.json", "w/model.safetensors"]  # no logs, manifest or config.yaml
+    assert [recorded[p]["check"] for p in sorted(recorded)] == ["ends", "sha256", "safetensors"]
+    assert outputs.damaged_outputs(stage.dir, list(recorded.values())) == []
+
+
+@pytest.mark.parametrize("damage", ["delete", "same-size-edit", "torn-weights", "weights-header"])
+def test_damaged_output_is_named_removed_and_redone_not_trusted_as_complete(cfg, damage):
+    from safetensors.torch import save_file
+
+    from eagle_pipeline.stage import require_complete
+
+    stage = Stage(3, cfg, force=False)
+    stage.start({"a": "1"})
+    (stage.dir / "d2t.npy").write_bytes(b"0123456789")
+    import torch
+
+    weights = stage.dir / "model.safetensors"
+    save_file({"t": torch.zeros(2**19)}, str(weights))  # 2 MiB: checked by its header, not hashed
+    stage.finish({}, output_fingerprint="x")
+    target = weights if "weights" in damage else stage.dir / "d2t.npy"
+    if damage == "delete":
+        target.unlink()
+    elif damage == "same-size-edit":
+        target.write_bytes(b"0123456780")
+    elif damage == "torn-weights":
+        target.write_bytes(target.read_bytes()[:-8])
+    else:
+        data = bytearray(target.read_bytes())
+        data[:8] = b"\xff" * 8
+        target.write_bytes(bytes(data))
+    with pytest.raises(BadInput, match=rf"{target}: .*since stage 03_build_vocab_map finished; rerun 03_build_vocab_map\.py"):
+        require_complete(cfg, 3)
+    assert not Stage(3, cfg, force=False).already_complete({"a": "1"})
+    untouched = {p.name: p.stat().st_mtime_ns for p in stage.dir.iterdir() if p.is_file() and p != target}
+    assert Stage(3, cfg, force=False).start({"a": "1"}) is Start.STARTED
+    assert not target.exists(), "the damaged file is removed, for the stage to make it again"
+    assert read_manifest(stage.dir)["status"] == "running"
+    assert {n: t for n, t in untouched.items() if n not in ("manifest.json", "config.yaml")} == \
+        {p.name: p.stat().st_mtime_ns for p in stage.dir.iterdir() if p.is_file() and p.name not in ("manifest.json", "config.yaml")}
+
+
+def test_malformed_outputs_record_is_refused_naming_the_fix(cfg):
+    stage = Stage(3, cfg, force=False)
+    stage.start({"a": "1"})
+    stage.finish({}, output_fingerprint="x")
+    manifest = read_manifest(stage.dir)
+    manifest["outputs"] = [{"path": "../../etc/passwd", "size": 1, "check": "sha256", "digest": "0"}]
+    (stage.dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BadInput, match=r"manifest `outputs\[0\]` is not a .*rerun that stage \(03_build_vocab_map\.py\) with --force"):
+        read_manifest(stage.dir)

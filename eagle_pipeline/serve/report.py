@@ -10,11 +10,40 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eagle_pipeline import atomic
+from eagle_pipeline.errors import BadInput
+
+# The fields docs/contracts.md promises in report.json, with the types a reader may rely on.
+REQUIRED_FIELDS = {"num_prompts": int, "num_speculative_tokens": int, "per_position_acceptance": list, "tokens_per_s": dict}
 
 
 def write_report_json(path: str | os.PathLike, report: dict) -> None:
     """report.json without the per-prompt texts and token ids (the texts go to responses.jsonl)."""
     atomic.write_json(path, {k: v for k, v in report.items() if k not in ("texts", "token_ids")})
+
+
+def read_report(path: str | os.PathLike) -> dict:
+    """report.json as stage 06 wrote it; every way the file can be wrong is a BadInput naming it and the fix."""
+    path = Path(path)
+    fix = "rerun 06_serve_test.py with --force to measure again"
+    if not path.is_file():
+        raise BadInput(f"{path}: report is missing; {fix}")
+    try:
+        report = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read the report ({e.strerror}); fix its permissions or {fix}") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{path}: report is not UTF-8 text; {fix}") from None
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{path}: report is not valid JSON (line {e.lineno}: {e.msg}); {fix}") from None
+    if not isinstance(report, dict):
+        raise BadInput(f"{path}: report is a JSON {type(report).__name__}, not an object; {fix}")
+    for key, kind in REQUIRED_FIELDS.items():
+        if not isinstance(report.get(key), kind) or isinstance(report.get(key), bool):
+            raise BadInput(f"{path}: report lacks {key!r} (a {kind.__name__}); {fix}")
+    length = report.get("mean_acceptance_length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))):
+        raise BadInput(f"{path}: report's 'mean_acceptance_length' is not a number; {fix}")
+    return report
 
 
 def write_responses_jsonl(path: str | os.PathLike, prompts: Sequence[list[dict]], report: dict) -> None:
