@@ -32,10 +32,13 @@ def single_process_engine(cfg: RunConfig) -> bool:
     vLLM and torch again. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` and one worker the offline engine runs in
     the stage's own process and a server's engine core runs its worker itself: measured on 2 cores, an
     offline engine ready in ~6 s instead of ~23 s and a server healthy in ~24 s instead of ~36 s, the same
-    greedy text. Tensor parallelism needs the worker processes, so it stays off there, and hidden-state
+    greedy text. Tensor parallelism needs the worker processes, so it stays off there. So does a verifier
+    with remote code: in-process, vLLM 0.32's CPU worker start scans every module the caller has loaded
+    (`triton_utils/dispatcher.py`, `_rebind_kernels`) and fails on one it cannot read (llvmlite's, loaded
+    along with the tiny Kimi-K2.5 verifier of tests/test_kimi_vllm.py). Hidden-state
     capture turns the processes back on (`capture.HiddenStateCapture`: its connector needs a writer process).
     """
-    return cfg.device == "cpu" and cfg.verifier.tensor_parallel_size == 1
+    return cfg.device == "cpu" and cfg.verifier.tensor_parallel_size == 1 and not cfg.verifier.trust_remote_code
 
 
 def apply_engine_env(cfg: RunConfig) -> None:

@@ -12,13 +12,6 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
-# What the stages' engine environment (eagle_pipeline/engine.py, engine_env) gives a single CPU worker, for
-# the tests that start vLLM without a run config: the engine in the calling process, not two more Python
-# processes importing vLLM and torch again (docs/engines.md, "Engine processes").
-from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE  # noqa: E402
-
-os.environ.setdefault(MULTIPROCESSING_VARIABLE, "0")
-
 
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 # The suite's one small pipeline run: 6 conversations of at most 24 tokens, short training and serving, an

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
 from eagle_pipeline.serve.measure import ModeMeasurement, measure_modes, speculative_config_for, summarize
@@ -348,17 +349,18 @@ def test_speculative_configs(tmp_path):
         speculative_config_for("medusa", num_speculative_tokens=3)
 
 
-def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_or_gpu_keep_processes(tmp_path):
+def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_gpu_or_remote_code_keep_processes(tmp_path):
     from conftest import SMOKE_CONFIG
 
     from eagle_pipeline.config import load_config
-    from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE, engine_env, server_kwargs
+    from eagle_pipeline.engine import engine_env, server_kwargs
 
     cpu = load_config(SMOKE_CONFIG)
     assert engine_env(cpu)[MULTIPROCESSING_VARIABLE] == "0"
     assert server_kwargs(cpu)["env"][MULTIPROCESSING_VARIABLE] == "0"
     assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["verifier.tensor_parallel_size=2"]))
     assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["device=cuda"]))
+    assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["verifier.trust_remote_code=true"]))
 
 
 def test_capture_builds_its_engine_with_processes_and_restores_the_setting(tmp_path, monkeypatch):
@@ -367,7 +369,6 @@ def test_capture_builds_its_engine_with_processes_and_restores_the_setting(tmp_p
 
     from eagle_pipeline import capture
     from eagle_pipeline.capture import HiddenStateCapture
-    from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 
     seen = []
 
@@ -496,7 +497,8 @@ def _marked_processes(marker: str) -> list[int]:
 
 
 def _server_env(marker: str) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE_TEST_SERVER_MARKER": marker}
+    # The engine core runs its worker itself, as engine_env has it for a single CPU worker.
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE_TEST_SERVER_MARKER": marker, MULTIPROCESSING_VARIABLE: "0"}
 
 
 def _wait_until_gone(marker: str, timeout_s: float = 15.0) -> list[int]:
