@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from eagle_pipeline import atomic
+from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids
 from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
@@ -134,12 +135,20 @@ class HiddenStateCapture:
             self.storage_path.mkdir(parents=True, exist_ok=True)
         args = self.engine_args(self.storage_path, _platform_device_type())
         # The engine core and workers import the connector module (patches/, part of the installed package)
-        # by name in their own processes.
+        # by name in their own processes. Those processes are required: the reader waits on each file's lock
+        # until the worker's write releases it, which in one process would wait forever.
+        previous = os.environ.get(MULTIPROCESSING_VARIABLE)
+        os.environ[MULTIPROCESSING_VARIABLE] = "1"  # read while the engine is built; restored after
         try:
             self._llm = LLM(**args)
         except BaseException:
             self._remove_storage()
             raise
+        finally:
+            if previous is None:
+                os.environ.pop(MULTIPROCESSING_VARIABLE)
+            else:
+                os.environ[MULTIPROCESSING_VARIABLE] = previous
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
 from eagle_pipeline.serve.measure import ModeMeasurement, measure_modes, speculative_config_for, summarize
@@ -348,6 +349,43 @@ def test_speculative_configs(tmp_path):
         speculative_config_for("medusa", num_speculative_tokens=3)
 
 
+def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_gpu_or_remote_code_keep_processes(tmp_path):
+    from conftest import SMOKE_CONFIG
+
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.engine import engine_env, server_kwargs
+
+    cpu = load_config(SMOKE_CONFIG)
+    assert engine_env(cpu)[MULTIPROCESSING_VARIABLE] == "0"
+    assert server_kwargs(cpu)["env"][MULTIPROCESSING_VARIABLE] == "0"
+    assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["verifier.tensor_parallel_size=2"]))
+    assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["device=cuda"]))
+    assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["verifier.trust_remote_code=true"]))
+
+
+def test_capture_builds_its_engine_with_processes_and_restores_the_setting(tmp_path, monkeypatch):
+    """Its connector's reader waits on a lock the worker's write holds: in one process, forever."""
+    import types
+
+    from eagle_pipeline import capture
+    from eagle_pipeline.capture import HiddenStateCapture
+
+    seen = []
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            seen.append(os.environ.get(MULTIPROCESSING_VARIABLE))
+            self.llm_engine = None
+
+    # A stand-in for the package (the real one takes seconds to import): only its LLM is used here.
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
+    monkeypatch.setattr(capture, "_platform_device_type", lambda: "cpu")
+    monkeypatch.setenv(MULTIPROCESSING_VARIABLE, "0")
+    with HiddenStateCapture(tmp_path / "verifier", [2, 15, 27], num_layers=30, storage_path=tmp_path / "scratch"):
+        assert os.environ[MULTIPROCESSING_VARIABLE] == "0"
+    assert seen == ["1"]
+
+
 def test_server_command_carries_the_speculative_config(tmp_path):
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     server = VllmServer("/models/target", speculative_config=config, max_model_len=512, dtype="bfloat16",
@@ -459,7 +497,8 @@ def _marked_processes(marker: str) -> list[int]:
 
 
 def _server_env(marker: str) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE_TEST_SERVER_MARKER": marker}
+    # The engine core runs its worker itself, as engine_env has it for a single CPU worker.
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE_TEST_SERVER_MARKER": marker, MULTIPROCESSING_VARIABLE: "0"}
 
 
 def _wait_until_gone(marker: str, timeout_s: float = 15.0) -> list[int]:
