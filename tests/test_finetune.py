@@ -138,34 +138,37 @@ def test_fine_tune_from_a_released_drafter(small_run, tmp_path):
     assert result["detail"]["reference"]["source"] == "weights"
 
 
-def test_fine_tune_from_the_pipelines_own_converted_drafter_starts_from_its_weights(finished_small_run, tmp_path):
-    """Stage 04 started from stage 05's vllm/ folder validates, after its first step, as the checkpoint that folder
-    was converted from did.
+def _first_val_row(run_dir: Path, tmp: Path, **train) -> tuple[dict, dict]:
+    """Stage 04 on a copy of the run's stages 01-03, one epoch at lr 1e-7: (its first val row, its manifest)."""
+    dest = copy_run(run_dir, tmp, ("01_generate_data", "02_extract_hidden", "03_build_vocab_map"))
+    config = write_smoke_config(tmp / "run.yaml", data_root=str(tmp / "data"), run_name="t",
+                                train={"epochs": 1, "lr": 1e-7, **train})
+    ok(run_stage("04_train.py", config, timeout=1800))
+    manifest = json.loads((dest / "04_train" / "manifest.json").read_text())
+    return next(r for r in read_metrics(dest / "04_train") if r["split"] == "val"), manifest
 
-    The step is taken with lr 1e-7, which moves no bf16 weight (their resolution is ~1e-4 at this scale), so the
-    first validation sees the loaded weights on the same validation split: per-position losses within 1% (only
-    summation order differs). A drafter that did not start from those weights (fresh init, another layer, another
-    embedding) is far off: the original run's own losses move by more than 10% between its first two epochs.
+
+def test_fine_tune_from_the_pipelines_own_converted_drafter_starts_from_its_weights(finished_small_run, tmp_path):
+    """Stage 04 started from stage 05's vllm/ folder validates, after its first step, as the trained drafter does.
+
+    The step is taken with lr 1e-7, far below the bf16 resolution of the weights (~1e-4 at this scale), so the first
+    validation sees the loaded weights on the same validation split. Against the same fine-tune started from the
+    speculators checkpoint stage 05 converted: per-position losses within 0.5% (the same bf16 weights through two
+    layouts; only summation order may differ). Against the original run's validation of that checkpoint: total
+    loss within 5%, since the original validated its fp32 training weights and the checkpoint stores them in bf16 (measured:
+    3%). A start from anything else (fresh weights, another layer, another embedding) lands much farther.
     """
     _, run_dir = finished_small_run
     converted = json.loads((run_dir / "05_convert" / "manifest.json").read_text())["counts"]["checkpoint"]
     epoch = int(Path(converted).name)
-    original = [r for r in read_metrics(run_dir / "04_train") if r["split"] == "val"]
-    reference = next(r for r in original if int(r["epoch"]) == epoch)
+    reference = next(r for r in read_metrics(run_dir / "04_train") if r["split"] == "val" and int(r["epoch"]) == epoch)
 
-    dest = copy_run(run_dir, tmp_path, ("01_generate_data", "02_extract_hidden", "03_build_vocab_map"))
-    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="t",
-                                train={"epochs": 1, "lr": 1e-7, "init_from": str(run_dir / "05_convert" / "vllm")})
-    ok(run_stage("04_train.py", config, timeout=1800))
-    manifest = json.loads((dest / "04_train" / "manifest.json").read_text())
+    from_flat, manifest = _first_val_row(run_dir, tmp_path / "flat", init_from=str(run_dir / "05_convert" / "vllm"))
     assert manifest["inputs"]["init_from_layer_ids"]["convention"] == "vllm"  # known from the top-level id list
-    first = next(r for r in read_metrics(dest / "04_train") if r["split"] == "val")
+    from_checkpoint, _ = _first_val_row(run_dir, tmp_path / "checkpoint", init_from=str(run_dir / converted))
     for key in ("loss_0", "loss_1", "loss_2"):
-        assert float(first[key]) == pytest.approx(float(reference[key]), rel=0.01), (key, first, reference)
-    for key in ("full_acc_0", "full_acc_1", "full_acc_2"):
-        assert float(first[key]) == pytest.approx(float(reference[key]), abs=1e-6), (key, first, reference)
-    others = [r for r in original if int(r["epoch"]) != epoch]
-    assert any(abs(float(r["loss_0"]) - float(reference["loss_0"])) > 0.1 * float(reference["loss_0"]) for r in others)
+        assert float(from_flat[key]) == pytest.approx(float(from_checkpoint[key]), rel=0.005), (key, from_flat, from_checkpoint)
+    assert float(from_flat["loss"]) == pytest.approx(float(reference["loss"]), rel=0.05), (from_flat, reference)
 
 
 # -- refusals, before any work -----------------------------------------------------------------------------------
@@ -220,3 +223,15 @@ def test_bad_released_drafter_is_refused_before_any_work(refusal_run, tmp_path, 
     assert lines[-1].startswith("error: ") and sum(line.startswith("error: ") for line in lines) == 1, lines[-3:]
     assert re.search(expected, lines[-1]), lines[-1]
     assert snapshot(refusal_run / "data") == before
+
+
+def test_convention_without_init_from_is_refused_when_the_config_loads(tmp_path):
+    from conftest import write_config
+
+    from eagle_pipeline.config import load_config
+
+    with pytest.raises(BadInput, match=r"train\.init_from_convention: .*train\.init_from, which is not set"):
+        load_config(write_config(tmp_path / "c.yaml", train={"init_from_convention": "sglang"}))
+    with pytest.raises(BadInput, match=r"train\.init_from_convention"):
+        load_config(write_config(tmp_path / "c.yaml", train={"init_from": "x", "init_from_convention": "hf"}))
+    assert load_config(write_config(tmp_path / "c.yaml", train={"init_from": "x", "init_from_convention": "sglang"}))
