@@ -268,6 +268,12 @@ def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_di
             verifier=VerifierConfig.from_pretrained(str(verifier_dir)),
         ),
     )
+    # transformers loads weights in the dtype a config names (speculators' checkpoints name theirs): without
+    # one, bf16 weights would be upcast and the drafter would train and validate in another precision than a
+    # speculators checkpoint of the same weights.
+    dtype = drafter.config.get("torch_dtype") or drafter.config.get("dtype")
+    if dtype:
+        config.dtype = dtype
     tensors = {}
     for name, path in sorted(drafter.tensor_files.items()):
         flat = flat_key(name)
