@@ -68,6 +68,7 @@ def test_released_layout_converts_to_speculators_with_hf_layer_ids(tmp_path, sha
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == ids
     assert all(config[flag] is False for flag in SPECFORGE_FLAGS)
+    assert config["dtype"] == "bfloat16"  # loaded (and trained) in the released precision, as a checkpoint would be
     layer = config["transformer_layer_config"]
     assert (layer["hidden_size"], layer["head_dim"], layer["rope_parameters"]["rope_theta"]) == (
         shape.hidden_size, shape.head_dim, shape.rope_theta)
