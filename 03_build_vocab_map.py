@@ -1,7 +1,9 @@
 """Stage 03: the draft vocabulary from token frequencies on the assistant tokens of the training data.
 
 The drafter proposes tokens from a smaller vocabulary (32k of Kimi's 163,840) to keep its lm_head cheap;
-the most frequent assistant tokens are kept. Writes `d2t.npy` (int64 offsets) and `t2d.npy` (bool), the
+the most frequent assistant tokens are kept. With `vocab.from_drafter: DIR` the vocabulary of that drafter
+(a released one to fine-tune, docs/released_drafters.md) is adopted instead, checked against the target:
+its lm_head rows only mean something for the tokens it was trained to propose. Writes `d2t.npy` (int64 offsets) and `t2d.npy` (bool), the
 files speculators' trainer loads (`--d2t-path`, `--t2d-path`) and stage 05 embeds for vLLM.
 
 Embedded default (CPU, seconds):
@@ -15,9 +17,18 @@ manifest.json (with the coverage: the share of training tokens the draft vocabul
 
 import numpy as np
 
-from eagle_pipeline import atomic, plots, vocab
+from eagle_pipeline import atomic, plots, released_drafter, vocab
 from eagle_pipeline.fingerprint import file_fingerprint
-from eagle_pipeline.stage import Stage, Start, is_complete, main, not_run_yet_note, require_complete, upstream_fingerprint
+from eagle_pipeline.stage import (
+    Stage,
+    Start,
+    is_complete,
+    main,
+    not_run_yet_note,
+    require_complete,
+    require_sample_layout,
+    upstream_fingerprint,
+)
 from eagle_pipeline.verifier import Verifier
 
 
@@ -36,9 +47,15 @@ def run(stage: Stage, dry_run: bool) -> None:
     vocab_size = upstream["counts"]["target_vocab_size"]
     if draft_vocab_size > vocab_size:
         vocab.select_draft_ids(np.zeros(vocab_size, dtype=np.int64), draft_vocab_size)  # raises the BadInput
+    adopted = None
+    if cfg.vocab.from_drafter:  # checked before anything is written, dry run included
+        _, layout = require_sample_layout(cfg)
+        adopted = released_drafter.adopted_vocab_map(cfg.resolve_path(cfg.vocab.from_drafter), "vocab.from_drafter",
+                                                     hidden_size=layout.hidden_size, vocab_size=vocab_size,
+                                                     draft_vocab_size=draft_vocab_size)
+    source = f"adopted from {cfg.vocab.from_drafter}" if adopted else f"from {upstream['counts']['samples']} samples"
     if dry_run:
-        print(f"stage 03: draft vocabulary of {draft_vocab_size} from {upstream['counts']['samples']} samples, "
-              f"target vocabulary {vocab_size} -> {stage.dir}")
+        print(f"stage 03: draft vocabulary of {draft_vocab_size} {source}, target vocabulary {vocab_size} -> {stage.dir}")
         return
 
     inputs = {
@@ -46,6 +63,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "draft_vocab_size": draft_vocab_size,
         "target_vocab_size": vocab_size,
     }
+    if adopted:  # only then, so that runs counting their own vocabulary keep their recorded inputs
+        inputs["from_drafter"] = {"file": str(adopted[2]), "fingerprint": file_fingerprint(adopted[2])}
     if stage.start(inputs, samples=upstream["counts"]["samples"]) is Start.ALREADY_COMPLETE:
         print(f"stage 03 already complete for these inputs: {stage.dir}")
         return
@@ -57,8 +76,12 @@ def run(stage: Stage, dry_run: bool) -> None:
     counts = vocab.count_tokens(data["input_ids"], data["loss_mask"], vocab_size)
 
     # -- select and write ---------------------------------------------------------------------------
-    draft_ids = vocab.select_draft_ids(counts, draft_vocab_size)
-    d2t, t2d = vocab.build_maps(draft_ids, vocab_size)
+    if adopted:
+        d2t, t2d = adopted[0].astype(np.int64), adopted[1].astype(bool)
+        draft_ids = np.flatnonzero(t2d)
+    else:
+        draft_ids = vocab.select_draft_ids(counts, draft_vocab_size)
+        d2t, t2d = vocab.build_maps(draft_ids, vocab_size)
     for name, array in (("d2t.npy", d2t), ("t2d.npy", t2d), ("token_counts.npy", counts)):
         atomic.write_with(stage.dir / name, lambda tmp, a=array: np.save(open(tmp, "wb"), a))
 
@@ -76,9 +99,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         "target_vocab_size": vocab_size,
         "coverage": round(covered, 6),
         "coverage_by_size": dict(zip(map(str, sizes), [round(c, 6) for c in curve])),
+        "from_drafter": str(cfg.resolve_path(cfg.vocab.from_drafter)) if adopted else None,
     }
     stage.finish(stats, output_fingerprint=file_fingerprint(stage.dir / "d2t.npy"))
-    print(f"stage 03 done: {draft_vocab_size} draft tokens cover {covered:.2%} of {stats['assistant_tokens']} assistant tokens "
+    print(f"stage 03 done: {draft_vocab_size} draft tokens ({source}) cover {covered:.2%} of {stats['assistant_tokens']} assistant tokens "
           f"({stats['distinct_tokens_seen']} distinct seen) -> {stage.dir}")
 
 

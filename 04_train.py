@@ -2,7 +2,9 @@
 
 Reads stage 02's hidden states and stage 03's vocabulary map; the drafter's decoder shape is derived from
 the verifier or given explicitly (`train.draft_shape`, e.g. Kimi-K2.5's released drafters: head_dim 128).
-From scratch, or fine-tuned from `train.init_from`. One checkpoint per epoch, the best by validation loss
+From scratch, or fine-tuned from `train.init_from`: a speculators folder, or a flat released drafter
+(AQ-MedAI, SpecForge, stage 05's `vllm/`) rewritten once into speculators' layout under `init_from/`, its aux
+layer ids converted from `train.init_from_convention` (docs/released_drafters.md). One checkpoint per epoch, the best by validation loss
 marked; killed and rerun, training resumes from the last complete checkpoint (optimizer and step included).
 
 Embedded default (CPU, minutes):
@@ -15,7 +17,9 @@ metrics.csv, loss_curves.png, tensorboard/, manifest.json (tokens/s, peak memory
 """
 
 import subprocess
+from pathlib import Path
 
+from eagle_pipeline import released_drafter
 from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.errors import BadInput
@@ -33,9 +37,40 @@ from eagle_pipeline.stage import (
     require_sample_layout,
     upstream_fingerprint,
 )
+from eagle_pipeline.train.draft_config import check_same_vocab_map
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
+
+INIT_FROM_DIR = "init_from"  # a flat train.init_from in speculators' layout
+
+
+def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[released_drafter.FlatDrafter | None, dict | None]:
+    """A flat train.init_from checked against this run (target, aux layers, stage 03's vocabulary) before
+    any work, and the layer-id record for the manifest; (None, None) for a speculators folder."""
+    t = cfg.train
+    init_from = cfg.resolve_path(t.init_from)
+    if not (init_from / "config.json").exists():
+        raise BadInput(f"train.init_from: {init_from} is not a drafter directory (no config.json); point it at a speculators or released drafter")
+    if released_drafter.is_speculators_drafter(init_from):
+        if t.init_from_convention == "sglang":
+            raise BadInput(f"train.init_from_convention: sglang, but {init_from} is a speculators drafter, whose ids are "
+                           f"always HF indices (the vllm convention); leave it out")
+        return None, None
+    drafter = released_drafter.read_flat_drafter(init_from, "train.init_from")
+    released_drafter.check_against_target(drafter, hidden_size=verifier.hidden_size, vocab_size=verifier.vocab_size)
+    released_drafter.check_draft_vocab_size(drafter, cfg.vocab.draft_vocab_size)
+    convention = released_drafter.layer_id_convention(drafter, t.init_from_convention)
+    ids = released_drafter.hf_layer_ids(drafter, convention)
+    if ids != list(layer_ids):
+        raise BadInput(f"train.init_from: {drafter.config_path}: eagle_config.eagle_aux_hidden_state_layer_ids "
+                       f"{drafter.written_layer_ids} in the {convention} convention are HF layers {ids}, but this run "
+                       f"captured {list(layer_ids)}; check train.init_from_convention, or set hidden_states.layer_ids: {ids} "
+                       f"and rerun stage 02")
+    vocab_dir = cfg.stage_dir("03_build_vocab_map")
+    if (vocab_dir / "d2t.npy").is_file():
+        check_same_vocab_map(drafter.tensor_files["d2t"], vocab_dir / "d2t.npy", vocab_dir / "t2d.npy")
+    return drafter, {"convention": convention, "written": drafter.written_layer_ids, "hf": ids}
 
 
 def checkpoint_bytes(params: int, frozen: int, keep: int) -> int:
@@ -87,12 +122,16 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  shapes: fc [{hidden}, {len(layer_ids) * verifier.hidden_size}], q_proj [{heads * head_dim}, {2 * hidden}], "
               f"k/v_proj [{kv_heads * head_dim}, {2 * hidden}], o_proj [{hidden}, {heads * head_dim}], "
               f"gate/up [{inter}, {hidden}], lm_head [{cfg.vocab.draft_vocab_size}, {hidden}]")
-        print(f"  init_from {t.init_from or '(scratch)'}; checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
+        init_note = ""
+        if t.init_from:
+            _, record = released_init(cfg, verifier, layer_ids)
+            if record:
+                init_note = f" (flat, {record['convention']} ids {record['written']} = HF {record['hf']})"
+        print(f"  init_from {t.init_from or '(scratch)'}{init_note}; checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
         return
 
     init_from = cfg.resolve_path(t.init_from) if t.init_from else None
-    if init_from is not None and not (init_from / "config.json").exists():
-        raise BadInput(f"train.init_from: {init_from} is not a drafter directory (no config.json); point it at a speculators or released drafter")
+    released, layer_id_record = released_init(cfg, verifier, layer_ids) if init_from else (None, None)
     inputs = {
         "hidden_states": upstream_fingerprint(hidden_manifest),
         "vocab_map": upstream_fingerprint(vocab_manifest),
@@ -104,11 +143,14 @@ def run(stage: Stage, dry_run: bool) -> None:
         "init_from": model_dir_fingerprint(init_from) if init_from else None,
         "seed": cfg.seed,
     }
+    if layer_id_record:  # only then, so that other runs keep their recorded inputs
+        inputs["init_from_layer_ids"] = layer_id_record
     vocab_dir = cfg.stage_dir("03_build_vocab_map")
     train_run = TrainRun(
         data_dir=cfg.stage_dir("02_extract_hidden") / "data", d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
         verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
         storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
+        init_from_dir=stage.dir / INIT_FROM_DIR if released else None,
     )
     samples = hidden_manifest["counts"]["samples"]
     stage.check_unchanged(inputs, samples)  # a changed input is named before the slower checks below
@@ -125,6 +167,11 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     from eagle_pipeline.train import launch, runner
 
+    if released:
+        written = released_drafter.write_speculators_folder(
+            released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids, ttt_steps=t.ttt_steps)
+        print(f"train.init_from: {released.path} ({layer_id_record['convention']} ids {layer_id_record['written']} "
+              f"= HF {layer_id_record['hf']}) -> {written['dir']} (speculators layout, the target's embedding)")
     if t.num_gpus == 0:
         summary = runner.train_drafter(t, train_run)
     else:

@@ -138,6 +138,8 @@ class HiddenStatesConfig(Section):
 class VocabConfig(Section):
     # At most the target's vocabulary: that needs the model, so stage 03 checks it (dry run included).
     draft_vocab_size: int = Field(ge=1, le=MAX_VOCAB)
+    # A drafter to fine-tune can only keep its lm_head rows if the run uses its own draft vocabulary.
+    from_drafter: Optional[str] = Field(None, description="drafter folder whose d2t/t2d stage 03 adopts instead of counting tokens")
 
 
 class DraftShape(Section):
@@ -186,7 +188,11 @@ class TrainConfig(Section):
     norm_before_fc: bool = True
     fc_norm: bool = False
     norm_output: bool = True
-    init_from: Optional[str] = Field(None, description="drafter directory to fine-tune from")
+    init_from: Optional[str] = Field(None, description="drafter directory to fine-tune from: speculators or flat LlamaForCausalLMEagle3")
+    # A flat drafter's aux ids mean different layers in vLLM and SGLang (docs/layer_ids.md); a folder
+    # with only eagle_config ids does not say which, so the run must.
+    init_from_convention: Optional[Literal["vllm", "sglang"]] = Field(
+        None, description="how init_from's eagle_config aux layer ids are numbered (SpecForge drafters: sglang)")
 
     @field_validator("fsdp_shard")
     @classmethod
@@ -201,6 +207,13 @@ class TrainConfig(Section):
         if fc_norm and info.data.get("norm_before_fc"):
             raise ValueError("speculators allows only one of norm_before_fc and fc_norm; set one false")
         return fc_norm
+
+    @field_validator("init_from_convention")
+    @classmethod
+    def _convention_needs_init_from(cls, convention, info):
+        if convention is not None and not info.data.get("init_from"):
+            raise ValueError("names the layer-id convention of train.init_from, which is not set; set both or neither")
+        return convention
 
     @property
     def train_ratio(self) -> float:

@@ -115,10 +115,9 @@ def _shape_of(layer_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_init_from(train: TrainConfig, run: TrainRun, draft_config: Mapping[str, Any]) -> None:
-    """Raise BadInput unless the drafter in train.init_from fits this run exactly."""
-    from safetensors import safe_open
-
-    source = resolve_path(train.init_from)
+    """Raise BadInput unless the drafter in train.init_from (or the speculators folder made from a flat
+    one, run.init_from_dir) fits this run exactly."""
+    source = run.init_from_dir or resolve_path(train.init_from)
     config_path, weights_path = source / "config.json", source / "model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
         raise BadInput(f"train.init_from: {source} needs config.json and model.safetensors (a speculators drafter)")
@@ -147,24 +146,35 @@ def check_init_from(train: TrainConfig, run: TrainRun, draft_config: Mapping[str
             f"{'; '.join(differences)}"
         )
 
-    d2t, t2d = np.load(run.d2t_path), np.load(run.t2d_path)
+    check_same_vocab_map(weights_path, run.d2t_path, run.t2d_path)
+
+
+def check_same_vocab_map(weights_path, d2t_path, t2d_path, field: str = "train.init_from") -> None:
+    """Raise BadInput unless the drafter's d2t/t2d (in `weights_path`) are exactly stage 03's files: its
+    lm_head rows are only meaningful for the target tokens it was trained to propose."""
+    from safetensors import safe_open
+
+    d2t, t2d = np.load(d2t_path), np.load(t2d_path)
     with safe_open(str(weights_path), framework="pt") as f:
         keys = set(f.keys())
         their_d2t = f.get_tensor("d2t").numpy() if "d2t" in keys else None
         their_t2d = f.get_tensor("t2d").numpy() if "t2d" in keys else None
     if their_d2t is None or their_t2d is None:
         raise BadInput(
-            f"train.init_from: {weights_path} has no d2t/t2d (a full-vocabulary drafter) but this run uses a "
+            f"{field}: {weights_path} has no d2t/t2d (a full-vocabulary drafter) but this run uses a "
             f"{d2t.shape[0]}-token draft vocabulary; use the drafter's own vocab map"
         )
     if their_d2t.shape != d2t.shape:
         raise BadInput(
-            f"train.init_from: its draft vocabulary has {their_d2t.shape[0]} tokens, this run's "
-            f"{run.d2t_path} has {d2t.shape[0]}; train with the drafter's own d2t.npy/t2d.npy"
+            f"{field}: its draft vocabulary has {their_d2t.shape[0]} tokens, this run's "
+            f"{d2t_path} has {d2t.shape[0]}; train with the drafter's own d2t.npy/t2d.npy (vocab.from_drafter)"
         )
+    if their_t2d.shape != t2d.shape:
+        raise BadInput(f"{field}: its t2d has {their_t2d.shape[0]} entries, this run's {t2d_path} has {t2d.shape[0]}; "
+                       f"the drafter was built for another target model")
     if not np.array_equal(their_t2d.astype(bool), t2d) or not np.array_equal(their_d2t.astype(np.int64), d2t):
         differing = int((np.flatnonzero(their_t2d.astype(bool)) != np.flatnonzero(t2d)).sum())
         raise BadInput(
-            f"train.init_from: its draft vocabulary maps {differing} of {d2t.shape[0]} draft ids to other "
-            f"target tokens than {run.d2t_path}; train with the drafter's own d2t.npy/t2d.npy"
+            f"{field}: its draft vocabulary maps {differing} of {d2t.shape[0]} draft ids to other "
+            f"target tokens than {d2t_path}; train with the drafter's own d2t.npy/t2d.npy (vocab.from_drafter)"
         )

@@ -114,7 +114,7 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
     if train.fsdp_shard:
         argv.append("--fsdp-shard")
     if train.init_from:
-        argv += ["--from-pretrained", str(resolve_path(train.init_from))]
+        argv += ["--from-pretrained", str(run.init_from_dir or resolve_path(train.init_from))]
     else:
         argv += ["--draft-config", str(run.out_dir / DRAFT_CONFIG_FILE)]
     return argv

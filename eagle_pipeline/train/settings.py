@@ -14,6 +14,9 @@ from eagle_pipeline.samples import StorageDtype
 # TrainConfig fields that may change between a run and its resumption without invalidating its
 # checkpoints; every other setting is recorded in the stage manifest, which refuses a change.
 RESUMABLE_SETTINGS = ("epochs", "keep_last", "num_workers", "threads")
+# Settings added after runs were finished with the pipeline: recorded only when set, so that those runs
+# stay complete for their unchanged inputs.
+RECORDED_WHEN_SET = ("init_from_convention",)
 
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
@@ -33,10 +36,14 @@ class TrainRun:
     storage_dtype: StorageDtype  # how stage 02 stored the hidden states
     device: Literal["cpu", "cuda"]
     max_steps: int | None = None  # stop after this many optimizer steps (short runs)
+    # train.init_from rewritten in speculators' layout when it is a flat released drafter (released_drafter.py).
+    init_from_dir: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("data_dir", "d2t_path", "t2d_path", "verifier_dir", "out_dir"):
             setattr(self, name, Path(os.fspath(getattr(self, name))).expanduser().resolve())
+        if self.init_from_dir is not None:
+            self.init_from_dir = Path(os.fspath(self.init_from_dir)).expanduser().resolve()
         self.layer_ids = [int(i) for i in self.layer_ids]
         self.storage_dtype = StorageDtype(self.storage_dtype)
 
@@ -56,4 +63,5 @@ def recorded_settings(train: TrainConfig) -> dict[str, Any]:
     """The settings a run's stage manifest records, one input each ("train.lr"), so that a rerun with a
     changed one is refused naming it; the resumable ones are left out."""
     values = train.model_dump(mode="json")
-    return {f"train.{name}": value for name, value in values.items() if name not in RESUMABLE_SETTINGS}
+    return {f"train.{name}": value for name, value in values.items()
+            if name not in RESUMABLE_SETTINGS and not (name in RECORDED_WHEN_SET and value is None)}

@@ -1,0 +1,288 @@
+"""Released EAGLE-3 drafters: read a flat `LlamaForCausalLMEagle3` folder (AQ-MedAI's Kimi-K2.5 drafter,
+SpecForge's output, this pipeline's own stage 05 `vllm/`), check it against the target, and write it in
+the speculators layout that speculators' trainer fine-tunes from (`--from-pretrained`): the inverse of
+convert.py (docs/released_drafters.md).
+
+A flat folder says less than a speculators one, and each gap is closed explicitly:
+- its aux layer ids are usually only in `eagle_config`, where SGLang reads id k as the output of layer k and
+  vLLM as the input of layer k; only a top-level `eagle_aux_hidden_state_layer_ids` (a key vLLM alone reads,
+  which SGLang folders must not carry) says vLLM. Otherwise the run names the convention
+  (`train.init_from_convention`) and the ids are converted once, by layer_ids.py, into HF indices;
+- norm flags it leaves out are read as vLLM reads a flat config: false (SpecForge drafters have none);
+- `embed_tokens` is usually absent: EAGLE-3 drafters embed with the target's own (frozen) embedding, so
+  releases leave it out, and speculators loads the target's (`load_verifier_weights`) into the folder
+  written here. One that is present is dropped for the same reason: stage 05 ships without it and vLLM then
+  serves the drafter with the target's embedding, so training must use that one too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle_pipeline.atomic import atomic_dir
+from eagle_pipeline.convert import FLAT_ARCHITECTURE, NORM_FLAGS, WEIGHTS_NAME, flat_key, weight_files
+from eagle_pipeline.drafter_checks.shapes import shape_problems
+from eagle_pipeline.drafter_checks.tensors import draft_dims, read_tensor_specs
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.layer_ids import from_convention
+from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
+
+EMBED_KEY = "embed_tokens.weight"
+
+
+@dataclass
+class FlatDrafter:
+    """A flat drafter folder as read from config.json and its safetensors headers."""
+
+    path: Path
+    field: str  # the config key that named it, for error lines
+    config: dict[str, Any]
+    tensor_files: dict[str, Path]  # stored tensor name -> file
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def weights_path(self) -> Path:
+        files = set(self.tensor_files.values())
+        return files.pop() if len(files) == 1 else self.path
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.config.get("draft_vocab_size") or self.vocab_size)
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        # vLLM reads a flag a flat config leaves out as false; the drafter was served (and trained) so.
+        return {name: bool(self.config.get(name, False)) for name in NORM_FLAGS}
+
+    @property
+    def written_layer_ids(self) -> list[int] | None:
+        ids = (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = ids if ids is not None else self.config.get("eagle_aux_hidden_state_layer_ids")
+        return None if ids is None else [int(k) for k in ids]
+
+    def fail(self, where: Path, problem: str) -> BadInput:
+        return BadInput(f"{self.field}: {where}: {problem}")
+
+
+def is_speculators_drafter(path: Path) -> bool:
+    """A folder in speculators' own nested format (stage 04's checkpoints), which needs no conversion."""
+    config_path = Path(path) / "config.json"
+    try:
+        return "speculators_model_type" in json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
+    """The drafter in `path`, refused (BadInput naming `field`, the file and the key) unless its tensors are
+    exactly the ones its config implies: no unknown key, none missing (d2t included), every shape right."""
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise BadInput(f"{field}: {path} has no config.json; point it at a drafter folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise BadInput(f"{field}: {config_path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+    if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
+        raise BadInput(f"{field}: {config_path}: architectures is {config.get('architectures')!r}, expected "
+                       f"[{FLAT_ARCHITECTURE!r}] (a released EAGLE-3 drafter) or a speculators drafter folder")
+    drafter = FlatDrafter(path, field, config, weight_files(path))
+    try:
+        draft_dims(config)
+    except BadInput as error:
+        raise drafter.fail(config_path, str(error).removeprefix("drafter config.json ")) from None
+    # `layers.0.*` (some exports) and `midlayer.*` (SpecForge, stage 05) name the same layer.
+    specs = {}
+    for name, spec in read_tensor_specs(path).items():
+        if flat_key(name) in specs:
+            raise drafter.fail(drafter.weights_path, f"{name}: holds layer 0 twice (midlayer.* and layers.0.*); keep one")
+        specs[flat_key(name)] = spec
+    embed = specs.pop(EMBED_KEY, None)
+    problems = shape_problems(specs, config)
+    if problems:
+        raise drafter.fail(drafter.weights_path, problems[0])
+    if embed is not None and embed.shape != (drafter.vocab_size, drafter.hidden_size):
+        raise drafter.fail(drafter.weights_path, f"{EMBED_KEY}: shape {list(embed.shape)}, expected "
+                                                 f"[{drafter.vocab_size}, {drafter.hidden_size}] (vocab_size, hidden_size)")
+    if "d2t" not in specs:  # a full-vocabulary drafter: nothing maps draft ids to target ids
+        raise drafter.fail(drafter.weights_path, "d2t: missing; the pipeline fine-tunes drafters with a draft "
+                                                 "vocabulary (d2t and t2d), so use one that has them")
+    problems = safetensors_vocab_map_problems(drafter.tensor_files["d2t"], drafter.tensor_files["t2d"],
+                                              drafter.vocab_size, drafter.draft_vocab_size, where="d2t/t2d")
+    if problems:
+        raise drafter.fail(drafter.weights_path, problems[0])
+    return drafter
+
+
+def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: int) -> None:
+    """Refuse a drafter built for another target: its width and vocabulary must be the target's."""
+    target_hidden = int(drafter.config.get("target_hidden_size") or drafter.hidden_size)
+    for key, theirs, ours, what in (("hidden_size", drafter.hidden_size, hidden_size, "hidden size"),
+                                    ("target_hidden_size", target_hidden, hidden_size, "hidden size"),
+                                    ("vocab_size", drafter.vocab_size, vocab_size, "vocabulary size")):
+        if theirs != ours:
+            raise drafter.fail(drafter.config_path, f"{key} {theirs} differs from the target's {what} {ours}; "
+                                                    f"the drafter was built for another target model")
+
+
+def check_draft_vocab_size(drafter: FlatDrafter, configured: int) -> None:
+    if drafter.draft_vocab_size != configured:
+        raise drafter.fail(drafter.config_path, f"draft_vocab_size {drafter.draft_vocab_size} but "
+                                                f"vocab.draft_vocab_size is {configured}; set vocab.draft_vocab_size: "
+                                                f"{drafter.draft_vocab_size} to use its vocabulary")
+
+
+def adopted_vocab_map(path: str | Path, field: str, *, hidden_size: int, vocab_size: int,
+                      draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray, Path]:
+    """A drafter's own d2t (int64) and t2d (bool), checked against the target and the configured draft
+    vocabulary size, and the file they came from (for the manifest's fingerprint)."""
+    path = Path(path)
+    if is_speculators_drafter(path):
+        from eagle_pipeline.convert import read_speculators_checkpoint, target_vocab
+
+        ckpt = read_speculators_checkpoint(path)
+        try:
+            target_vocab(ckpt, vocab_size)
+        except BadInput as error:
+            raise BadInput(f"{field}: {path / 'config.json'}: {error}") from None
+        if ckpt.draft_vocab_size != draft_vocab_size:
+            raise BadInput(f"{field}: {path / 'config.json'}: draft_vocab_size {ckpt.draft_vocab_size} but "
+                           f"vocab.draft_vocab_size is {draft_vocab_size}; set vocab.draft_vocab_size: {ckpt.draft_vocab_size}")
+        if "d2t" not in ckpt.tensor_files or "t2d" not in ckpt.tensor_files:
+            raise BadInput(f"{field}: {path}: d2t: missing; a drafter without a draft vocabulary has none to adopt")
+        files = ckpt.tensor_files
+    else:
+        drafter = read_flat_drafter(path, field)
+        check_against_target(drafter, hidden_size=hidden_size, vocab_size=vocab_size)
+        check_draft_vocab_size(drafter, draft_vocab_size)
+        files = drafter.tensor_files
+    problems = safetensors_vocab_map_problems(files["d2t"], files["t2d"], vocab_size, draft_vocab_size,
+                                              where=f"{field}: {files['d2t']}")
+    if problems:
+        raise BadInput(problems[0])
+    from safetensors import safe_open
+
+    with safe_open(files["d2t"], framework="np") as f:
+        d2t = f.get_tensor("d2t")
+    with safe_open(files["t2d"], framework="np") as f:
+        t2d = f.get_tensor("t2d")
+    return d2t, t2d, files["d2t"]
+
+
+def layer_id_convention(drafter: FlatDrafter, configured: str | None) -> str:
+    """How the drafter's aux ids are numbered: known from a top-level key, else the configured one."""
+    top = drafter.config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (drafter.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if top is not None:
+        if nested is not None and list(nested) != list(top):
+            raise drafter.fail(drafter.config_path, f"eagle_aux_hidden_state_layer_ids {list(top)} and "
+                                                    f"eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} differ; "
+                                                    f"keep the ones the drafter was trained on")
+        if configured == "sglang":
+            raise BadInput(f"train.init_from_convention: sglang, but {drafter.config_path} has a top-level "
+                           f"eagle_aux_hidden_state_layer_ids, which only vLLM-convention folders carry; set vllm or leave it out")
+        return "vllm"
+    if nested is None:
+        raise drafter.fail(drafter.config_path, "eagle_config.eagle_aux_hidden_state_layer_ids: missing; the "
+                                                "drafter's aux layers are unknown, so it cannot be fine-tuned")
+    if configured is None:
+        raise BadInput(f"train.init_from_convention: not set, and {drafter.config_path} gives its aux layer ids "
+                       f"{list(nested)} only in eagle_config, which SGLang (output of layer k) and vLLM (input of "
+                       f"layer k) read differently; set sglang (SpecForge, AQ-MedAI) or vllm")
+    return configured
+
+
+def hf_layer_ids(drafter: FlatDrafter, convention: str) -> list[int]:
+    """The drafter's aux ids in the pipeline's convention (HF hidden_states indices)."""
+    return from_convention(drafter.written_layer_ids or [], convention)
+
+
+def decoder_config(drafter: FlatDrafter) -> dict[str, Any]:
+    """The draft decoder as a LlamaConfig dict (speculators' transformer_layer_config)."""
+    c = drafter.config
+    dims = draft_dims(c)
+    params = dict(c.get("rope_parameters") or {})
+    if not params:  # transformers 4 spelling (SpecForge): rope_theta + rope_scaling
+        params = {"rope_type": "default", **(c.get("rope_scaling") or {})}
+        params["rope_theta"] = float(c.get("rope_theta", 10000.0))
+    return {
+        "model_type": "llama",
+        "vocab_size": dims.vocab_size,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_hidden_layers": dims.num_layers,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        "head_dim": dims.head_dim,
+        "hidden_act": c.get("hidden_act", "silu"),
+        "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(c.get("max_position_embeddings", 2048)),
+        "rope_parameters": params,
+        "attention_bias": dims.attention_bias,
+        "mlp_bias": dims.mlp_bias,
+        "tie_word_embeddings": False,
+        # vLLM serves EAGLE-3 drafters with full attention.
+        "layer_types": ["full_attention"] * dims.num_layers,
+    }
+
+
+def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_dir: Path, layer_ids: list[int],
+                             ttt_steps: int) -> dict[str, Any]:
+    """The drafter in speculators' layout (config.json + model.safetensors with `layers.0.*`), written
+    atomically; `layer_ids` are HF indices. Returns what was written, for the manifest."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    config = Eagle3SpeculatorConfig(
+        architectures=["Eagle3DraftModel"],  # what speculators' own checkpoints say
+        transformer_layer_config=LlamaConfig(**decoder_config(drafter)),
+        draft_vocab_size=drafter.draft_vocab_size,
+        target_hidden_size=int(drafter.config.get("target_hidden_size") or drafter.hidden_size),
+        eagle_aux_hidden_state_layer_ids=list(layer_ids),
+        **drafter.flags,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig.from_pretrained(str(verifier_dir)),
+        ),
+    )
+    # transformers loads weights in the dtype a config names (speculators' checkpoints name theirs): without
+    # one, bf16 weights would be upcast and the drafter would train and validate in another precision than a
+    # speculators checkpoint of the same weights.
+    dtype = drafter.config.get("torch_dtype") or drafter.config.get("dtype")
+    if dtype:
+        config.dtype = dtype
+    tensors = {}
+    for name, path in sorted(drafter.tensor_files.items()):
+        flat = flat_key(name)
+        if flat == EMBED_KEY:
+            continue  # the target's embedding is used (module docstring)
+        with safe_open(path, framework="pt") as f:
+            tensor = f.get_tensor(name).contiguous()
+        tensors["layers.0." + flat.removeprefix("midlayer.") if flat.startswith("midlayer.") else flat] = tensor
+    with atomic_dir(out_dir) as tmp:
+        config.save_pretrained(str(tmp))
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    return {"dir": str(out_dir), "tensors": len(tensors), "embed_tokens": "target's"}

@@ -1,0 +1,121 @@
+"""Stand-ins for a released EAGLE-3 drafter, in the flat layout AQ-MedAI's Kimi-K2.5 drafter and SpecForge's
+output have (docs/released_drafters.md): config.json with `architectures: ["LlamaForCausalLMEagle3"]`, aux
+ids only in `eagle_config` and in the SGLang convention (id k = output of layer k = HF hidden_states[k+1]),
+no norm flags (SpecForge trains with all of them off), and weights `midlayer.*`, `fc`, `norm`, `lm_head`,
+`d2t`, `t2d` without `embed_tokens`.
+
+The weights are random (seeded) and the draft vocabulary is a seeded random subset of the target's, so that
+a run adopting it visibly gets another vocabulary than the one it would count itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class StandinShape:
+    """A target (hidden size, vocabulary, depth) and the drafter layer built for it."""
+
+    hidden_size: int
+    vocab_size: int
+    num_target_layers: int
+    hf_layer_ids: tuple[int, ...]
+    draft_vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+    def but(self, **changes) -> "StandinShape":
+        return replace(self, **changes)
+
+
+# The embedded SmolLM2-135M target and the drafter shape the pipeline derives for it (tests' smoke run:
+# draft vocabulary 512, default aux layers (2, 15, 27)).
+SMOLLM2 = StandinShape(hidden_size=576, vocab_size=49152, num_target_layers=30, hf_layer_ids=(2, 15, 27),
+                       draft_vocab_size=512, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                       intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
+# The tiny Kimi-K2.5 stand-in (tests/test_kimi_vllm.py: hidden 64, 4 layers, aux layers 1/2/3) with the
+# released Kimi drafters' head_dim 128.
+KIMI_STANDIN = StandinShape(hidden_size=64, vocab_size=49152, num_target_layers=4, hf_layer_ids=(1, 2, 3),
+                            draft_vocab_size=512, num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+                            intermediate_size=96, rope_theta=50000.0, rms_norm_eps=1e-6, max_position_embeddings=2048)
+
+
+def sglang_ids(hf_ids) -> list[int]:
+    # Written by hand rather than with eagle_pipeline.layer_ids, so that the code under test is checked
+    # against an independent statement of the convention: SGLang's id k is HF hidden_states[k + 1].
+    return [k - 1 for k in hf_ids]
+
+
+def standin_tensors(shape: StandinShape, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*dims):
+        return (torch.randn(*dims, generator=generator) * 0.02).to(torch.bfloat16)
+
+    H, q, kv, ff = shape.hidden_size, shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
+    token_ids = torch.randperm(shape.vocab_size, generator=generator)[: shape.draft_vocab_size].sort().values
+    t2d = torch.zeros(shape.vocab_size, dtype=torch.bool)
+    t2d[token_ids] = True
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    return {
+        "midlayer.self_attn.q_proj.weight": weight(q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": weight(kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": weight(kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": weight(H, q),
+        "midlayer.mlp.gate_proj.weight": weight(ff, H),
+        "midlayer.mlp.up_proj.weight": weight(ff, H),
+        "midlayer.mlp.down_proj.weight": weight(H, ff),
+        "midlayer.input_layernorm.weight": ones(H),
+        "midlayer.hidden_norm.weight": ones(H),
+        "midlayer.post_attention_layernorm.weight": ones(H),
+        "fc.weight": weight(H, len(shape.hf_layer_ids) * H),
+        "norm.weight": ones(H),
+        "lm_head.weight": weight(shape.draft_vocab_size, H),
+        "d2t": token_ids - torch.arange(shape.draft_vocab_size),
+        "t2d": t2d,
+    }
+
+
+def standin_config(shape: StandinShape) -> dict:
+    """A SpecForge-style config.json: transformers 4 rope spelling, ids only in eagle_config, no norm flags."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": None,
+        "num_hidden_layers": 1,
+        "vocab_size": shape.vocab_size,
+        "draft_vocab_size": shape.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids(shape.hf_layer_ids), "use_aux_hidden_state": True},
+    }
+
+
+def write_released_standin(folder: Path, shape: StandinShape = SMOLLM2, seed: int = 0, *, tensors: dict | None = None,
+                           config: dict | None = None) -> Path:
+    """Write the stand-in (or the given tensors / config, for broken variants) into `folder`."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors if tensors is not None else standin_tensors(shape, seed), str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config if config is not None else standin_config(shape), indent=2))
+    return folder
