@@ -152,14 +152,18 @@ def _write_vocab_map(folder: Path, answer_tokens: list[int], vocab: int) -> tupl
 @pytest.fixture(scope="module")
 def strong_drafter(finished_small_run, tmp_path_factory):
     """A flat vLLM folder of a drafter that overfits the shared run's served answers: (folder, config, run_dir)."""
+    config, run_dir = finished_small_run
+    return build_strong_drafter(run_dir, tmp_path_factory.mktemp("strong")), config, run_dir
+
+
+def build_strong_drafter(run_dir: Path, root: Path) -> Path:
+    """Train on the run's kept no-speculation answers (stage 06's baseline) until it overfits; convert it."""
     from eagle_pipeline.config import load_section
     from eagle_pipeline.convert import convert_for_vllm
     from eagle_pipeline.serve.baseline import load_baseline
     from eagle_pipeline.train import runner
     from eagle_pipeline.train.settings import TrainRun
 
-    config, run_dir = finished_small_run
-    root = tmp_path_factory.mktemp("strong")
     stage06 = run_dir / "06_serve_test"
     baseline = load_baseline(stage06, {})
     ids = baseline["captured_layer_ids"]
@@ -179,7 +183,7 @@ def strong_drafter(finished_small_run, tmp_path_factory):
                    layer_ids=[2, 15, 27], seed=0, storage_dtype="bfloat16", device="cpu")
     summary = runner.train_drafter(settings, run)
     convert_for_vllm(root / "04_train" / summary["last"]["checkpoint"], root / "intact")
-    return root / "intact", config, run_dir
+    return root / "intact"
 
 
 OVERFIT_EPOCHS = 12

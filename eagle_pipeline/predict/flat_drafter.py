@@ -107,5 +107,6 @@ def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Pa
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic.write_json(out_dir / "config.json", spec_config)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"))
+    atomic.write_with(out_dir / "model.safetensors",
+                      lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
     return out_dir

@@ -67,7 +67,7 @@ def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_si
     read = vllm_read_aux_ids(config)["v1" if device == "cpu" else "v2"] or default_layer_ids(num_layers)
     findings = dx.config_findings(config, num_layers=num_layers, target_vocab_size=vocab_size, has_d2t=has_d2t)
     checkpoint = write_speculators_checkpoint(drafter_dir, verifier_dir, scratch_dir / "drafter")
-    return ReplayPlan(checkpoint, dx.readings(read, num_layers, declared_flags(config), has_d2t=has_d2t),
+    return ReplayPlan(checkpoint, dx.readings(read, num_layers, declared_flags(config), has_d2t=has_d2t, reference="as_declared"),
                       "as_declared", "checkpoint" if has_d2t else None, findings)
 
 
