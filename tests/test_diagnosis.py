@@ -280,3 +280,52 @@ def test_sabotage_named_by_the_replay(strong_drafter, tmp_path, fault, cause, fa
     else:
         assert [f["name"] for f in result["findings"]] == ["ids_only_in_eagle_config"], result["line"]
         assert "model runner V2" in result["line"]
+
+
+def test_a_drafter_folder_without_config_is_bad_input_naming_the_key(tmp_path):
+    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="t")
+    (tmp_path / "empty").mkdir()
+    result = run_stage("06_serve_test.py", config, "--set", f"serve.drafter={tmp_path / 'empty'}", "--dry-run", timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "serve.drafter" in errors[0] and "config.json" in errors[0], result.stderr
+
+
+def test_a_flat_folder_replays_exactly_as_the_checkpoint_it_was_converted_from(tmp_path):
+    """convert_for_vllm, then back: the same drafts at every step (the target's embedding shared, as in vLLM)."""
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle_pipeline.convert import convert_for_vllm
+    from eagle_pipeline.predict import SpeculatorsDrafter, draft_table, load_drafter
+    from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, tie_word_embeddings=False)
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, **shape))
+    target.save_pretrained(tmp_path / "verifier")
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=LlamaConfig(num_hidden_layers=1, **shape), draft_vocab_size=128,
+        norm_before_residual=True, norm_before_fc=True, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(tmp_path / "verifier"), architectures=["LlamaForCausalLM"])))
+    drafter = Eagle3DraftModel(config)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.normal_(0, 0.05)
+        drafter.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        ids = torch.sort(torch.randperm(512)[:128]).values
+        drafter.d2t.copy_(ids - torch.arange(128))
+        drafter.t2d.zero_()
+        drafter.t2d[ids] = True
+    drafter.save_pretrained(tmp_path / "ckpt")
+    convert_for_vllm(tmp_path / "ckpt", tmp_path / "flat")
+    back = write_speculators_checkpoint(tmp_path / "flat", tmp_path / "verifier", tmp_path / "back")
+    tokens, aux = torch.randint(0, 512, (40,)), torch.randn(40, 3, 64)
+    expected = draft_table(SpeculatorsDrafter(load_drafter(tmp_path / "ckpt")), tokens, aux, 3)
+    assert torch.equal(draft_table(SpeculatorsDrafter(load_drafter(back)), tokens, aux, 3), expected)

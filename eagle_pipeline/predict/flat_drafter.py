@@ -65,6 +65,18 @@ def speculators_key(name: str) -> str:
     return re.sub(r"^midlayer\.", "layers.0.", re.sub(r"^model\.", "", name))
 
 
+def target_embedding(verifier_dir: str | Path):
+    """The target's input embedding [vocab, H] from its safetensors weights."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(verifier_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight"):
+                    return f.get_tensor(name).float()
+    raise BadInput(f"{verifier_dir}: no embed_tokens.weight in the target's weights; the drafter needs its embedding")
+
+
 def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Path, out_dir: str | Path) -> Path:
     """Write `drafter_dir` as a speculators EAGLE-3 checkpoint in `out_dir`; returns `out_dir`."""
     from safetensors import safe_open
@@ -75,6 +87,10 @@ def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Pa
     for file in sorted(Path(drafter_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             tensors.update({speculators_key(name): f.get_tensor(name).float() for name in f.keys()})
+    if "embed_tokens.weight" not in tensors:
+        # vLLM shares the target's embedding with a drafter that has none; so does the replay, explicitly
+        # (speculators would otherwise keep the uninitialised tensor it allocated).
+        tensors["embed_tokens.weight"] = target_embedding(verifier_dir)
     if "fc.weight" not in tensors:
         raise BadInput(f"serve.drafter: {drafter_dir} has no fc.weight; it is not an EAGLE-3 drafter")
     flags = declared_flags(config)
