@@ -150,6 +150,7 @@ def run(stage: Stage, dry_run: bool) -> None:
 
 def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir, report: dict, baseline):
     """The replay under every reading of the drafter, and the verdict with a cause; (captured states, fields)."""
+    from eagle_pipeline.predict.diagnose import widened
     from eagle_pipeline.predict.served import capture_states, diagnosis, folder_plan, predict_served, served_checkpoint, trained_plan
     from eagle_pipeline.serve.baseline import baseline_states
 
@@ -172,7 +173,9 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
     def capture(layer_ids):
         stored = baseline_states(baseline, layer_ids) if baseline is not None else None
         if stored is None:
-            stored = capture_states(cfg, verifier.path, layer_ids, num_layers, [p + c for p, c in pairs], scratch), list(layer_ids)
+            # One layer more on each side: a kept baseline then also serves a folder whose ids are one off.
+            wide = widened(layer_ids, num_layers)
+            stored = capture_states(cfg, verifier.path, wide, num_layers, [p + c for p, c in pairs], scratch), wide
         captured.append(stored)
         return stored
 

@@ -51,13 +51,13 @@ def test_readings_cover_both_conventions_defaults_flags_and_d2t():
 
 def test_capture_ids_and_slots_serve_every_reading():
     readings = _readings()
-    ids = dx.capture_ids(readings, 30, widen=0)
+    ids = dx.capture_ids(readings, 30)
     assert ids == [1, 2, 3, 14, 15, 16, 26, 27, 28]
     assert dx.as_variant(readings[0], ids, 30).aux_slots == (1, 4, 7)
     plus = next(r for r in readings if r.name == "ids_plus_one")
     assert dx.as_variant(plus, ids, 30).aux_slots == (2, 5, 8)
     # Widened by one: a folder with ids one higher finds its own neighbours in the same capture.
-    assert dx.capture_ids(readings, 30) == [1, 2, 3, 4, 13, 14, 15, 16, 17, 25, 26, 27, 28, 29]
+    assert dx.capture_ids(readings, 30, widen=1) == [1, 2, 3, 4, 13, 14, 15, 16, 17, 25, 26, 27, 28, 29]
 
 
 def test_short_served_acceptance_is_explained_by_the_reading_that_reproduces_it():
