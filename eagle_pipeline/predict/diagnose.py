@@ -123,7 +123,7 @@ def config_findings(config: Mapping[str, Any], *, num_layers: int, target_vocab_
     if draft_vocab != target_vocab_size and not has_d2t:
         findings.append({"name": "d2t_missing", "fault": True,
                          "text": f"no d2t for a {draft_vocab}-token draft vocabulary (target {target_vocab_size}): vLLM "
-                                 f"maps draft id k to target id k, so almost every draft is a wrong token"})
+                                 f"maps draft id k to target id k instead of the drafter's own map; write d2t and t2d into the folder"})
     return findings
 
 

@@ -86,11 +86,20 @@ def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Pa
     tensors = {}
     for file in sorted(Path(drafter_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            tensors.update({speculators_key(name): f.get_tensor(name).float() for name in f.keys()})
+            tensors.update({speculators_key(name): tensor.float() if tensor.is_floating_point() else tensor
+                            for name in f.keys() for tensor in [f.get_tensor(name)]})
     if "embed_tokens.weight" not in tensors:
         # vLLM shares the target's embedding with a drafter that has none; so does the replay, explicitly
         # (speculators would otherwise keep the uninitialised tensor it allocated).
         tensors["embed_tokens.weight"] = target_embedding(verifier_dir)
+    draft_vocab, vocab = int(config.get("draft_vocab_size") or config["vocab_size"]), int(config["vocab_size"])
+    if draft_vocab != vocab and "d2t" not in tensors:
+        # What vLLM does without a map (its zero-initialised d2t): draft id k is target id k. speculators needs
+        # the matching t2d to build the verifier's pruned head.
+        import torch
+
+        tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+        tensors["t2d"] = torch.arange(vocab) < draft_vocab
     if "fc.weight" not in tensors:
         raise BadInput(f"serve.drafter: {drafter_dir} has no fc.weight; it is not an EAGLE-3 drafter")
     flags = declared_flags(config)
