@@ -20,8 +20,9 @@ import sys
 
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.serve.baseline import load_baseline, merge_baseline, save_baseline
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.report import format_speedup, read_report, render_report_md, write_report
 from eagle_pipeline.serve.server import check_port_free
@@ -40,6 +41,11 @@ from eagle_pipeline.verifier import Verifier
 
 def verdict(report: dict, floor: float) -> tuple[bool, str]:
     length = report.get("mean_acceptance_length") or 1.0
+    diagnosis = report.get("diagnosis")
+    if diagnosis is not None and not diagnosis["passed"]:
+        return False, (f"FAIL: the engine does not serve the drafter as it was trained (mean acceptance length "
+                       f"{length:.2f}, predicted {report.get('predicted_mean_acceptance_length') or 0:.2f}): "
+                       f"{diagnosis['cause_text'] or 'cause unknown'}")
     if length < floor:
         return False, (f"FAIL: mean acceptance length {length:.2f} is below serve.min_acceptance_length {floor:.2f}: "
                        f"the drafter does not pay for itself; train on more samples or epochs")
@@ -52,43 +58,58 @@ def run(stage: Stage, dry_run: bool) -> None:
     s = cfg.serve
     if s.port is not None and not dry_run:
         check_port_free(s.port)
-    converted = None if dry_run and not is_complete(cfg, 5) else require_complete(cfg, 5)
-    drafter_dir = cfg.stage_dir("05_convert") / "vllm"
+    # A drafter from elsewhere (serve.drafter) needs none of stages 02-05: its config says its ids and flags.
+    foreign = s.drafter is not None
+    if foreign:
+        drafter_dir = cfg.resolve_path(s.drafter)
+        if not (drafter_dir / "config.json").is_file():
+            raise BadInput(f"serve.drafter: {drafter_dir} has no config.json; point at a flat drafter folder")
+        converted = None
+    else:
+        converted = None if dry_run and not is_complete(cfg, 5) else require_complete(cfg, 5)
+        drafter_dir = cfg.stage_dir("05_convert") / "vllm"
     eval_path = cfg.resolve_path(cfg.data.eval_prompts)
     prompts = load_prompts(eval_path, cfg.data.prompt_field, "data.eval_prompts")[: cfg.data.num_eval_prompts]
     train_texts = {json.dumps(p["messages"]) for p in load_prompts(cfg.resolve_path(cfg.data.prompts), cfg.data.prompt_field, "data.prompts")}
     overlap = [p["id"] for p in prompts if json.dumps(p["messages"]) in train_texts]
-    if overlap:
+    if overlap and not foreign:
         raise BadInput(f"data.eval_prompts: {len(overlap)} evaluation prompts (e.g. {overlap[0]}) also appear in data.prompts; "
                        f"held-out prompts must never be trained on")
-    modes = ["none"] + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
+    modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
 
     if dry_run:
         print(f"stage 06: serve {cfg.verifier.path} with modes {modes}, {len(prompts)} held-out prompts from {eval_path}")
-        if converted is None:
+        if converted is None and not foreign:
             print(not_run_yet_note(cfg, 5))
         print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature {s.temperature}, "
-              f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}")
+              f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}"
+              + (f"; no-speculation answers from {s.baseline}" if s.baseline else ""))
         return
     # Every input is checked before the manifest is written: a refusal leaves the stage folder as it was.
-    predicting = s.predict and "none" in modes
-    if predicting:
-        _, layout = require_sample_layout(cfg)
-        trained = require_complete(cfg, 4)
+    if s.predict and not foreign:  # the replay reads stage 02's layout and stage 04's best checkpoint
+        require_sample_layout(cfg)
+        require_complete(cfg, 4)
     verifier = Verifier.from_config(cfg)
     template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
+    # What shapes the no-speculation answers: a reused baseline must match all of it.
+    shaped_by = {"verifier": verifier.fingerprints()["verifier"], "eval_prompts": value_fingerprint(prompts),
+                 "max_tokens": s.max_tokens, "temperature": s.temperature, "seed": cfg.seed,
+                 "chat_template_kwargs": template_kwargs, "dtype": cfg.verifier.dtype}
     inputs = {
-        "drafter": upstream_fingerprint(converted),
-        "drafter_weights": converted["output_fingerprint"],
-        "eval_prompts": value_fingerprint(prompts),
+        "drafter": model_dir_fingerprint(drafter_dir) if foreign else upstream_fingerprint(converted),
+        "drafter_weights": model_dir_fingerprint(drafter_dir) if foreign else converted["output_fingerprint"],
+        "eval_prompts": shaped_by["eval_prompts"],
         "serve": value_fingerprint(s.model_dump(mode="json", exclude={"min_acceptance_length", "port", "startup_timeout_s"})),
-        "verifier": verifier.fingerprints()["verifier"],
+        "verifier": shaped_by["verifier"],
         "chat_template_kwargs": template_kwargs,
     }
+    baseline = load_baseline(cfg.resolve_path(s.baseline), shaped_by) if s.baseline else None
     if stage.start(inputs) is Start.ALREADY_COMPLETE:
         report = read_report(stage.dir / "report.json")
         ok, message = verdict(report, s.min_acceptance_length)
         print(f"stage 06 already complete for these inputs: {stage.dir}\n{message}")
+        if report.get("diagnosis"):
+            print(report["diagnosis"]["line"])
         if not ok:
             sys.exit(1)
         return
@@ -101,16 +122,14 @@ def run(stage: Stage, dry_run: bool) -> None:
         concurrency=s.concurrency, seed=cfg.seed, port=s.port, log_dir=stage.dir / "logs", **server_kwargs(cfg),
         startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
     )
-    if predicting:
-        from eagle_pipeline.predict.served import predict_served, served_checkpoint
-
-        print(f"stage 06: predicting acceptance offline on the {len(prompts)} answers served without speculation")
-        prediction = predict_served(cfg, verifier.path, layout, served_checkpoint(cfg, trained),
-                                    report["token_ids"]["none"], s.num_speculative_tokens, stage.dir / "prediction_scratch")
-        # NaN (a position no chain reached) is not JSON: such a figure is reported as missing.
-        report.update({k: [None if x != x else x for x in v] if isinstance(v, list) else v
-                       for k, v in prediction.items() if k.startswith("predict")})
-        report["predicted_num_drafts"] = prediction.get("num_drafts")
+    if baseline is not None:
+        report = merge_baseline(report, baseline)
+    captured = None
+    if s.predict:
+        captured, prediction_report = predict_and_diagnose(cfg, stage, verifier, foreign, drafter_dir, report, baseline)
+        report.update(prediction_report)
+    if baseline is None:
+        save_baseline(stage.dir, shaped_by, report, captured)
     ok, message = verdict(report, s.min_acceptance_length)
     report["verdict"] = message
     report["prompt_ids"] = [p["id"] for p in prompts]
@@ -119,14 +138,60 @@ def run(stage: Stage, dry_run: bool) -> None:
     counts = {k: report.get(k) for k in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
                                          "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match",
                                          "predicted_mean_acceptance_length", "predicted_per_position_acceptance")}
+    diagnosis = report.get("diagnosis")
+    counts["diagnosis"] = None if diagnosis is None else {k: diagnosis.get(k) for k in ("status", "cause")}
     counts["passed"] = ok
     stage.finish(counts, output_fingerprint=value_fingerprint(counts))
     print(render_report_md(report))
     print(message)
+    if diagnosis is not None:
+        print(diagnosis["line"])
     if not report.get("greedy_match"):
         print(f"warning: greedy outputs differ with the drafter on prompts {report.get('greedy_mismatches')}; see responses.jsonl")
     if not ok:
         sys.exit(1)
+
+
+def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir, report: dict, baseline):
+    """The replay under every reading of the drafter, and the verdict with a cause; (captured states, fields)."""
+    from eagle_pipeline.predict.diagnose import widened
+    from eagle_pipeline.predict.served import capture_states, diagnosis, folder_plan, predict_served, served_checkpoint, trained_plan
+    from eagle_pipeline.serve.baseline import baseline_states
+
+    s = cfg.serve
+    scratch = stage.dir / "prediction_scratch"
+    num_layers = verifier.num_layers
+    if foreign:
+        plan = folder_plan(drafter_dir, verifier.path, num_layers, verifier.vocab_size, cfg.device, scratch)
+    else:
+        _, layout = require_sample_layout(cfg)
+        from eagle_pipeline.predict.diagnose import config_findings
+        from eagle_pipeline.predict.flat_drafter import flat_tensor_names, read_flat_config
+
+        findings = config_findings(read_flat_config(drafter_dir), num_layers=num_layers, target_vocab_size=verifier.vocab_size,
+                                   has_d2t="d2t" in flat_tensor_names(drafter_dir))
+        plan = trained_plan(served_checkpoint(cfg, require_complete(cfg, 4)), layout.layer_ids, num_layers, findings)
+    pairs = [(list(p), list(c)) for p, c in report["token_ids"]["none"] if p is not None and c is not None]
+    captured: list = []
+
+    def capture(layer_ids):
+        stored = baseline_states(baseline, layer_ids) if baseline is not None else None
+        if stored is None:
+            # One layer more on each side: a kept baseline then also serves a folder whose ids are one off.
+            wide = widened(layer_ids, num_layers)
+            stored = capture_states(cfg, verifier.path, wide, num_layers, [p + c for p, c in pairs], scratch), wide
+        captured.append(stored)
+        return stored
+
+    print(f"stage 06: predicting acceptance offline on the {len(pairs)} answers served without speculation")
+    prediction = predict_served(plan, report["token_ids"]["none"], s.num_speculative_tokens, num_layers, capture)
+    # NaN (a position no chain reached) is not JSON: such a figure is reported as missing.
+    fields = {k: [None if x != x else x for x in v] if isinstance(v, list) else v
+              for k, v in prediction.items() if k.startswith("predict")}
+    fields["predicted_num_drafts"] = prediction.get("num_drafts")
+    fields["prediction_readings"] = prediction.get("readings")
+    fields["diagnosis"] = diagnosis(plan, report, prediction)
+    return (captured[0] if captured else None), fields
 
 
 if __name__ == "__main__":

@@ -243,6 +243,12 @@ class ServeConfig(Section):
     # report the predicted acceptance beside the served one: a large gap means the engine serves the drafter
     # differently from how it was trained. Costs one hidden-state capture engine start.
     predict: bool = True
+    # A drafter folder to serve instead of stage 05's (a released one, or one converted elsewhere): flat
+    # `LlamaForCausalLMEagle3`, served with the aux ids its config declares; stages 04-05 are not needed.
+    drafter: Optional[str] = None
+    # A finished stage-06 folder (`<run>/06_serve_test`) whose no-speculation answers and captured states
+    # are reused instead of serving without speculation again; it must match this run's target and prompts.
+    baseline: Optional[str] = None
     # A cold start of a ~600 GB target (weights from disk, graph capture on 8 GPUs) takes tens of minutes.
     startup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds a vLLM server may take to become healthy")
 

@@ -73,3 +73,19 @@ def from_convention(ids: Sequence[int], convention: Convention) -> list[int]:
     """Ids written in `convention` as pipeline (HF-index) ids."""
     shift = 1 if convention == "sglang" else 0
     return [int(k) + shift for k in ids]
+
+
+def vllm_read_aux_ids(config: dict) -> dict[str, list[int] | None]:
+    """The aux ids vLLM 0.32 takes from a flat drafter config, by model runner (None: the target's defaults).
+
+    V1 (`GPUModelRunner._get_eagle3_aux_layers_from_config`, vllm/v1/worker/gpu_model_runner.py:5251-5285;
+    the CPU build's runner): the top-level `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s.
+    V2 (`get_eagle3_aux_layers_from_config`, vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py): the top
+    level only (else `eagle_config["layer_ids"]`). Without ids both capture `(2, L//2, L-3)`
+    (`SupportsEagle3.get_eagle3_default_aux_hidden_state_layers`, model_executor/models/interfaces.py).
+    """
+    top = config.get("eagle_aux_hidden_state_layer_ids") or None
+    eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    v1 = top or eagle.get("eagle_aux_hidden_state_layer_ids") or None
+    v2 = top or eagle.get("layer_ids") or None
+    return {"v1": None if v1 is None else [int(k) for k in v1], "v2": None if v2 is None else [int(k) for k in v2]}

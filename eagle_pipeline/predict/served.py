@@ -1,20 +1,27 @@
 """Stage 06's prediction: the drafter replayed offline on the very answers the no-speculation server gave.
 
 The served run at temperature 0 returns, with `return_token_ids`, each prompt's ids and the target's greedy
-answer ids. Their hidden states are captured through stage 02's path (`HiddenStateCapture`, the run's
-resolved layer ids) and the trained checkpoint is replayed on them (eagle_pipeline.predict), so the
-predicted figures and the served ones count the same drafts of the same conversations.
+answer ids. Their hidden states are captured through stage 02's path (`HiddenStateCapture`) at every layer
+some reading of the drafter needs (eagle_pipeline.predict.diagnose: its ids, ids -/+ 1, the target's
+defaults), and the drafter is replayed on them under each reading, so the predicted figures and the served
+ones count the same drafts of the same conversations, and a gap can be given a cause.
+
+Which drafter is replayed: the stage 04 checkpoint stage 05 converted (its ids and flags as trained), or,
+for a folder from elsewhere (`serve.drafter`), the folder itself read as vLLM reads its config.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eagle_pipeline.config import RunConfig
-from eagle_pipeline.samples import SampleLayout
+from eagle_pipeline.predict import diagnose as dx
 
 
 def served_checkpoint(cfg: RunConfig, trained: dict[str, Any]) -> Path:
@@ -23,28 +30,103 @@ def served_checkpoint(cfg: RunConfig, trained: dict[str, Any]) -> Path:
     return cfg.stage_dir("04_train") / (best.get("checkpoint") or trained["counts"]["last_checkpoint"])
 
 
-def predict_served(cfg: RunConfig, verifier_dir: Path, layout: SampleLayout, checkpoint: Path,
-                   token_ids: Sequence[tuple[Sequence[int] | None, Sequence[int] | None]], num_speculative_tokens: int,
-                   scratch_dir: Path) -> dict[str, Any]:
-    """Predicted acceptance of `checkpoint` on (prompt ids, answer ids) pairs; the replay's wall time included."""
+@dataclass
+class ReplayPlan:
+    """The drafter to replay and how: a speculators checkpoint, its readings, the d2t the engine applies."""
+
+    checkpoint: Path
+    readings: list[dx.Reading]
+    reference: str
+    d2t: Any  # "checkpoint" or None (the folder has none: the engine's identity)
+    findings: list[dict]
+
+
+def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, findings: list[dict]) -> ReplayPlan:
+    import json
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    flags = {name: bool(config.get(name, False)) for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    has_d2t = int(config.get("draft_vocab_size") or 0) != int(config["transformer_layer_config"]["vocab_size"])
+    return ReplayPlan(Path(checkpoint), dx.readings(layer_ids, num_layers, flags, has_d2t=has_d2t), "as_trained",
+                      "checkpoint", findings)
+
+
+def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_size: int, device: str,
+                scratch_dir: Path) -> ReplayPlan:
+    """A flat folder read as vLLM reads it: the ids the runner of `device` takes, the declared flags."""
+    from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
+    from eagle_pipeline.predict.flat_drafter import (
+        declared_flags,
+        flat_tensor_names,
+        read_flat_config,
+        write_speculators_checkpoint,
+    )
+
+    config = read_flat_config(drafter_dir)
+    has_d2t = "d2t" in flat_tensor_names(drafter_dir)
+    read = vllm_read_aux_ids(config)["v1" if device == "cpu" else "v2"] or default_layer_ids(num_layers)
+    findings = dx.config_findings(config, num_layers=num_layers, target_vocab_size=vocab_size, has_d2t=has_d2t)
+    checkpoint = write_speculators_checkpoint(drafter_dir, verifier_dir, scratch_dir / "drafter")
+    return ReplayPlan(checkpoint, dx.readings(read, num_layers, declared_flags(config), has_d2t=has_d2t, reference="as_declared"),
+                      "as_declared", "checkpoint" if has_d2t else None, findings)
+
+
+def capture_states(cfg: RunConfig, verifier_dir: Path, layer_ids: Sequence[int], num_layers: int,
+                   sequences: Sequence[Sequence[int]], scratch_dir: Path) -> list[torch.Tensor]:
+    """hidden_states [seq, len(layer_ids) + 1, H] per sequence, through stage 02's capture path."""
     from eagle_pipeline.capture import HiddenStateCapture
     from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
-    from eagle_pipeline.predict import predict_acceptance
 
+    apply_engine_env(cfg)
+    with HiddenStateCapture(verifier_dir, list(layer_ids), num_layers=num_layers, max_model_len=cfg.verifier.max_model_len,
+                            storage_path=scratch_dir / "capture", **capture_engine_kwargs(cfg)) as capture:
+        return [sample["hidden_states"] for sample in capture.capture(sequences)]
+
+
+def replay(plan: ReplayPlan, samples: list, captured_ids: Sequence[int], num_layers: int,
+           num_speculative_tokens: int) -> dict[str, dict[str, Any]]:
+    """The replay summary under every reading, keyed by reading name."""
+    from eagle_pipeline.predict import load_drafter, simulate_variants
+
+    model = load_drafter(plan.checkpoint)
+    variants = [dx.as_variant(r, captured_ids, num_layers) for r in plan.readings]
+    return simulate_variants(model, samples, num_speculative_tokens, variants, d2t=plan.d2t)
+
+
+def predict_served(plan: ReplayPlan, token_ids: Sequence[tuple[Sequence[int] | None, Sequence[int] | None]],
+                   num_speculative_tokens: int, num_layers: int, capture) -> dict[str, Any]:
+    """Predicted acceptance under every reading of `plan` on (prompt ids, answer ids) pairs.
+
+    `capture(layer_ids)` returns (hidden states per sequence, the captured ids): a fresh capture or the
+    baseline's stored one. Returns the reference's summary as `predicted_*` fields, `readings` (every
+    reading's summary) and timings.
+    """
     pairs = [(list(p), list(c)) for p, c in token_ids if p is not None and c is not None]
     if not pairs:
         return {"predicted_mean_acceptance_length": None, "prediction_note": "the server returned no token ids"}
     started = time.monotonic()
-    sequences = [p + c for p, c in pairs]
-    apply_engine_env(cfg)
-    with HiddenStateCapture(verifier_dir, list(layout.layer_ids), num_layers=layout.num_layers,
-                            max_model_len=cfg.verifier.max_model_len, storage_path=scratch_dir,
-                            **capture_engine_kwargs(cfg)) as capture:
-        captured = capture.capture(sequences)
+    states, captured_ids = capture(dx.capture_ids(plan.readings, num_layers))
     capture_s = time.monotonic() - started
-    samples = [(sample["token_ids"], sample["hidden_states"].float(), len(prompt))
-               for sample, (prompt, _) in zip(captured, pairs)]
-    result = predict_acceptance(str(checkpoint), samples, num_speculative_tokens)
-    result["prediction_capture_s"] = round(capture_s, 1)
-    result["prediction_s"] = round(time.monotonic() - started, 1)
+    samples = [(torch.as_tensor(p + c), h.float(), len(p)) for (p, c), h in zip(pairs, states)]
+    results = replay(plan, samples, captured_ids, num_layers, num_speculative_tokens)
+    reference = results[plan.reference]
+    return {
+        **{k: v for k, v in reference.items() if k.startswith("predicted")},
+        "num_drafts": reference.get("num_drafts"),
+        "readings": {name: {k: r.get(k) for k in ("predicted_mean_acceptance_length", "predicted_per_position_acceptance",
+                                                  "num_drafts")} for name, r in results.items()},
+        "prediction_capture_s": round(capture_s, 1),
+        "prediction_s": round(time.monotonic() - started, 1),
+    }
+
+
+def diagnosis(plan: ReplayPlan, report: dict[str, Any], prediction: dict[str, Any]) -> dict[str, Any] | None:
+    """The verdict with a cause (eagle_pipeline.predict.diagnose) for a report with eagle3 served and predicted."""
+    served = (report.get("modes", {}).get("eagle3") or {})
+    if not served.get("per_position_acceptance") or not prediction.get("readings"):
+        return None
+    texts = {r.name: r.text for r in plan.readings}
+    result = dx.diagnose(served["per_position_acceptance"], served.get("num_drafts"), prediction["readings"], texts,
+                         plan.reference, plan.findings)
+    result["layer_convention"] = dx.layer_convention(prediction["readings"], plan.reference)
     return result

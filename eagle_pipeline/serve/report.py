@@ -111,6 +111,12 @@ def render_report_md(report: dict) -> str:
                   f"| predicted | {_fmt(report.get('predicted_mean_acceptance_length'))} | "
                   + " | ".join(_fmt(v, 3) for v in predicted) + " |",
                   f"| served | {_fmt(report.get('mean_acceptance_length'))} | " + " | ".join(_fmt(v, 3) for v in served) + " |"]
+    diagnosis = report.get("diagnosis")
+    if diagnosis:
+        lines += ["", "## Diagnosis", "", diagnosis["line"]]
+        convention = (diagnosis.get("layer_convention") or {}).get("convention")
+        if convention:
+            lines += ["", f"Layer convention of the drafter's ids (best replay at ids, ids - 1, ids + 1): {convention}."]
     spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
     if spec_modes:
         width = max(len(modes[name]["per_position_acceptance"]) for name in spec_modes)

@@ -1,0 +1,210 @@
+"""A verdict with a cause: served acceptance against the replay, and which known serving mistake explains a gap.
+
+The replay (eagle_pipeline.predict) is run once as the engine should feed the drafter (the reference) and
+once per alternative reading of the drafter: its aux ids one layer lower or higher (the two numbering
+conventions, docs/layer_ids.md), the target's default ids (what vLLM captures when it reads no ids), each
+norm flag flipped, no `d2t` (vLLM's identity map), the final-layer slot after the final norm instead of
+before. Then:
+
+- served short of the reference beyond the tolerance at some position: the engine does not feed the
+  drafter as it was trained; the cause is the alternative whose figures come closest to the served ones;
+- served within the tolerance but an alternative predicts clearly more than the reference: the folder's
+  config misstates how the drafter was trained (the engine reads what the folder says, and the folder is
+  wrong); the cause is that alternative. This is how a drafter from elsewhere (`serve.drafter`) is judged,
+  and how its layer convention is told (`layer_convention`);
+- a config that the engine cannot serve as intended whatever the figures (a pruned vocabulary without
+  `d2t`; ids only where vLLM's model runner V2 does not look) is named from the config alone.
+
+Tolerance per position (docs/measurements.md, "Served vs predicted"): TOLERANCE_FLOOR plus TOLERANCE_SIGMAS
+binomial standard errors of the served fraction, sqrt(p (1 - p) / drafts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
+from eagle_pipeline.predict.variants import Variant
+
+# Measured (docs/measurements.md, "Served vs predicted"): an intact drafter's served and predicted figures
+# differ by at most 0.04 at any position (the replay leaves out each answer's last drafts, the engine counts
+# them); the binomial term covers runs with few drafts.
+TOLERANCE_FLOOR = 0.05
+TOLERANCE_SIGMAS = 2.0
+# Two readings replayed on the same captured states carry no engine noise between them, so a reading that
+# beats the declared one by this much mean acceptance length says the declaration is wrong.
+MISDECLARED_MARGIN = 0.1
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One way the engine may read the drafter: which layers feed it, with which flags, with or without d2t."""
+
+    name: str
+    text: str
+    layer_ids: tuple[int, ...]
+    norm_flags: Mapping[str, bool] = field(default_factory=dict)
+    drop_d2t: bool = False
+    final_post_norm: bool = False
+
+
+def readings(layer_ids: Sequence[int], num_layers: int, flags: Mapping[str, bool], *, has_d2t: bool,
+             reference: str = "as_trained") -> list[Reading]:
+    """The reference reading first, then every alternative this target's depth allows."""
+    ids = tuple(int(k) for k in layer_ids)
+    flags = dict(flags)
+    shown = ", ".join(map(str, ids))
+    result = [Reading(reference, f"aux ids ({shown}) as declared", ids, flags)]
+    for shift, name, why in ((-1, "ids_minus_one", "one layer lower"), (1, "ids_plus_one", "one layer higher")):
+        moved = tuple(k + shift for k in ids)
+        if all(0 < k <= num_layers for k in moved):
+            result.append(Reading(name, f"aux layer ids off by one: the drafter matches ids ({', '.join(map(str, moved))}), "
+                                        f"{why} than ({shown}) (the other numbering convention, docs/layer_ids.md)",
+                                  moved, flags))
+    defaults = tuple(default_layer_ids(num_layers))
+    if defaults != ids:
+        result.append(Reading("ids_default", f"aux ids not read by the engine: it captured the target's default layers "
+                                             f"({', '.join(map(str, defaults))}) instead of ({shown})", defaults, flags))
+    for flag, value in flags.items():
+        result.append(Reading(f"{flag}_flipped", f"norm flag {flag} read as {str(not value).lower()} instead of "
+                                                 f"{str(value).lower()}", ids, {**flags, flag: not value}))
+    if has_d2t:
+        result.append(Reading("d2t_dropped", "no d2t applied: draft ids read as target ids (vLLM's identity map)",
+                              ids, flags, drop_d2t=True))
+    for reading in list(result):
+        if num_layers in reading.layer_ids:
+            result.append(Reading(reading.name + "_final_post_norm", reading.text + ", with the final-layer slot "
+                                  "after the target's final norm instead of before", reading.layer_ids, reading.norm_flags,
+                                  reading.drop_d2t, final_post_norm=True))
+    return result
+
+
+def capture_ids(all_readings: Sequence[Reading], num_layers: int, widen: int = 0) -> list[int]:
+    """The aux ids to capture once so that every reading can be replayed (the final layer comes last anyway).
+
+    `widen` layers more on each side, so that a kept baseline (eagle_pipeline.serve.baseline) also serves a
+    folder whose ids are one off from these without a new capture.
+    """
+    return widened([k for r in all_readings for k in r.layer_ids], num_layers, widen)
+
+
+def widened(layer_ids: Sequence[int], num_layers: int, widen: int = 1) -> list[int]:
+    """`layer_ids` and `widen` layers on each side of each, within 1..num_layers-1."""
+    return sorted({k + d for k in layer_ids for d in range(-widen, widen + 1) if 0 < k + d < num_layers})
+
+
+def as_variant(reading: Reading, captured_ids: Sequence[int], num_layers: int) -> Variant:
+    """The reading as a Variant over samples captured at `captured_ids` + [num_layers]."""
+    slot = {k: i for i, k in enumerate(captured_ids)} | {num_layers: len(captured_ids)}
+    return Variant(reading.name, aux_slots=tuple(slot[k] for k in reading.layer_ids),
+                   final_slot_post_norm=reading.final_post_norm, norm_flags=dict(reading.norm_flags),
+                   drop_d2t=reading.drop_d2t)
+
+
+def config_findings(config: Mapping[str, Any], *, num_layers: int, target_vocab_size: int, has_d2t: bool) -> list[dict]:
+    """What a flat drafter config makes vLLM do wrong, read from the config alone: [{name, fault, text}]."""
+    findings = []
+    read = vllm_read_aux_ids(dict(config))
+    defaults = default_layer_ids(num_layers)
+    if read["v1"] is None:
+        findings.append({"name": "ids_missing", "fault": True,
+                         "text": f"the config declares no aux ids: vLLM captures the target's defaults {defaults}"})
+    elif read["v2"] is None:
+        same = list(read["v1"]) == defaults
+        findings.append({"name": "ids_only_in_eagle_config", "fault": not same,
+                         "text": f"aux ids {read['v1']} only inside eagle_config: vLLM's model runner V2 (the GPU default) "
+                                 f"does not read them and captures the target's defaults {defaults}"
+                                 + (" (the same layers for this target)" if same else "")
+                                 + "; write them at the top level as well"})
+    draft_vocab = int(config.get("draft_vocab_size") or config.get("vocab_size") or target_vocab_size)
+    if draft_vocab != target_vocab_size and not has_d2t:
+        findings.append({"name": "d2t_missing", "fault": True,
+                         "text": f"no d2t for a {draft_vocab}-token draft vocabulary (target {target_vocab_size}): vLLM "
+                                 f"maps draft id k to target id k instead of the drafter's own map; write d2t and t2d into the folder"})
+    return findings
+
+
+def tolerance(predicted: Sequence[float | None], num_drafts: int | None) -> list[float]:
+    n = max(int(num_drafts or 0), 1)
+    return [TOLERANCE_FLOOR + TOLERANCE_SIGMAS * math.sqrt(max(p or 0.0, 0.0) * (1 - min(p or 0.0, 1.0)) / n)
+            for p in predicted]
+
+
+def _values(seq: Sequence[float | None] | None, width: int) -> list[float]:
+    seq = list(seq or [])
+    return [float(seq[i]) if i < len(seq) and seq[i] is not None else 0.0 for i in range(width)]
+
+
+def _fmt(values: Sequence[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+def diagnose(served: Sequence[float | None], served_drafts: int | None, predictions: Mapping[str, Mapping[str, Any]],
+             texts: Mapping[str, str], reference: str, findings: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The verdict: {status, passed, cause, cause_text, line, served, predicted, tolerance, candidates}.
+
+    `predictions`: replay summaries by reading name (reference included); `texts`: each reading's cause text.
+    status: "agrees", "short" (served below the reference), "misdeclared" (an alternative reading predicts
+    clearly more: the config misstates training) or "config" (a fault named from the config alone).
+    """
+    ref = predictions[reference]
+    width = len(served)
+    s = _values(served, width)
+    p = _values(ref.get("predicted_per_position_acceptance"), width)
+    drafts = min(x for x in (served_drafts, ref.get("num_drafts")) if x) if (served_drafts or ref.get("num_drafts")) else None
+    tol = tolerance(p, drafts)
+    candidates = {name: _values(r.get("predicted_per_position_acceptance"), width)
+                  for name, r in predictions.items() if name != reference}
+    out: dict[str, Any] = {"reference": reference, "served": s, "predicted": p, "tolerance": [round(t, 4) for t in tol],
+                           "candidates": candidates, "findings": list(findings), "cause": None, "cause_text": None}
+    short = [i for i in range(width) if s[i] < p[i] - tol[i]]
+    faults = [f for f in findings if f["fault"]]
+    if short and candidates:
+        cause = min(candidates, key=lambda name: sum(abs(a - b) for a, b in zip(s, candidates[name])))
+        reproduced = all(abs(a - b) <= t for a, b, t in zip(s, candidates[cause], tol))
+        out.update(status="short", cause=cause, cause_text=texts[cause], reproduced=reproduced)
+        line = (f"served acceptance per position {_fmt(s)} is short of predicted {_fmt(p)} (tolerance "
+                f"{_fmt(tol)}); most likely cause: {texts[cause]} (re-simulated {_fmt(candidates[cause])}"
+                + ("" if reproduced else ", not within the tolerance either") + ")")
+    elif short:
+        out.update(status="short")
+        line = f"served acceptance per position {_fmt(s)} is short of predicted {_fmt(p)} (tolerance {_fmt(tol)})"
+    else:
+        better = {name: sum(c) - sum(p) for name, c in candidates.items() if sum(c) - sum(p) > MISDECLARED_MARGIN}
+        if better:
+            cause = max(better, key=better.get)
+            out.update(status="misdeclared", cause=cause, cause_text=texts[cause])
+            line = (f"served {_fmt(s)} agrees with the drafter as its config declares it ({_fmt(p)}), but it "
+                    f"predicts {_fmt(candidates[cause])} read otherwise; most likely cause: {texts[cause]}")
+        else:
+            out.update(status="agrees")
+            line = f"served acceptance per position {_fmt(s)} agrees with predicted {_fmt(p)} (tolerance {_fmt(tol)})"
+    if faults:
+        if out["status"] == "agrees":
+            out.update(status="config", cause=faults[0]["name"], cause_text=faults[0]["text"])
+        line += "; config: " + "; ".join(f["text"] for f in faults)
+    notes = [f["text"] for f in findings if not f["fault"]]
+    if notes:
+        line += "; note: " + "; ".join(notes)
+    out["passed"] = out["status"] == "agrees"
+    out["line"] = ("DIAGNOSIS OK: " if out["passed"] else "DIAGNOSIS FAIL: ") + line
+    return out
+
+
+def layer_convention(predictions: Mapping[str, Mapping[str, Any]], reference: str) -> dict[str, Any]:
+    """Which numbering the drafter's declared ids were written in, from the replay at ids, ids - 1 and ids + 1.
+
+    Best at the declared ids: vLLM/HF numbering; at ids + 1: SGLang/SpecForge numbering (id k there is
+    layer k's output, HF index k + 1); at ids - 1: ids written one too high.
+    """
+    lengths = {name: predictions[name].get("predicted_mean_acceptance_length") for name in
+               (reference, "ids_minus_one", "ids_plus_one") if name in predictions}
+    known = {k: v for k, v in lengths.items() if v is not None}
+    if not known:
+        return {"convention": None, "mean_acceptance_length": lengths}
+    best = max(known, key=known.get)
+    convention = {reference: "vllm", "ids_plus_one": "sglang", "ids_minus_one": "one_too_high"}[best]
+    return {"convention": convention, "mean_acceptance_length": lengths}

@@ -1,0 +1,86 @@
+"""The no-speculation baseline of a stage-06 run, kept for reuse: answers, their token ids, captured states.
+
+Serving a drafter from elsewhere, or several of them, against the same target and prompts needs the
+no-speculation answers (to compare texts and speed, and to replay the drafter on) only once. A finished
+stage 06 keeps them in `<run>/06_serve_test/baseline/`: `answers.json` (what they were served with, texts,
+prompt and answer token ids, the mode's summary, the captured layer ids) and `hs_<i>.safetensors` (the
+captured hidden states). `serve.baseline: <that 06_serve_test folder>` reuses them when every setting that
+shapes the answers matches; otherwise the stage refuses and names the setting.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from eagle_pipeline import atomic
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.serve.measure import greedy_mismatches
+from eagle_pipeline.serve.spec_metrics import ratio
+
+BASELINE_DIR = "baseline"
+ANSWERS = "answers.json"
+
+
+def save_baseline(stage_dir: Path, shaped_by: dict[str, Any], report: dict[str, Any],
+                  captured: tuple[list[torch.Tensor], list[int]] | None) -> None:
+    from safetensors.torch import save_file
+
+    folder = stage_dir / BASELINE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    layer_ids = None
+    if captured is not None:
+        states, layer_ids = captured
+        for i, hidden in enumerate(states):
+            atomic.write_with(folder / f"hs_{i}.safetensors",
+                              lambda tmp, h=hidden: save_file({"hidden_states": h.contiguous()}, str(tmp)))
+    atomic.write_json(folder / ANSWERS, {"shaped_by": shaped_by, "texts": report["texts"]["none"],
+                                         "token_ids": report["token_ids"]["none"], "summary": report["modes"]["none"],
+                                         "captured_layer_ids": layer_ids})
+
+
+def load_baseline(stage_dir: Path, shaped_by: dict[str, Any]) -> dict[str, Any]:
+    path = Path(stage_dir) / BASELINE_DIR / ANSWERS
+    if not path.is_file():
+        raise BadInput(f"serve.baseline: {path} is missing; point at a finished 06_serve_test folder that served "
+                       f"without speculation")
+    baseline = json.loads(path.read_text())
+    for key, value in shaped_by.items():
+        if baseline["shaped_by"].get(key) != value:
+            raise BadInput(f"serve.baseline: {path} was served with another {key}; serve without speculation again "
+                           f"(leave serve.baseline out) or point at a baseline of the same settings")
+    baseline["dir"] = str(path.parent)
+    return baseline
+
+
+def baseline_states(baseline: dict[str, Any], layer_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The stored states when they hold every id in `layer_ids` (then in the stored layout), else None."""
+    from safetensors.torch import load_file
+
+    stored = baseline.get("captured_layer_ids")
+    if stored is None or not set(layer_ids) <= set(stored):
+        return None
+    folder = Path(baseline["dir"])
+    return [load_file(str(folder / f"hs_{i}.safetensors"))["hidden_states"]
+            for i in range(len(baseline["token_ids"]))], list(stored)
+
+
+def merge_baseline(report: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """A report measured without the "none" mode, completed with the baseline's answers and speed."""
+    report["modes"] = {"none": baseline["summary"], **report["modes"]}
+    report["texts"] = {"none": baseline["texts"], **report["texts"]}
+    report["token_ids"] = {"none": [tuple(pair) for pair in baseline["token_ids"]], **report["token_ids"]}
+    none_tps = baseline["summary"]["tokens_per_s"]
+    report["tokens_per_s"]["none"] = none_tps
+    report["speedup_by_mode"] = {name: ratio(tps, none_tps) if tps is not None and none_tps else None
+                                 for name, tps in report["tokens_per_s"].items() if name != "none"}
+    report["speedup"] = report["speedup_by_mode"].get("eagle3")
+    if report.get("temperature") == 0:
+        report["greedy_mismatches"] = {name: greedy_mismatches(baseline["texts"], texts)
+                                       for name, texts in report["texts"].items() if name != "none"}
+        report["greedy_match"] = not report["greedy_mismatches"].get("eagle3")
+    report["baseline"] = baseline["dir"]
+    return report

@@ -1,0 +1,331 @@
+"""Stage 06's verdict with a cause, any drafter folder, and proof by sabotage.
+
+Fast tests check the diagnosis rules on given figures and vLLM's reading of a flat config. The slow ones
+train a drafter that the engine should accept at a high rate (it overfits the very answers stage 06
+served without speculation in the shared small run), convert it with stage 05's converter, break copies
+of the flat folder the ways a drafter gets broken, serve them through `serve.drafter` against the shared
+run's no-speculation baseline (`serve.baseline`), and check that stage 06 names each planted fault.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_stage, write_smoke_config
+
+from eagle_pipeline.layer_ids import vllm_read_aux_ids
+from eagle_pipeline.predict import diagnose as dx
+
+# ---------------------------------------------------------------------------------------------------
+# The rules, on given figures.
+
+
+def _readings(ids=(2, 15, 27), layers=30):
+    flags = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
+    return dx.readings(ids, layers, flags, has_d2t=True)
+
+
+def _summary(per_position, drafts=200):
+    return {"predicted_per_position_acceptance": per_position, "num_drafts": drafts,
+            "predicted_mean_acceptance_length": 1 + sum(per_position)}
+
+
+def test_readings_cover_both_conventions_defaults_flags_and_d2t():
+    names = [r.name for r in _readings(ids=(3, 15, 27))]
+    assert names[0] == "as_trained"
+    assert {"ids_minus_one", "ids_plus_one", "ids_default", "d2t_dropped", "norm_before_residual_flipped",
+            "norm_before_fc_flipped", "fc_norm_flipped", "norm_output_flipped"} <= set(names)
+    # The target's defaults (2, 15, 27) equal the declared ids: no separate reading.
+    assert "ids_default" not in [r.name for r in _readings()]
+    # ids + 1 reaching the final layer feeds its slot: pre- and post-norm readings both exist; id 0 does not.
+    edge = {r.name: r for r in _readings(ids=(1, 15, 29))}
+    assert "ids_minus_one" not in edge
+    assert edge["ids_plus_one"].layer_ids == (2, 16, 30)
+    assert edge["ids_plus_one_final_post_norm"].final_post_norm
+
+
+def test_capture_ids_and_slots_serve_every_reading():
+    readings = _readings()
+    ids = dx.capture_ids(readings, 30)
+    assert ids == [1, 2, 3, 14, 15, 16, 26, 27, 28]
+    assert dx.as_variant(readings[0], ids, 30).aux_slots == (1, 4, 7)
+    plus = next(r for r in readings if r.name == "ids_plus_one")
+    assert dx.as_variant(plus, ids, 30).aux_slots == (2, 5, 8)
+    # Widened by one: a folder with ids one higher finds its own neighbours in the same capture.
+    assert dx.capture_ids(readings, 30, widen=1) == [1, 2, 3, 4, 13, 14, 15, 16, 17, 25, 26, 27, 28, 29]
+
+
+def test_short_served_acceptance_is_explained_by_the_reading_that_reproduces_it():
+    readings = _readings()
+    texts = {r.name: r.text for r in readings}
+    predictions = {r.name: _summary([0.2, 0.1, 0.05]) for r in readings}
+    predictions["as_trained"] = _summary([0.8, 0.7, 0.6])
+    predictions["ids_plus_one"] = _summary([0.31, 0.12, 0.02])
+    result = dx.diagnose([0.3, 0.1, 0.0], 190, predictions, texts, "as_trained")
+    assert result["status"] == "short" and not result["passed"]
+    assert result["cause"] == "ids_plus_one" and result["reproduced"]
+    # The verdict line prints rounded figures.
+    assert "0.30/0.10/0.00" in result["line"] and "0.80/0.70/0.60" in result["line"]
+    assert "off by one" in result["line"] and "0.31" not in result["line"].split("re-simulated")[0]
+
+
+def test_served_within_tolerance_agrees_and_a_better_reading_means_a_misdeclared_config():
+    readings = _readings()
+    texts = {r.name: r.text for r in readings}
+    predictions = {r.name: _summary([0.1, 0.0, 0.0]) for r in readings}
+    agrees = dx.diagnose([0.12, 0.0, 0.0], 200, predictions, texts, "as_trained")
+    assert agrees["status"] == "agrees" and agrees["passed"]
+    predictions["norm_before_residual_flipped"] = _summary([0.9, 0.8, 0.7])
+    wrong = dx.diagnose([0.12, 0.0, 0.0], 200, predictions, texts, "as_trained")
+    assert wrong["status"] == "misdeclared" and wrong["cause"] == "norm_before_residual_flipped"
+
+
+def test_tolerance_grows_with_fewer_drafts_and_has_a_floor():
+    assert dx.tolerance([0.0], 100) == [dx.TOLERANCE_FLOOR]
+    few, many = dx.tolerance([0.5], 20)[0], dx.tolerance([0.5], 2000)[0]
+    assert few > many > dx.TOLERANCE_FLOOR
+
+
+def test_vllm_reads_top_level_ids_then_eagle_config_and_v2_only_the_top_level():
+    both = {"eagle_aux_hidden_state_layer_ids": [3, 16, 28], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}
+    assert vllm_read_aux_ids(both) == {"v1": [3, 16, 28], "v2": [3, 16, 28]}
+    inner = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}
+    assert vllm_read_aux_ids(inner) == {"v1": [2, 15, 27], "v2": None}
+    assert vllm_read_aux_ids({}) == {"v1": None, "v2": None}
+
+
+def test_config_findings_name_missing_d2t_and_ids_only_in_eagle_config():
+    inner = {"draft_vocab_size": 512, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 15, 27]}}
+    findings = {f["name"]: f for f in dx.config_findings(inner, num_layers=30, target_vocab_size=49152, has_d2t=False)}
+    assert findings["d2t_missing"]["fault"]
+    # V2 would capture (2, 15, 27) instead of (3, 15, 27): a fault; with the default ids only a note.
+    assert findings["ids_only_in_eagle_config"]["fault"]
+    inner["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 15, 27]
+    note = dx.config_findings(inner, num_layers=30, target_vocab_size=49152, has_d2t=True)
+    assert [(f["name"], f["fault"]) for f in note] == [("ids_only_in_eagle_config", False)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Proof by sabotage: a drafter the engine should accept at a high rate, and broken copies of it.
+
+OVERFIT_COPIES = 8  # each answer repeated, so that a small validation split still leaves all of them in training
+DRAFT_VOCAB = 512
+
+
+def _write_training_data(data_dir: Path, baseline: dict, states: list[torch.Tensor], slots: list[int]) -> list:
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    (data_dir / "hidden_states").mkdir(parents=True)
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    answers = []
+    for row in range(len(states) * OVERFIT_COPIES):
+        (prompt, answer), hidden = baseline["token_ids"][row % len(states)], states[row % len(states)]
+        tokens = torch.tensor(prompt + answer)
+        save_file({"hidden_states": hidden[:, slots].to(torch.bfloat16).contiguous(), "token_ids": tokens},
+                  str(data_dir / "hidden_states" / f"hs_{row}.safetensors"))
+        rows["input_ids"].append(tokens.tolist())
+        rows["loss_mask"].append([0] * len(prompt) + [1] * len(answer))
+        rows["seq_len"].append(len(tokens))
+        answers += answer
+    dataset = Dataset.from_dict(rows)
+    dataset.set_format("torch")
+    dataset.save_to_disk(str(data_dir))
+    return answers
+
+
+def _write_vocab_map(folder: Path, answer_tokens: list[int], vocab: int) -> tuple[Path, Path]:
+    counts = np.bincount(np.array(answer_tokens), minlength=vocab)
+    ids = np.sort(np.array(sorted(range(vocab), key=lambda t: (-counts[t], t))[:DRAFT_VOCAB]))
+    t2d = np.zeros(vocab, dtype=bool)
+    t2d[ids] = True
+    np.save(folder / "d2t.npy", (ids - np.arange(DRAFT_VOCAB)).astype(np.int64))
+    np.save(folder / "t2d.npy", t2d)
+    return folder / "d2t.npy", folder / "t2d.npy"
+
+
+@pytest.fixture(scope="module")
+def strong_drafter(finished_small_run, tmp_path_factory):
+    """A flat vLLM folder of a drafter that overfits the shared run's served answers: (folder, config, run_dir)."""
+    config, run_dir = finished_small_run
+    return build_strong_drafter(run_dir, tmp_path_factory.mktemp("strong")), config, run_dir
+
+
+def build_strong_drafter(run_dir: Path, root: Path) -> Path:
+    """Train on the run's kept no-speculation answers (stage 06's baseline) until it overfits; convert it."""
+    from eagle_pipeline.config import load_section
+    from eagle_pipeline.convert import convert_for_vllm
+    from eagle_pipeline.serve.baseline import load_baseline
+    from eagle_pipeline.train import runner
+    from eagle_pipeline.train.settings import TrainRun
+
+    stage06 = run_dir / "06_serve_test"
+    baseline = load_baseline(stage06, {})
+    ids = baseline["captured_layer_ids"]
+    from safetensors.torch import load_file
+
+    states = [load_file(str(stage06 / "baseline" / f"hs_{i}.safetensors"))["hidden_states"]
+              for i in range(len(baseline["token_ids"]))]
+    slots = [ids.index(k) for k in (2, 15, 27)] + [len(ids)]
+    answers = _write_training_data(root / "data", baseline, states, slots)
+    verifier = target_dir(run_dir)
+    from transformers import AutoConfig
+
+    d2t, t2d = _write_vocab_map(root, answers, AutoConfig.from_pretrained(verifier).vocab_size)
+    settings = load_section("train", dict(total_seq_len=256, lr=3e-3, num_workers=0, keep_last=1, val_ratio=0.1,
+                                          threads=2, dtype="float32", epochs=OVERFIT_EPOCHS), source="test settings")
+    run = TrainRun(data_dir=root / "data", d2t_path=d2t, t2d_path=t2d, verifier_dir=verifier, out_dir=root / "04_train",
+                   layer_ids=[2, 15, 27], seed=0, storage_dtype="bfloat16", device="cpu")
+    summary = runner.train_drafter(settings, run)
+    convert_for_vllm(root / "04_train" / summary["last"]["checkpoint"], root / "intact")
+    return root / "intact"
+
+
+OVERFIT_EPOCHS = 12
+
+
+def target_dir(run_dir: Path) -> Path:
+    """The served target's folder, as the run's trained checkpoint names it."""
+    config = next((run_dir / "04_train" / "checkpoints").glob("*/config.json"))
+    return Path(json.loads(config.read_text())["speculators_config"]["verifier"]["name_or_path"])
+
+
+def sabotaged(intact: Path, out: Path, fault: str) -> Path:
+    """A copy of the flat folder with one planted fault."""
+    shutil.copytree(intact, out)
+    config = json.loads((out / "config.json").read_text())
+    if fault == "ids_shifted":
+        ids = [k + 1 for k in config["eagle_aux_hidden_state_layer_ids"]]
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    elif fault == "ids_only_in_eagle_config":
+        del config["eagle_aux_hidden_state_layer_ids"]
+    elif fault == "norm_flipped":
+        config["norm_before_residual"] = not config["norm_before_residual"]
+    elif fault == "d2t_removed":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(out / "model.safetensors"))
+        save_file({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, str(out / "model.safetensors"))
+    else:
+        raise ValueError(fault)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def serve_folder(tmp_path: Path, run_dir: Path, drafter: Path, name: str):
+    config = write_smoke_config(tmp_path / f"{name}.yaml", data_root=str(tmp_path / "data"), run_name=name)
+    result = run_stage("06_serve_test.py", config, "--set", f"serve.drafter={drafter}",
+                       "--set", f"serve.baseline={run_dir / '06_serve_test'}", "--set", "serve.ngram_baseline=false",
+                       timeout=900)
+    report_path = tmp_path / "data" / name / "06_serve_test" / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return result, report
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_intact_drafter_served_and_predicted_agree(strong_drafter, tmp_path):
+    intact, _, run_dir = strong_drafter
+    result, report = serve_folder(tmp_path, run_dir, intact, "intact")
+    assert report is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    diagnosis = report["diagnosis"]
+    # The drafter is strong: the sabotage below has something to destroy.
+    assert report["predicted_per_position_acceptance"][0] >= 0.6, diagnosis["line"]
+    assert diagnosis["status"] == "agrees", diagnosis["line"]
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert report["diagnosis"]["layer_convention"]["convention"] == "vllm"
+    assert "## Diagnosis" in (tmp_path / "data" / "intact" / "06_serve_test" / "report.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("fault, cause", [("ids_shifted", "ids_minus_one"), ("d2t_removed", "d2t_missing")])
+def test_served_sabotage_is_named(strong_drafter, tmp_path, fault, cause):
+    intact, _, run_dir = strong_drafter
+    broken = sabotaged(intact, tmp_path / fault, fault)
+    result, report = serve_folder(tmp_path, run_dir, broken, fault)
+    assert report is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert report["diagnosis"]["cause"] == cause, report["diagnosis"]["line"]
+    assert "DIAGNOSIS FAIL" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, cause, fails", [("norm_flipped", "norm_before_residual_flipped", True),
+                                                 ("ids_only_in_eagle_config", None, False)])
+def test_sabotage_named_by_the_replay(strong_drafter, tmp_path, fault, cause, fails):
+    """Not served (each server start costs ~50 s): the engine's figures are the folder's replay as declared,
+    which the served intact drafter shows to agree with what vLLM measures."""
+    from eagle_pipeline.predict.served import diagnosis, folder_plan, predict_served
+    from eagle_pipeline.serve.baseline import baseline_states, load_baseline
+
+    intact, _, run_dir = strong_drafter
+    broken = sabotaged(intact, tmp_path / fault, fault)
+    baseline = load_baseline(run_dir / "06_serve_test", {})
+    plan = folder_plan(broken, target_dir(run_dir), 30, 49152, "cpu", tmp_path / "scratch")
+    prediction = predict_served(plan, baseline["token_ids"], 3, 30, lambda ids: baseline_states(baseline, ids))
+    served = prediction["readings"]["as_declared"]
+    report = {"modes": {"eagle3": {"per_position_acceptance": served["predicted_per_position_acceptance"],
+                                   "num_drafts": served["num_drafts"]}}}
+    result = diagnosis(plan, report, prediction)
+    assert result["passed"] is not fails, result["line"]
+    if cause:
+        assert result["cause"] == cause, result["line"]
+    else:
+        assert [f["name"] for f in result["findings"]] == ["ids_only_in_eagle_config"], result["line"]
+        assert "model runner V2" in result["line"]
+
+
+def test_a_drafter_folder_without_config_is_bad_input_naming_the_key(tmp_path):
+    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="t")
+    (tmp_path / "empty").mkdir()
+    result = run_stage("06_serve_test.py", config, "--set", f"serve.drafter={tmp_path / 'empty'}", "--dry-run", timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "serve.drafter" in errors[0] and "config.json" in errors[0], result.stderr
+
+
+def test_a_flat_folder_replays_exactly_as_the_checkpoint_it_was_converted_from(tmp_path):
+    """convert_for_vllm, then back: the same drafts at every step (the target's embedding shared, as in vLLM)."""
+    from speculators import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle_pipeline.convert import convert_for_vllm
+    from eagle_pipeline.predict import SpeculatorsDrafter, draft_table, load_drafter
+    from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, tie_word_embeddings=False)
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, **shape))
+    target.save_pretrained(tmp_path / "verifier")
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=LlamaConfig(num_hidden_layers=1, **shape), draft_vocab_size=128,
+        norm_before_residual=True, norm_before_fc=True, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(tmp_path / "verifier"), architectures=["LlamaForCausalLM"])))
+    drafter = Eagle3DraftModel(config)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.normal_(0, 0.05)
+        drafter.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        ids = torch.sort(torch.randperm(512)[:128]).values
+        drafter.d2t.copy_(ids - torch.arange(128))
+        drafter.t2d.zero_()
+        drafter.t2d[ids] = True
+    drafter.save_pretrained(tmp_path / "ckpt")
+    convert_for_vllm(tmp_path / "ckpt", tmp_path / "flat")
+    back = write_speculators_checkpoint(tmp_path / "flat", tmp_path / "verifier", tmp_path / "back")
+    tokens, aux = torch.randint(0, 512, (40,)), torch.randn(40, 3, 64)
+    expected = draft_table(SpeculatorsDrafter(load_drafter(tmp_path / "ckpt")), tokens, aux, 3)
+    assert torch.equal(draft_table(SpeculatorsDrafter(load_drafter(back)), tokens, aux, 3), expected)
