@@ -13,7 +13,7 @@ Full scale (8 GPUs, see README "Running on a GPU host"):
 
 Output in <data_root>/<run_name>/01_generate_data/:
     parts/part-*.jsonl   finished batches (a crash loses at most the batch in flight)
-    conversations/       `datasets` dataset: sample_id, prompt_id, messages, finish_reason, token counts,
+    conversations/       `datasets` dataset: sample_id, prompt_id, topic, messages, finish_reason, token counts,
                          prompt_token_ids, completion_token_ids
     manifest.json        inputs, counts, timings (written last)
 """
@@ -29,7 +29,7 @@ from eagle_pipeline.prompts import load_training_and_eval_prompts
 from eagle_pipeline.stage import Stage, Start, main
 from eagle_pipeline.verifier import Verifier, check_verifier_path
 
-RECORD_FORMAT = 2
+RECORD_FORMAT = 3
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -67,7 +67,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "engine": value_fingerprint([cfg.verifier.dtype, cfg.verifier.engine_args]),
         "seed": cfg.seed,
         "chat_template_kwargs": template_kwargs,
-        # Version of the records in parts/: 2 added the prompt's and the completion's token ids.
+        # Version of the records in parts/: 2 added the prompt's and the completion's token ids, 3 the
+        # prompt's topic (stage 04 validates on whole topics).
         "record_format": RECORD_FORMAT,
     }
     if stage.start(inputs, samples=len(prompts)) is Start.ALREADY_COMPLETE:
@@ -122,6 +123,7 @@ def run(stage: Stage, dry_run: bool) -> None:
                     records.append({
                         "sample_id": sample_ids[i],
                         "prompt_id": prompts[i]["id"],
+                        "topic": prompts[i]["topic"],
                         "messages": messages + [{"role": "assistant", "content": completion.text}],
                         "finish_reason": completion.finish_reason,
                         "prompt_tokens": len(out.prompt_token_ids),

@@ -3,7 +3,9 @@
 Reads stage 02's hidden states and stage 03's vocabulary map; the drafter's decoder shape is derived from
 the verifier or given explicitly (`train.draft_shape`, e.g. Kimi-K2.5's released drafters: head_dim 128).
 From scratch, or fine-tuned from `train.init_from`. One checkpoint per epoch, the best by validation loss
-marked; killed and rerun, training resumes from the last complete checkpoint (optimizer and step included).
+marked; validation holds out whole topics (about train.val_ratio of the samples) and, with
+`train.early_stop_patience`, training ends once that many epochs bring no lower validation loss. Killed
+and rerun, training resumes from the last complete checkpoint (optimizer and step included).
 
 Embedded default (CPU, minutes):
     python 04_train.py --config configs/tiny.yaml
@@ -33,6 +35,7 @@ from eagle_pipeline.stage import (
     require_sample_layout,
     upstream_fingerprint,
 )
+from eagle_pipeline.train.checkpoints import stopped_early
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
 
@@ -110,7 +113,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
         done = read_manifest(stage.dir)["counts"].get("epochs_completed")
-        if done == t.epochs:
+        if done == t.epochs or stopped_early(stage.dir, t.early_stop_patience):
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return
 
@@ -138,6 +141,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "epochs_completed": summary["epochs_completed"],
         "last_checkpoint": summary["last"]["checkpoint"],
         "best": summary["best"],
+        "stopped_early": summary["stopped_early"],
+        "validation_split": summary["split"],
         "final_val": final_val,
         "final_train": summary.get("final_train"),
         "train_tokens_per_s": summary.get("train_tokens_per_s"),

@@ -174,7 +174,11 @@ class TrainConfig(Section):
     # Loss weight of draft position k is decay**k; below 1 it spends the drafter's capacity on the early
     # positions, which decide most of the acceptance length.
     ttt_step_loss_decay: float = Field(1.0, gt=0, le=1)
+    # Validation takes whole topics (the prompts' `topic`), about this share of the samples:
+    # eagle_pipeline/train/topic_split.py.
     val_ratio: float = Field(0.05, gt=0, lt=1)
+    early_stop_patience: Optional[int] = Field(None, ge=1, le=100_000,
+                                               description="epochs without a lower validation loss before training stops; None: every epoch")
     keep_last: int = Field(2, ge=1, le=100_000)
     num_workers: int = Field(2, ge=0, le=MAX_PARALLEL)
     threads: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL, description="torch threads for CPU training; None uses every core")
@@ -201,11 +205,6 @@ class TrainConfig(Section):
         if fc_norm and info.data.get("norm_before_fc"):
             raise ValueError("speculators allows only one of norm_before_fc and fc_norm; set one false")
         return fc_norm
-
-    @property
-    def train_ratio(self) -> float:
-        """The share of samples trained on; the rest (val_ratio) is validated on."""
-        return 1 - self.val_ratio
 
 
 class ConvertConfig(Section):
