@@ -101,9 +101,29 @@ class VerifierConfig(Section):
         return args
 
 
+class SelfWrittenPrompts(Section):
+    """The target writes its own user turns (Magpie): its chat template up to the user header, then sampling.
+    A turn is kept only if it passes eagle_pipeline/prompt_filter.py; the bounds below are that filter's."""
+
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of the user turns (not of the answers)")
+    top_p: float = Field(0.99, gt=0, le=1)
+    max_tokens: int = Field(96, ge=8, lt=MAX_TOKENS, description="a user turn's token budget; one cut off at it is dropped")
+    min_words: int = Field(4, ge=1, le=100_000, description="shorter user turns are dropped")
+    max_words: int = Field(80, ge=1, le=100_000, description="longer user turns are dropped")
+
+    @model_validator(mode="after")
+    def _word_bounds_ordered(self):
+        if self.min_words > self.max_words:
+            raise cross_field("min_words", f"{self.min_words} is above max_words ({self.max_words}); no turn could pass")
+        return self
+
+
 class DataConfig(Section):
-    prompts: str = Field(description="JSONL file of prompts, or a local `datasets` folder")
+    # "file": data.prompts; "self": the target writes them (data.self_written), on other topics than the eval prompts.
+    prompt_source: Literal["file", "self"] = "file"
+    prompts: str = Field(description="JSONL file of prompts, or a local `datasets` folder (prompt_source file)")
     prompt_field: str = "prompt"
+    self_written: SelfWrittenPrompts = Field(default_factory=SelfWrittenPrompts)
     eval_prompts: str = Field(description="held-out prompts for stage 06, never used in training")
     num_samples: int = Field(ge=1, le=MAX_COUNT, description="how many training conversations to generate")
     num_eval_prompts: int = Field(32, ge=1, le=MAX_COUNT)
