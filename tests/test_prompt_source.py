@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from conftest import REPO, ok, run_stage, write_smoke_config
