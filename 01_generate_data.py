@@ -6,6 +6,11 @@ sampling settings (reasoning on or off, through the template's own switch: eagle
 Each conversation keeps the token ids vLLM rendered for the prompt and the ids the target generated, so
 stage 02 trains on exactly the sequence the model produced.
 
+The prompts are data.prompts (`data.prompt_source: file`), or with `data.prompt_source: self` user turns
+the target writes itself from its chat template's user header (eagle_pipeline/self_prompts.py), filtered
+for duplicates, degenerate turns and overlap with the eval prompts (eagle_pipeline/prompt_filter.py).
+That scales to any data.num_samples without a download (configs/tiny-10k.yaml).
+
 Embedded default (CPU, a few minutes):
     python 01_generate_data.py --config configs/tiny.yaml
 Full scale (8 GPUs, see README "Running on a GPU host"):
@@ -13,7 +18,8 @@ Full scale (8 GPUs, see README "Running on a GPU host"):
 
 Output in <data_root>/<run_name>/01_generate_data/:
     parts/part-*.jsonl   finished batches (a crash loses at most the batch in flight)
-    conversations/       `datasets` dataset: sample_id, prompt_id, messages, finish_reason, token counts,
+    self_written/part-*.jsonl   prompt_source self: every sampled user turn and the filter's verdict
+    conversations/       `datasets` dataset: sample_id, prompt_id, topic, messages, finish_reason, token counts,
                          prompt_token_ids, completion_token_ids
     manifest.json        inputs, counts, timings (written last)
 """
@@ -26,11 +32,13 @@ from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.embedded import EMBEDDED_PREFIX
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
-from eagle_pipeline.prompts import load_training_and_eval_prompts
+from eagle_pipeline.prompt_filter import PromptFilter
+from eagle_pipeline.prompts import load_prompts, load_training_and_eval_prompts
+from eagle_pipeline.self_prompts import SELF_WRITTEN_DIR, attempt_stats, kept_prompts, write_prompts
 from eagle_pipeline.stage import Stage, Start, main
 from eagle_pipeline.verifier import Verifier, check_verifier_path
 
-RECORD_FORMAT = 2
+RECORD_FORMAT = 3
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -38,18 +46,26 @@ def run(stage: Stage, dry_run: bool) -> None:
     # -- inputs ------------------------------------------------------------------------------------
     check_verifier_path(cfg)
     prompts_path = cfg.resolve_path(cfg.data.prompts)
-    # The held-out file is checked here too, so that a bad one is refused before hours of generation.
-    prompts, _ = load_training_and_eval_prompts(prompts_path, cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field)
-    if cfg.data.num_samples > len(prompts):
-        raise BadInput(
-            f"data.num_samples: {cfg.data.num_samples} exceeds the {len(prompts)} prompts in {prompts_path}; "
-            f"lower it or add prompts"
-        )
-    prompts = prompts[: cfg.data.num_samples]
-    sample_ids = [f"s{i:06d}" for i in range(len(prompts))]
+    eval_path = cfg.resolve_path(cfg.data.eval_prompts)
+    self_written = cfg.data.prompt_source == "self"
+    if self_written:  # written by the target once its engine runs, kept clear of the held-out prompts
+        held_out = load_prompts(eval_path, cfg.data.prompt_field, "data.eval_prompts")
+        prompts = None
+        source = f"user turns the target writes itself (temperature {cfg.data.self_written.temperature}), clear of {eval_path}"
+    else:
+        # The held-out file is checked here too, so that a bad one is refused before hours of generation.
+        prompts, _ = load_training_and_eval_prompts(prompts_path, eval_path, cfg.data.prompt_field)
+        if cfg.data.num_samples > len(prompts):
+            raise BadInput(
+                f"data.num_samples: {cfg.data.num_samples} exceeds the {len(prompts)} prompts in {prompts_path}; "
+                f"lower it or add prompts"
+            )
+        prompts = prompts[: cfg.data.num_samples]
+        source = str(prompts_path)
+    sample_ids = [f"s{i:06d}" for i in range(cfg.data.num_samples)]
 
     if dry_run:
-        print(f"stage 01: generate {len(prompts)} conversations from {prompts_path}")
+        print(f"stage 01: generate {len(sample_ids)} conversations from {source}")
         print(f"  verifier {cfg.verifier.path} on {cfg.device}, tensor_parallel={cfg.verifier.tensor_parallel_size}, "
               f"expert_parallel={cfg.verifier.enable_expert_parallel}")
         print(f"  sampling temperature={cfg.generation.temperature} top_p={cfg.generation.top_p} "
@@ -67,17 +83,25 @@ def run(stage: Stage, dry_run: bool) -> None:
     template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
     generation = cfg.generation.model_dump(mode="json")
     generation.pop("batch_size")  # batching changes nothing in the output
+    if self_written:
+        # What the prompts come from; their count is data.num_samples (counts), which may grow on a rerun.
+        prompt_input = {"source": "self", "model": verifier.fingerprints()["verifier"], "seed": cfg.seed,
+                        **cfg.data.self_written.model_dump(mode="json"), "eval_prompts": file_fingerprint(eval_path)
+                        if eval_path.is_file() else value_fingerprint(held_out), "system_prompt": cfg.generation.system_prompt}
+    else:
+        prompt_input = file_fingerprint(prompts_path) if prompts_path.is_file() else value_fingerprint(prompts)
     inputs = {
         **verifier.fingerprints(),
-        "prompts": file_fingerprint(prompts_path) if prompts_path.is_file() else value_fingerprint(prompts),
+        "prompts": prompt_input,
         "generation": value_fingerprint(generation),
         "engine": value_fingerprint([cfg.verifier.dtype, cfg.verifier.engine_args]),
         "seed": cfg.seed,
         "chat_template_kwargs": template_kwargs,
-        # Version of the records in parts/: 2 added the prompt's and the completion's token ids.
+        # Version of the records in parts/: 2 added the prompt's and the completion's token ids, 3 the
+        # prompt's topic (stage 04 validates on whole topics).
         "record_format": RECORD_FORMAT,
     }
-    if stage.start(inputs, samples=len(prompts)) is Start.ALREADY_COMPLETE:
+    if stage.start(inputs, samples=len(sample_ids)) is Start.ALREADY_COMPLETE:
         print(f"stage 01 already complete for these inputs: {stage.dir}")
         return
 
@@ -90,12 +114,19 @@ def run(stage: Stage, dry_run: bool) -> None:
             record = json.loads(line)
             done[record["sample_id"]] = record
     todo = [i for i, sid in enumerate(sample_ids) if sid not in done]
-    print(f"stage 01: {len(done)} of {len(prompts)} conversations already done, {len(todo)} to generate")
+    print(f"stage 01: {len(done)} of {len(sample_ids)} conversations already done, {len(todo)} to generate")
 
-    # -- generate with vLLM -------------------------------------------------------------------------
+    # -- self-written prompts, then generation with vLLM ------------------------------------------------
     gen_seconds = 0.0
     generated_tokens = 0
-    if todo:
+    written = None
+    if self_written:
+        prompt_filter = PromptFilter.against(held_out, cfg.data.self_written.min_words, cfg.data.self_written.max_words)
+        kept, _ = kept_prompts(stage.dir / SELF_WRITTEN_DIR, prompt_filter)
+        if len(kept) >= len(sample_ids):
+            prompts = kept[: len(sample_ids)]
+            written = {"stats": attempt_stats(stage.dir / SELF_WRITTEN_DIR)}
+    if todo or prompts is None:
         from tqdm import tqdm
         from vllm import LLM, SamplingParams
 
@@ -103,6 +134,16 @@ def run(stage: Stage, dry_run: bool) -> None:
 
         apply_engine_env(cfg)
         llm = LLM(**llm_kwargs(cfg, str(verifier.path)))
+        if prompts is None:
+            written = write_prompts(
+                llm, verifier.tokenizer, cfg.data.self_written, wanted=len(sample_ids), run_seed=cfg.seed,
+                batch_size=cfg.generation.batch_size, system_prompt=cfg.generation.system_prompt,
+                template_kwargs=template_kwargs, prompt_filter=PromptFilter.against(
+                    held_out, cfg.data.self_written.min_words, cfg.data.self_written.max_words),
+                folder=stage.dir / SELF_WRITTEN_DIR)
+            prompts = written["prompts"]
+            print(f"stage 01: {written['stats']['kept']} self-written prompts kept of {written['stats']['attempts']} "
+                  f"written ({written['stats']['verdicts']})")
         params = SamplingParams(
             temperature=cfg.generation.temperature,
             top_p=cfg.generation.top_p,
@@ -129,6 +170,7 @@ def run(stage: Stage, dry_run: bool) -> None:
                     records.append({
                         "sample_id": sample_ids[i],
                         "prompt_id": prompts[i]["id"],
+                        "topic": prompts[i]["topic"],
                         "messages": messages + [{"role": "assistant", "content": completion.text}],
                         "finish_reason": completion.finish_reason,
                         "prompt_tokens": len(out.prompt_token_ids),
@@ -162,6 +204,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "generation_seconds": round(gen_seconds, 1),
         "output_tokens_per_s": round(generated_tokens / gen_seconds, 1) if generated_tokens else None,
     }
+    if written is not None:
+        counts["self_written"] = written["stats"]
     stage.finish(counts, output_fingerprint=value_fingerprint([(r["sample_id"], r["messages"][-1]["content"]) for r in rows]))
     print(
         f"stage 01 done: {len(rows)} conversations ({len(todo)} new), {counts['completion_tokens']} response tokens, "

@@ -12,7 +12,7 @@ Full scale (8 GPUs; ~57 KB per token for Kimi-K2.5, ~0.8 TB for 10k samples):
     python 02_extract_hidden.py --config configs/kimi-k2.5-10k.yaml
 
 Output in <data_root>/<run_name>/02_extract_hidden/:
-    data/                         arrow dataset: sample_id, input_ids, loss_mask, seq_len (row i <-> hs_i)
+    data/                         arrow dataset: sample_id, topic, input_ids, loss_mask, seq_len (row i <-> hs_i)
     data/hidden_states/hs_<i>.safetensors   hidden_states [seq, n_aux+1, H], token_ids [seq]
     manifest.json                 inputs (verifier, tokenizer, chat template, layer ids, ...), counts, tokens/s
 A sample's file is checked (token ids, shape, finite values) before it is written, atomically; a rerun
@@ -105,7 +105,10 @@ def run(stage: Stage, dry_run: bool) -> None:
     rows = []
     for conv in conversations:
         ids, mask = training_sequence(conv["prompt_token_ids"], conv["completion_token_ids"], max_len=hs_cfg.max_seq_len)
-        rows.append({"sample_id": conv["sample_id"], "input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
+        # The topic lets stage 04 validate on whole topics; conversations from before it was recorded are
+        # each their own topic.
+        topic = conv.get("topic") or conv["prompt_id"]
+        rows.append({"sample_id": conv["sample_id"], "topic": topic, "input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
     total_tokens = sum(r["seq_len"] for r in rows)
     need = estimate_bytes(total_tokens, num_states, hidden_size, hs_cfg.storage_dtype)
 

@@ -4,8 +4,10 @@ Reads stage 02's hidden states and stage 03's vocabulary map; the drafter's deco
 the verifier or given explicitly (`train.draft_shape`, e.g. Kimi-K2.5's released drafters: head_dim 128).
 From scratch, or fine-tuned from `train.init_from`: a speculators folder, or a flat released drafter
 (AQ-MedAI, SpecForge, stage 05's `vllm/`) rewritten once into speculators' layout under `init_from/`, its aux
-layer ids converted from `train.init_from_convention` (docs/released_drafters.md). One checkpoint per epoch, the best by validation loss
-marked; killed and rerun, training resumes from the last complete checkpoint (optimizer and step included).
+layer ids converted from `train.init_from_convention` (docs/released_drafters.md). One checkpoint per epoch,
+the best by validation loss marked; validation holds out whole topics (about train.val_ratio of the samples)
+and, with `train.early_stop_patience`, training ends once that many epochs bring no lower validation loss.
+Killed and rerun, training resumes from the last complete checkpoint (optimizer and step included).
 
 Embedded default (CPU, minutes):
     python 04_train.py --config configs/tiny.yaml
@@ -37,6 +39,7 @@ from eagle_pipeline.stage import (
     require_sample_layout,
     upstream_fingerprint,
 )
+from eagle_pipeline.train.checkpoints import stopped_early
 from eagle_pipeline.train.draft_config import check_same_vocab_map
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
@@ -161,7 +164,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
         done = read_manifest(stage.dir)["counts"].get("epochs_completed")
-        if done == t.epochs:
+        if done == t.epochs or stopped_early(stage.dir, t.early_stop_patience):
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return
 
@@ -188,6 +191,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "epochs_completed": summary["epochs_completed"],
         "last_checkpoint": summary["last"]["checkpoint"],
         "best": summary["best"],
+        "stopped_early": summary["stopped_early"],
+        "validation_split": summary["split"],
         "final_val": final_val,
         "final_train": summary.get("final_train"),
         "train_tokens_per_s": summary.get("train_tokens_per_s"),

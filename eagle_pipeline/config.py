@@ -101,9 +101,29 @@ class VerifierConfig(Section):
         return args
 
 
+class SelfWrittenPrompts(Section):
+    """The target writes its own user turns (Magpie): its chat template up to the user header, then sampling.
+    A turn is kept only if it passes eagle_pipeline/prompt_filter.py; the bounds below are that filter's."""
+
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of the user turns (not of the answers)")
+    top_p: float = Field(0.99, gt=0, le=1)
+    max_tokens: int = Field(96, ge=8, lt=MAX_TOKENS, description="a user turn's token budget; one cut off at it is dropped")
+    min_words: int = Field(4, ge=1, le=100_000, description="shorter user turns are dropped")
+    max_words: int = Field(80, ge=1, le=100_000, description="longer user turns are dropped")
+
+    @model_validator(mode="after")
+    def _word_bounds_ordered(self):
+        if self.min_words > self.max_words:
+            raise cross_field("min_words", f"{self.min_words} is above max_words ({self.max_words}); no turn could pass")
+        return self
+
+
 class DataConfig(Section):
-    prompts: str = Field(description="JSONL file of prompts, or a local `datasets` folder")
+    # "file": data.prompts; "self": the target writes them (data.self_written), on other topics than the eval prompts.
+    prompt_source: Literal["file", "self"] = "file"
+    prompts: str = Field(description="JSONL file of prompts, or a local `datasets` folder (prompt_source file)")
     prompt_field: str = "prompt"
+    self_written: SelfWrittenPrompts = Field(default_factory=SelfWrittenPrompts)
     eval_prompts: str = Field(description="held-out prompts for stage 06, never used in training")
     num_samples: int = Field(ge=1, le=MAX_COUNT, description="how many training conversations to generate")
     num_eval_prompts: int = Field(32, ge=1, le=MAX_COUNT)
@@ -176,7 +196,11 @@ class TrainConfig(Section):
     # Loss weight of draft position k is decay**k; below 1 it spends the drafter's capacity on the early
     # positions, which decide most of the acceptance length.
     ttt_step_loss_decay: float = Field(1.0, gt=0, le=1)
+    # Validation takes whole topics (the prompts' `topic`), about this share of the samples:
+    # eagle_pipeline/train/topic_split.py.
     val_ratio: float = Field(0.05, gt=0, lt=1)
+    early_stop_patience: Optional[int] = Field(None, ge=1, le=100_000,
+                                               description="epochs without a lower validation loss before training stops; None: every epoch")
     keep_last: int = Field(2, ge=1, le=100_000)
     num_workers: int = Field(2, ge=0, le=MAX_PARALLEL)
     threads: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL, description="torch threads for CPU training; None uses every core")
@@ -214,11 +238,6 @@ class TrainConfig(Section):
         if convention is not None and not info.data.get("init_from"):
             raise ValueError("names the layer-id convention of train.init_from, which is not set; set both or neither")
         return convention
-
-    @property
-    def train_ratio(self) -> float:
-        """The share of samples trained on; the rest (val_ratio) is validated on."""
-        return 1 - self.val_ratio
 
 
 class ConvertConfig(Section):

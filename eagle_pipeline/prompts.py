@@ -1,5 +1,9 @@
 """Prompt sources for generation: a JSONL file, or a local `datasets` folder.
 
+A record may name its `topic` (a short string: "chess", "the water cycle"); stage 04 keeps whole topics
+out of training to validate on. A record without one is its own topic (its id), so the split is then by
+prompt.
+
 Every problem is refused with the file and the line (or record) it is on, before any engine starts.
 """
 
@@ -47,8 +51,11 @@ def _messages_problem(messages: object) -> str | None:
     return None
 
 
+TOPIC_FIELD = "topic"
+
+
 def load_prompts(path: Path, field: str, config_key: str) -> list[dict]:
-    """Return [{"id": str, "messages": [...]}]; each record gives `field` (a string) or `messages`."""
+    """Return [{"id": str, "topic": str, "messages": [...]}]; each record gives `field` (a string) or `messages`."""
     if not path.exists():
         raise BadInput(f"{config_key}: {path} does not exist; point it at a JSONL file or a saved datasets folder")
     if path.is_dir():
@@ -78,7 +85,10 @@ def load_prompts(path: Path, field: str, config_key: str) -> list[dict]:
         if prompt_id in first_seen:
             raise BadInput(f"{where}: id {prompt_id!r} was already used at {first_seen[prompt_id]}; give every prompt a unique id")
         first_seen[prompt_id] = where
-        prompts.append({"id": prompt_id, "messages": messages})
+        topic = row.get(TOPIC_FIELD)
+        if topic is not None and not (isinstance(topic, str) and topic.strip()):
+            raise BadInput(f"{where}: {TOPIC_FIELD!r} must be a non-empty string, got {topic!r:.60}; fix it or remove the key")
+        prompts.append({"id": prompt_id, "topic": topic.strip() if topic else prompt_id, "messages": messages})
     if not prompts:
         raise BadInput(f"{config_key}: {path} holds no prompts; add at least one")
     return prompts

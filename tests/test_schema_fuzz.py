@@ -59,6 +59,8 @@ COMPANIONS = {
     **{f: [f"verifier.max_model_len={MAX_TOKENS}"] for f in LENGTHS},
     "serve.min_acceptance_length": ["serve.num_speculative_tokens=64"],
     "serve.num_speculative_tokens": ["serve.min_acceptance_length=1"],
+    "data.self_written.min_words": ["data.self_written.max_words=100000"],
+    "data.self_written.max_words": ["data.self_written.min_words=1"],
 }
 
 

@@ -5,7 +5,8 @@ then validates it; the metrics recorder writes that validation as `validation.js
 checkpoint is complete once both exist. A rerun after a kill deletes incomplete (torn) folders first, so
 speculators resumes from the newest complete one, optimizer, scheduler and step included, and no epoch
 goes unvalidated. After each validation only the newest `keep_last` complete checkpoints and the best
-one (lowest validation loss) are kept.
+one (lowest validation loss) are kept. With `train.early_stop_patience`, a run whose newest checkpoint
+comes that many epochs after the best one has finished (eagle_pipeline/train/early_stop.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline import atomic
+from eagle_pipeline.train.early_stop import stop_due
 from eagle_pipeline.train.settings import CHECKPOINTS
 
 BEST_FILE = "best.json"
@@ -127,11 +129,22 @@ def keep_checkpoints(out_dir: Path, keep_last: int) -> None:
         _remove_dangling_links(out_dir / CHECKPOINTS)
 
 
-def training_finished(checkpoint_dir: Path, epochs: int, max_steps: int | None) -> bool:
-    """True when the newest complete checkpoint ends the last epoch or reaches max_steps."""
+def stopped_early(out_dir: Path, patience: int | None) -> dict[str, Any] | None:
+    """How training stopped early (newest epoch, best epoch, patience), or None if it did not."""
+    newest, best = newest_checkpoint(out_dir / CHECKPOINTS), best_checkpoint(out_dir)
+    if newest is None or best is None or not stop_due(newest["epoch"], best["epoch"], patience):
+        return None
+    return {"epoch": newest["epoch"], "best_epoch": best["epoch"], "patience": patience}
+
+
+def training_finished(checkpoint_dir: Path, epochs: int, max_steps: int | None, patience: int | None = None) -> bool:
+    """True when the newest complete checkpoint ends the last epoch, reaches max_steps, or comes
+    `patience` epochs after the best one."""
     newest = newest_checkpoint(checkpoint_dir)
     if newest is None:
         return False
     if max_steps is not None and newest["global_step"] >= max_steps:
+        return True
+    if stopped_early(Path(checkpoint_dir).parent, patience):
         return True
     return newest["epoch"] >= epochs - 1 and newest.get("local_step", 0) == 0

@@ -24,12 +24,15 @@ from eagle_pipeline.train.checkpoints import (
     keep_checkpoints,
     newest_checkpoint,
     remove_torn_checkpoints,
+    stopped_early,
     training_finished,
 )
 from eagle_pipeline.train.draft_config import DRAFT_CONFIG_FILE, build_draft_config, check_init_from
+from eagle_pipeline.train.early_stop import EarlyStopping, StopTraining
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.metrics import LOSS_PNG, METRICS_CSV, MetricsRecorder, plot_metrics, read_metrics, truncate_metrics
 from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun
+from eagle_pipeline.train.topic_split import dataset_topics, read_split, split_by_topic, split_summary, write_split_view
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ def train_drafter(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
     vocabulary map, aux layers, decoder shape and norm flags.
     """
     prepare(train, run)
-    if training_finished(run.checkpoint_dir, train.epochs, run.max_steps):
+    if training_finished(run.checkpoint_dir, train.epochs, run.max_steps, train.early_stop_patience):
         logger.info("Training in %s already finished; nothing to train.", run.out_dir)
     else:
         run_speculators(train, run)
@@ -57,11 +60,13 @@ def prepare(train: TrainConfig, run: TrainRun) -> None:
     draft_config = build_draft_config(train, run, verifier_text_config)
     if train.init_from:
         check_init_from(train, run, draft_config)
+    split = split_by_topic(dataset_topics(run.data_dir), train.val_ratio, run.seed)
     run.out_dir.mkdir(parents=True, exist_ok=True)
     atomic.sweep_temporaries(run.out_dir)
     for name in remove_torn_checkpoints(run.checkpoint_dir):
         logger.warning("Removed incomplete checkpoint %s (the run was stopped while writing it).", name)
     atomic.write_json(run.out_dir / DRAFT_CONFIG_FILE, draft_config)
+    write_split_view(run.data_dir, run.out_dir, split)
     truncate_metrics(run.out_dir / METRICS_CSV, newest_checkpoint(run.checkpoint_dir))
 
 
@@ -72,7 +77,8 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
     argv = [
         "--speculator-type", "eagle3",
         "--verifier-name-or-path", str(run.verifier_dir),
-        "--data-path", str(run.data_dir),
+        # Stage 02's data with the validation topics last (topic_split.py); the ratio puts the boundary there.
+        "--data-path", str(run.split_dir),
         "--hidden-states-backend", run.storage_dtype.speculators_backend,
         "--save-path", str(run.checkpoint_dir),
         "--d2t-path", str(run.d2t_path),
@@ -88,7 +94,7 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
         "--total-seq-len", str(train.total_seq_len),
         "--ttt-steps", str(train.ttt_steps),
         "--ttt-step-loss-decay", str(train.ttt_step_loss_decay),
-        "--train-data-ratio", str(train.train_ratio),
+        "--train-data-ratio", repr(read_split(run.out_dir)["train_data_ratio"]),
         "--hidden-states-dtype", train.dtype,
         "--num-workers", str(train.num_workers),
         "--seed", str(run.seed),
@@ -176,12 +182,18 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     threads = torch_threads(train, run)
     resumed_from = newest_checkpoint(run.checkpoint_dir)
     recorder = MetricsRecorder(run.out_dir, train.ttt_steps, train.keep_last) if _rank() == 0 else None
+    early_stop = None
+    if train.early_stop_patience is not None:
+        best_file = run.out_dir / BEST_FILE
+        best = json.loads(best_file.read_text()) if resumed_from is not None and best_file.is_file() else None
+        early_stop = EarlyStopping(train.early_stop_patience, best)
     root = logging.getLogger()
     # speculators' console handler (set up here so its basicConfig is not skipped) rewrites dict messages
     # into text; the recorder must see them first.
     setup_root_logger()
-    if recorder is not None:
-        root.handlers.insert(0, recorder)
+    # The recorder first: an epoch is marked validated before early stopping may end the run after it.
+    for handler in reversed([h for h in (recorder, early_stop) if h is not None]):
+        root.handlers.insert(0, handler)
     started = time.perf_counter()
     try:
         with _thread_settings(threads), warnings.catch_warnings():
@@ -189,10 +201,17 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
             # speculators always asks its loaders for pinned memory, which means nothing without an accelerator.
             warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
-            main(SpeculatorsTrainConfig.resolve(argv))
+            try:
+                main(SpeculatorsTrainConfig.resolve(argv))
+            except StopTraining as stop:
+                logger.info("Stopped early: %s.", stop)
+                from speculators.train.distributed import maybe_destroy_distributed
+
+                maybe_destroy_distributed()
     finally:
-        if recorder is not None:
-            root.removeHandler(recorder)
+        for handler in (recorder, early_stop):
+            if handler is not None:
+                root.removeHandler(handler)
     if recorder is not None:
         wall = time.perf_counter() - started
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -239,6 +258,8 @@ def finalize_training(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
         "last": {"epoch": last_epoch, "step": complete[last_epoch]["global_step"],
                  "checkpoint": f"{CHECKPOINTS}/{last_epoch}"},
         "best": json.loads((out / BEST_FILE).read_text()) if (out / BEST_FILE).is_file() else None,
+        "stopped_early": stopped_early(out, train.early_stop_patience),
+        "split": split_summary(out),
         "epochs_completed": last_epoch + 1,
         "final_train": last_train,
         "final_val": last_val,

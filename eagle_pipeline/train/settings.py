@@ -13,12 +13,13 @@ from eagle_pipeline.samples import StorageDtype
 
 # TrainConfig fields that may change between a run and its resumption without invalidating its
 # checkpoints; every other setting is recorded in the stage manifest, which refuses a change.
-RESUMABLE_SETTINGS = ("epochs", "keep_last", "num_workers", "threads")
+RESUMABLE_SETTINGS = ("epochs", "early_stop_patience", "keep_last", "num_workers", "threads")
 # Settings added after runs were finished with the pipeline: recorded only when set, so that those runs
 # stay complete for their unchanged inputs.
 RECORDED_WHEN_SET = ("init_from_convention",)
 
 CHECKPOINTS = "checkpoints"
+SPLIT_DIR = "split_data"  # the training data reordered so validation topics come last (topic_split.py)
 TENSORBOARD = "tensorboard"
 
 
@@ -50,6 +51,10 @@ class TrainRun:
     @property
     def checkpoint_dir(self) -> Path:
         return self.out_dir / CHECKPOINTS
+
+    @property
+    def split_dir(self) -> Path:
+        return self.out_dir / SPLIT_DIR
 
     @property
     def tensorboard_dir(self) -> Path:
