@@ -25,6 +25,7 @@ import torch
 
 from eagle_pipeline.atomic import atomic_dir
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import to_convention
 from eagle_pipeline.vocab_map import check_vocab_map
 
@@ -103,19 +104,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 
 def read_config_json(path: Path, fix: str) -> dict[str, Any]:
     """A model folder's config.json as a dict; every way it can be wrong is a BadInput naming it and `fix`."""
-    try:
-        config = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise BadInput(f"{path}: is missing; {fix}") from None
-    except OSError as e:
-        raise BadInput(f"{path}: cannot be read ({e.strerror}); fix its permissions or {fix}") from None
-    except UnicodeDecodeError:
-        raise BadInput(f"{path}: is not UTF-8 text; {fix}") from None
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{path}: is not valid JSON (line {e.lineno}: {e.msg}); {fix}") from None
-    if not isinstance(config, dict):
-        raise BadInput(f"{path}: is a JSON {type(config).__name__}, not an object; {fix}")
-    return config
+    return read_json_object(path, fix)
 
 
 def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:

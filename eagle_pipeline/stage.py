@@ -33,6 +33,7 @@ from eagle_pipeline import atomic, outputs
 from eagle_pipeline.config import RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import resolve_layer_ids
 from eagle_pipeline.samples import SampleLayout
 
@@ -74,18 +75,7 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
     fix = f"rerun that stage ({name}.py) with --force to rebuild it" if name in STAGES.values() else "rerun that stage with --force to rebuild it"
     if path.is_dir():
         raise BadInput(f"{path}: is a folder, not a manifest file; {fix}")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise BadInput(f"{path}: cannot read the manifest ({e.strerror}); fix its permissions or {fix}") from None
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise BadInput(f"{path}: manifest is not UTF-8 text; {fix}") from None
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{path}: manifest is not valid JSON (line {e.lineno}: {e.msg}); {fix}") from None
-    if not isinstance(manifest, dict):
-        raise BadInput(f"{path}: manifest is a JSON {type(manifest).__name__}, not an object; {fix}")
+    manifest = read_json_object(path, fix, what="manifest")
     for key, kind in MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
             what = "lacks" if key not in manifest else f"has a {type(manifest[key]).__name__} for"

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.json_files import read_json_object
 
 # The fields docs/contracts.md promises in report.json, with the types a reader may rely on.
 REQUIRED_FIELDS = {"num_prompts": int, "num_speculative_tokens": int, "per_position_acceptance": list, "tokens_per_s": dict}
@@ -27,16 +28,7 @@ def read_report(path: str | os.PathLike) -> dict:
     fix = "rerun 06_serve_test.py with --force to measure again"
     if not path.is_file():
         raise BadInput(f"{path}: report is missing; {fix}")
-    try:
-        report = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise BadInput(f"{path}: cannot read the report ({e.strerror}); fix its permissions or {fix}") from None
-    except UnicodeDecodeError:
-        raise BadInput(f"{path}: report is not UTF-8 text; {fix}") from None
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{path}: report is not valid JSON (line {e.lineno}: {e.msg}); {fix}") from None
-    if not isinstance(report, dict):
-        raise BadInput(f"{path}: report is a JSON {type(report).__name__}, not an object; {fix}")
+    report = read_json_object(path, fix, what="report")
     for key, kind in REQUIRED_FIELDS.items():
         if not isinstance(report.get(key), kind) or isinstance(report.get(key), bool):
             raise BadInput(f"{path}: report lacks {key!r} (a {kind.__name__}); {fix}")
