@@ -10,9 +10,11 @@ A flat folder says less than a speculators one, and each gap is closed explicitl
   (`train.init_from_convention`) and the ids are converted once, by layer_ids.py, into HF indices;
 - norm flags it leaves out are read as vLLM reads a flat config: false (SpecForge drafters have none);
 - `embed_tokens` is usually absent: EAGLE-3 drafters embed with the target's own (frozen) embedding, so
-  releases leave it out, and speculators loads the target's (`load_verifier_weights`) into the folder
-  written here. One that is present is dropped for the same reason: stage 05 ships without it and vLLM then
-  serves the drafter with the target's embedding, so training must use that one too.
+  releases leave it out. The folder written here carries the target's, copied from the target's weights:
+  speculators' `load_verifier_weights` fills only an embedding that loaded as NaN, and one missing from a
+  folder loads as zeros, so without the copy the fine-tune would start from an all-zero embedding. One that
+  is present is replaced for the same reason: stage 05 ships without it and vLLM then serves the drafter
+  with the target's embedding, so training must use that one too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from eagle_pipeline.drafter_checks.shapes import shape_problems
 from eagle_pipeline.drafter_checks.tensors import draft_dims, read_tensor_specs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import from_convention
+from eagle_pipeline.verifier import target_embedding
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
 
 EMBED_KEY = "embed_tokens.weight"
@@ -282,7 +285,9 @@ def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_di
         with safe_open(path, framework="pt") as f:
             tensor = f.get_tensor(name).contiguous()
         tensors["layers.0." + flat.removeprefix("midlayer.") if flat.startswith("midlayer.") else flat] = tensor
+    # In the drafter's own precision, as speculators' checkpoints store it.
+    tensors[EMBED_KEY] = target_embedding(verifier_dir).to(tensors["fc.weight"].dtype).contiguous()
     with atomic_dir(out_dir) as tmp:
         config.save_pretrained(str(tmp))
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    return {"dir": str(out_dir), "tensors": len(tensors), "embed_tokens": "target's"}
+    return {"dir": str(out_dir), "tensors": len(tensors), "embed_tokens": "the target's, copied"}

@@ -19,6 +19,19 @@ from eagle_pipeline.fingerprint import file_fingerprint, model_dir_fingerprint, 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
+def target_embedding(verifier_dir: str | Path):
+    """The target's input embedding [vocab, H] (float32) from its safetensors weights: the one vLLM shares with a
+    drafter folder that has none, so the one a drafter is trained and replayed with."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(verifier_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight"):
+                    return f.get_tensor(name).float()
+    raise BadInput(f"{verifier_dir}: no embed_tokens.weight in the target's weights; the drafter needs its embedding")
+
+
 def check_model_dir(path: Path) -> None:
     if not path.is_dir():
         raise BadInput(f"verifier.path: {path} is not a directory; point it at an HF model folder or embedded:smollm2-135m-instruct")

@@ -19,6 +19,7 @@ from typing import Any
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.predict.speculators_drafter import NORM_FLAGS
+from eagle_pipeline.verifier import target_embedding
 
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _LAYER_FIELDS = ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -63,18 +64,6 @@ def flat_tensor_names(drafter_dir: str | Path) -> list[str]:
 
 def speculators_key(name: str) -> str:
     return re.sub(r"^midlayer\.", "layers.0.", re.sub(r"^model\.", "", name))
-
-
-def target_embedding(verifier_dir: str | Path):
-    """The target's input embedding [vocab, H] from its safetensors weights."""
-    from safetensors import safe_open
-
-    for file in sorted(Path(verifier_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("embed_tokens.weight"):
-                    return f.get_tensor(name).float()
-    raise BadInput(f"{verifier_dir}: no embed_tokens.weight in the target's weights; the drafter needs its embedding")
 
 
 def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Path, out_dir: str | Path) -> Path:
