@@ -5,8 +5,10 @@ the verifier or given explicitly (`train.draft_shape`, e.g. Kimi-K2.5's released
 From scratch, or fine-tuned from `train.init_from`: a speculators folder, or a flat released drafter
 (AQ-MedAI, SpecForge, stage 05's `vllm/`) rewritten once into speculators' layout under `init_from/`, its aux
 layer ids converted from `train.init_from_convention` (docs/released_drafters.md). One checkpoint per epoch,
-the best by validation loss marked; validation holds out whole topics (about train.val_ratio of the samples)
-and, with `train.early_stop_patience`, training ends once that many epochs bring no lower validation loss.
+each replayed on held-out conversations as the engine would serve it; the best is marked by predicted
+acceptance length (`train.select_by`, or by validation loss). Validation holds out whole topics (about
+train.val_ratio of the samples) and, with `train.early_stop_patience`, training ends once that many epochs
+bring no better checkpoint.
 Killed and rerun, training resumes from the last complete checkpoint (optimizer and step included).
 
 Embedded default (CPU, minutes):
@@ -164,7 +166,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
         done = read_manifest(stage.dir)["counts"].get("epochs_completed")
-        if done == t.epochs or stopped_early(stage.dir, t.early_stop_patience):
+        if done == t.epochs or stopped_early(stage.dir, t.early_stop_patience, t.select_by):
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return
 
@@ -201,8 +203,11 @@ def run(stage: Stage, dry_run: bool) -> None:
     }
     stage.finish(counts, output_fingerprint=value_fingerprint([summary["last"], summary["best"]]))
     best = summary["best"] or {}
-    print(f"stage 04 done: {summary['epochs_completed']} epochs, best checkpoint {best.get('checkpoint')} "
-          f"(val loss {best.get('val_loss')}), {summary.get('train_tokens_per_s')} tokens/s, "
+    val_loss, predicted = best.get("val_loss"), best.get("predicted_acceptance_length")
+    chosen = (f"predicted acceptance length {predicted:.2f}, " if predicted is not None else "") + (
+        f"val loss {val_loss:.4g}" if val_loss is not None else "no validation")
+    print(f"stage 04 done: {summary['epochs_completed']} epochs, best checkpoint {best.get('checkpoint')} by "
+          f"{best.get('selected_by')} ({chosen}), {summary.get('train_tokens_per_s')} tokens/s, "
           f"peak RSS {summary.get('peak_rss_mb')} MB -> {stage.dir}")
 
 

@@ -202,6 +202,11 @@ class TrainConfig(Section):
     early_stop_patience: Optional[int] = Field(None, ge=1, le=100_000,
                                                description="epochs without a lower validation loss before training stops; None: every epoch")
     keep_last: int = Field(2, ge=1, le=100_000)
+    # Which checkpoint best.json names (and stage 05 converts): the one whose replay on held-out conversations
+    # predicts the longest accepted chains, or the lowest validation loss (eagle_pipeline/train/predicted_acceptance.py).
+    select_by: Literal["predicted_acceptance", "val_loss"] = "predicted_acceptance"
+    predict_conversations: int = Field(16, ge=0, le=MAX_COUNT,
+                                       description="validation conversations each epoch's checkpoint is replayed on; 0: none")
     num_workers: int = Field(2, ge=0, le=MAX_PARALLEL)
     threads: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL, description="torch threads for CPU training; None uses every core")
     num_gpus: int = Field(0, ge=0, le=MAX_PARALLEL, description="0 trains on the CPU; 1 or more launches torch.distributed.run")
@@ -217,6 +222,13 @@ class TrainConfig(Section):
     # with only eagle_config ids does not say which, so the run must.
     init_from_convention: Optional[Literal["vllm", "sglang"]] = Field(
         None, description="how init_from's eagle_config aux layer ids are numbered (SpecForge drafters: sglang)")
+
+    @field_validator("predict_conversations")
+    @classmethod
+    def _prediction_to_select_by(cls, conversations, info):
+        if conversations == 0 and info.data.get("select_by") == "predicted_acceptance":
+            raise ValueError("0 leaves nothing to select by; set select_by: val_loss, or replay at least one conversation")
+        return conversations
 
     @field_validator("fsdp_shard")
     @classmethod

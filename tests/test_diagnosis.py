@@ -178,7 +178,9 @@ def build_strong_drafter(run_dir: Path, root: Path) -> Path:
 
     d2t, t2d = _write_vocab_map(root, answers, AutoConfig.from_pretrained(verifier).vocab_size)
     settings = load_section("train", dict(total_seq_len=256, lr=3e-3, num_workers=0, keep_last=1, val_ratio=0.1,
-                                          threads=2, dtype="float32", epochs=OVERFIT_EPOCHS), source="test settings")
+                                          threads=2, dtype="float32", epochs=OVERFIT_EPOCHS,
+                                          # the last checkpoint is used: no selection, no replay per epoch
+                                          select_by="val_loss", predict_conversations=0), source="test settings")
     run = TrainRun(data_dir=root / "data", d2t_path=d2t, t2d_path=t2d, verifier_dir=verifier, out_dir=root / "04_train",
                    layer_ids=[2, 15, 27], seed=0, storage_dtype="bfloat16", device="cpu")
     summary = runner.train_drafter(settings, run)

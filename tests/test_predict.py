@@ -237,7 +237,9 @@ def build_case(root: Path, epochs: int, lr: float) -> dict:
     write_data(root / "data", samples)
     d2t, t2d = write_vocab_map(root, samples)
     settings = load_section("train", dict(total_seq_len=256, lr=lr, num_workers=0, keep_last=1, val_ratio=0.1,
-                                          threads=1, dtype="float32", epochs=epochs), source="test settings")
+                                          threads=1, dtype="float32", epochs=epochs,
+                                          # the last checkpoint is used: no selection, no replay per epoch
+                                          select_by="val_loss", predict_conversations=0), source="test settings")
     run = TrainRun(data_dir=root / "data", d2t_path=d2t, t2d_path=t2d, verifier_dir=root / "verifier",
                    out_dir=root / "04_train", layer_ids=LAYER_IDS, seed=0, storage_dtype="bfloat16", device="cpu")
     summary = runner.train_drafter(settings, run)

@@ -125,13 +125,58 @@ def test_early_stopping_ends_training_patience_epochs_after_the_best():
         resumed.handle(val_record(4, 1.7))
 
 
-def fake_checkpoint(out: Path, epoch: int, val_loss: float) -> None:
+def fake_checkpoint(out: Path, epoch: int, val_loss: float, predicted: float | None = None) -> None:
     folder = out / "checkpoints" / str(epoch)
     folder.mkdir(parents=True)
     for name in checkpoints.CHECKPOINT_FILES:
         (folder / name).write_bytes(b"")
     (folder / checkpoints.TRAINING_STATE).write_text(json.dumps({"epoch": epoch, "global_step": 10 * (epoch + 1)}))
-    (folder / checkpoints.COMPLETE_MARKER).write_text(json.dumps({"loss": val_loss}))
+    validation = {"loss": val_loss} if predicted is None else {"loss": val_loss, "predicted_acceptance_length": predicted}
+    (folder / checkpoints.COMPLETE_MARKER).write_text(json.dumps(validation))
+
+
+def test_best_checkpoint_by_predicted_acceptance_or_by_validation_loss(tmp_path):
+    # Epoch 1 has the lowest loss, epoch 2 the longest predicted chains; epochs 2 and 3 tie on prediction.
+    for epoch, (loss, predicted) in enumerate([(3.0, 1.2), (2.0, 1.4), (2.2, 1.6), (2.1, 1.6)]):
+        fake_checkpoint(tmp_path, epoch, loss, predicted)
+    by_prediction = checkpoints.best_checkpoint(tmp_path, "predicted_acceptance")
+    # Of the two with the longest predicted chains, the lower validation loss.
+    assert (by_prediction["epoch"], by_prediction["selected_by"], by_prediction["predicted_acceptance_length"]) == (
+        3, "predicted_acceptance", 1.6)
+    by_loss = checkpoints.best_checkpoint(tmp_path, "val_loss")
+    assert (by_loss["epoch"], by_loss["selected_by"], by_loss["val_loss"]) == (1, "val_loss", 2.0)
+    # Early stopping counts from the same best: epoch 3 is the best by prediction, epoch 1 by loss.
+    assert checkpoints.stopped_early(tmp_path, 2, "predicted_acceptance") is None
+    assert checkpoints.stopped_early(tmp_path, 2, "val_loss") == {"epoch": 3, "best_epoch": 1, "patience": 2}
+    # One checkpoint without a prediction (validated before predictions were made): every one is ranked by loss.
+    fake_checkpoint(tmp_path, 4, 2.5)
+    assert checkpoints.best_checkpoint(tmp_path, "predicted_acceptance")["selected_by"] == "val_loss"
+
+
+class FixedPredictions:
+    def __init__(self, lengths):
+        self.lengths, self.asked = lengths, []
+
+    def predict(self, epoch):
+        self.asked.append(epoch)
+        return {"predicted_acceptance_length": self.lengths[epoch]}
+
+
+def test_early_stopping_by_predicted_acceptance_follows_the_prediction_not_the_loss():
+    predictions = FixedPredictions([1.2, 1.5, 1.5, 1.4, 1.3])
+    handler = EarlyStopping(patience=2, predictor=predictions)
+    # The loss keeps falling, but no checkpoint after epoch 1 predicts longer chains (a tie is broken by the
+    # lower loss, which makes epoch 2 the best).
+    for epoch, loss in enumerate([3.0, 2.0, 1.9, 1.8]):
+        handler.handle(val_record(epoch, loss))
+    with pytest.raises(StopTraining, match="no higher predicted acceptance length in the 2 epochs after epoch 2"):
+        handler.handle(val_record(4, 1.7))
+    assert predictions.asked == [0, 1, 2, 3, 4]
+    # Resumed from a best.json chosen by the same rule, it continues from that best.
+    resumed = EarlyStopping(patience=1, best={"epoch": 2, "val_loss": 1.9, "predicted_acceptance_length": 1.5,
+                                              "selected_by": "predicted_acceptance"}, predictor=predictions)
+    with pytest.raises(StopTraining, match="after epoch 2"):
+        resumed.handle(val_record(3, 1.0))
 
 
 def test_a_run_that_stopped_early_has_finished(tmp_path):

@@ -118,7 +118,7 @@ def llama_case(tmp_path_factory) -> Case:
 def trained(llama_case, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("trained") / "04_train"
     summary = runner.train_drafter(settings(epochs=3), llama_case.run(out))
-    return {"out": out, "summary": summary}
+    return {"out": out, "summary": summary, "data": llama_case.data}
 
 
 def read_rows(out: Path) -> list[dict]:
@@ -142,15 +142,32 @@ def test_training_writes_checkpoints_metrics_plot_and_best(trained):
     # It learns: validation loss falls.
     assert float(val_rows[-1]["loss"]) < float(val_rows[0]["loss"])
 
-    # keep_last=1: the newest checkpoint plus the best one survive, each complete.
+    # Each checkpoint is replayed on the held-out conversations as the engine would serve it, and the best
+    # is the one predicted to have the longest accepted chains (the lower loss on ties).
+    predicted = {int(r["epoch"]): float(r["predicted_acceptance_length"]) for r in val_rows}
+    assert all(1.0 <= length <= 4.0 for length in predicted.values()), predicted
+    assert all(r["predicted_acceptance_length"] == "" for r in train_rows)
     val_loss = {int(r["epoch"]): float(r["loss"]) for r in val_rows}
-    best_epoch = min(val_loss, key=val_loss.get)
+    best_epoch = min(val_loss, key=lambda e: (-predicted[e], val_loss[e], e))
     best = json.loads((out / "best.json").read_text())
     assert best["epoch"] == best_epoch and best["val_loss"] == pytest.approx(val_loss[best_epoch])
+    assert best["selected_by"] == "predicted_acceptance" and best["predicted_acceptance_length"] == predicted[best_epoch]
     assert sorted(checkpoints.complete_checkpoints(out / "checkpoints")) == sorted({2, best_epoch})
     assert (out / best["checkpoint"] / "model.safetensors").is_file()
     assert summary["last"] == {"epoch": 2, "step": steps[-1], "checkpoint": "checkpoints/2"}
     assert summary["best"] == best and summary["epochs_completed"] == 3
+
+    # The figure is the replay of that very checkpoint on the first validation rows of the split.
+    from eagle_pipeline.predict import predict_acceptance
+    from eagle_pipeline.train.predicted_acceptance import validation_conversations
+
+    conversations = validation_conversations(trained["data"], out, limit=16)
+    split = json.loads((out / "split.json").read_text())
+    assert len(conversations) == len(split["val_rows"]) >= 1
+    replayed = predict_acceptance(out / "checkpoints" / "2", conversations, 3)["predicted_mean_acceptance_length"]
+    assert predicted[2] == pytest.approx(replayed, abs=1e-4)
+    validation = json.loads((out / "checkpoints" / "2" / "validation.json").read_text())
+    assert validation["predicted_conversations"] == len(conversations) and len(validation["predicted_per_position_acceptance"]) == 3
 
     png = (out / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000

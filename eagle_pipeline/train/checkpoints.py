@@ -5,8 +5,11 @@ then validates it; the metrics recorder writes that validation as `validation.js
 checkpoint is complete once both exist. A rerun after a kill deletes incomplete (torn) folders first, so
 speculators resumes from the newest complete one, optimizer, scheduler and step included, and no epoch
 goes unvalidated. After each validation only the newest `keep_last` complete checkpoints and the best
-one (lowest validation loss) are kept. With `train.early_stop_patience`, a run whose newest checkpoint
-comes that many epochs after the best one has finished (eagle_pipeline/train/early_stop.py).
+one are kept. The best is the one with the highest predicted acceptance length (ties: the lower validation
+loss; eagle_pipeline/train/predicted_acceptance.py) under `train.select_by: predicted_acceptance`, else, or
+when some checkpoint has no prediction, the one with the lowest validation loss; best.json says which rule
+chose it. With `train.early_stop_patience`, a run whose newest checkpoint comes that many epochs after the
+best one has finished (eagle_pipeline/train/early_stop.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from eagle_pipeline import atomic
 from eagle_pipeline.train.early_stop import stop_due
+from eagle_pipeline.train.predicted_acceptance import PREDICTED_LENGTH, selection_key, selection_rule
 from eagle_pipeline.train.settings import CHECKPOINTS
 
 BEST_FILE = "best.json"
@@ -50,7 +54,7 @@ def read_training_state(epoch_dir: Path) -> dict[str, Any] | None:
         return None
     if state.get("epoch") != int(epoch_dir.name) or "global_step" not in state or "loss" not in validation:
         return None
-    return {**state, "val_loss": validation["loss"]}
+    return {**state, "val_loss": validation["loss"], PREDICTED_LENGTH: validation.get(PREDICTED_LENGTH)}
 
 
 def complete_checkpoints(checkpoint_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
@@ -99,23 +103,27 @@ def remove_torn_checkpoints(checkpoint_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def best_checkpoint(out_dir: Path) -> dict[str, Any] | None:
-    """The complete checkpoint with the lowest validation loss (earliest on ties)."""
-    best = None
-    for epoch, state in sorted(complete_checkpoints(out_dir / CHECKPOINTS).items()):
-        if best is None or state["val_loss"] < best["val_loss"]:
-            best = {
-                "epoch": epoch,
-                "step": state["global_step"],
-                "val_loss": state["val_loss"],
-                "checkpoint": f"{CHECKPOINTS}/{epoch}",
-            }
-    return best
+def best_checkpoint(out_dir: Path, select_by: str = "val_loss") -> dict[str, Any] | None:
+    """The complete checkpoint `select_by` ranks first (earliest on ties)."""
+    complete = complete_checkpoints(out_dir / CHECKPOINTS)
+    if not complete:
+        return None
+    rule = selection_rule(complete, select_by)
+    epoch = min(complete, key=lambda e: (*selection_key(complete[e]["val_loss"], complete[e][PREDICTED_LENGTH], rule), e))
+    state = complete[epoch]
+    return {
+        "epoch": epoch,
+        "step": state["global_step"],
+        "val_loss": state["val_loss"],
+        PREDICTED_LENGTH: state[PREDICTED_LENGTH],
+        "selected_by": rule,
+        "checkpoint": f"{CHECKPOINTS}/{epoch}",
+    }
 
 
-def keep_checkpoints(out_dir: Path, keep_last: int) -> None:
+def keep_checkpoints(out_dir: Path, keep_last: int, select_by: str = "val_loss") -> None:
     """Write best.json, then delete complete checkpoints other than the newest keep_last and the best."""
-    best = best_checkpoint(out_dir)
+    best = best_checkpoint(out_dir, select_by)
     if best is not None:
         atomic.write_json(out_dir / BEST_FILE, best)
     complete = sorted(complete_checkpoints(out_dir / CHECKPOINTS))
@@ -129,15 +137,16 @@ def keep_checkpoints(out_dir: Path, keep_last: int) -> None:
         _remove_dangling_links(out_dir / CHECKPOINTS)
 
 
-def stopped_early(out_dir: Path, patience: int | None) -> dict[str, Any] | None:
+def stopped_early(out_dir: Path, patience: int | None, select_by: str = "val_loss") -> dict[str, Any] | None:
     """How training stopped early (newest epoch, best epoch, patience), or None if it did not."""
-    newest, best = newest_checkpoint(out_dir / CHECKPOINTS), best_checkpoint(out_dir)
+    newest, best = newest_checkpoint(out_dir / CHECKPOINTS), best_checkpoint(out_dir, select_by)
     if newest is None or best is None or not stop_due(newest["epoch"], best["epoch"], patience):
         return None
     return {"epoch": newest["epoch"], "best_epoch": best["epoch"], "patience": patience}
 
 
-def training_finished(checkpoint_dir: Path, epochs: int, max_steps: int | None, patience: int | None = None) -> bool:
+def training_finished(checkpoint_dir: Path, epochs: int, max_steps: int | None, patience: int | None = None,
+                      select_by: str = "val_loss") -> bool:
     """True when the newest complete checkpoint ends the last epoch, reaches max_steps, or comes
     `patience` epochs after the best one."""
     newest = newest_checkpoint(checkpoint_dir)
@@ -145,6 +154,6 @@ def training_finished(checkpoint_dir: Path, epochs: int, max_steps: int | None, 
         return False
     if max_steps is not None and newest["global_step"] >= max_steps:
         return True
-    if stopped_early(Path(checkpoint_dir).parent, patience):
+    if stopped_early(Path(checkpoint_dir).parent, patience, select_by):
         return True
     return newest["epoch"] >= epochs - 1 and newest.get("local_step", 0) == 0

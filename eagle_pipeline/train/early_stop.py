@@ -1,5 +1,6 @@
-"""Early stopping: end training once `train.early_stop_patience` epochs in a row brought no lower
-validation loss than the best one (the checkpoint best.json names, which is kept and converted).
+"""Early stopping: end training once `train.early_stop_patience` epochs in a row brought no better
+checkpoint than the best one (the checkpoint best.json names, which is kept and converted), by the rule
+best.json uses (`train.select_by`, eagle_pipeline/train/checkpoints.py).
 
 speculators' trainer has no stopping hook, so a logging handler watches its per-epoch validation records
 and raises StopTraining out of the trainer once the rule fires. The record comes after the epoch's
@@ -13,6 +14,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from eagle_pipeline.train.predicted_acceptance import PREDICTED_LENGTH, selection_key
+
 
 class StopTraining(Exception):
     """Raised out of speculators' trainer when the early-stopping rule fires."""
@@ -24,14 +27,21 @@ def stop_due(epoch: int, best_epoch: int, patience: int | None) -> bool:
 
 
 class EarlyStopping(logging.Handler):
-    """Tracks the best validation loss from speculators' metric records and raises StopTraining."""
+    """Tracks the best checkpoint from speculators' metric records and raises StopTraining.
 
-    def __init__(self, patience: int, best: Mapping[str, Any] | None = None):
+    With `predictor` (a CheckpointPredictor), checkpoints are ranked by predicted acceptance length, as
+    best.json ranks them; each rank predicts for itself, on the same conversations, so all stop together.
+    """
+
+    def __init__(self, patience: int, best: Mapping[str, Any] | None = None, predictor=None):
         super().__init__(level=logging.INFO)
         self.patience = patience
-        # A resumed run continues from the best of the epochs before it (best.json).
-        self.best_epoch = None if best is None else int(best["epoch"])
-        self.best_loss = None if best is None else float(best["val_loss"])
+        self.predictor = predictor
+        self.rule = "predicted_acceptance" if predictor is not None else "val_loss"
+        # A resumed run continues from the best of the epochs before it (best.json), if chosen by this rule.
+        same_rule = best is not None and best.get("selected_by", "val_loss") == self.rule
+        self.best_epoch = int(best["epoch"]) if same_rule else None
+        self.best_key = selection_key(float(best["val_loss"]), best.get(PREDICTED_LENGTH), self.rule) if same_rule else None
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.msg
@@ -41,9 +51,13 @@ class EarlyStopping(logging.Handler):
         if loss is None:
             return
         epoch = int(message["epoch"])
-        # Strictly lower: on ties the earlier checkpoint stays the best, as in best.json.
-        if self.best_loss is None or loss < self.best_loss:
-            self.best_epoch, self.best_loss = epoch, float(loss)
+        predicted = self.predictor.predict(epoch)[PREDICTED_LENGTH] if self.predictor is not None else None
+        rule = self.rule if predicted is not None else "val_loss"
+        key = selection_key(float(loss), predicted, rule)
+        # Strictly better: on ties the earlier checkpoint stays the best, as in best.json.
+        if self.best_key is None or len(key) != len(self.best_key) or key < self.best_key:
+            self.best_epoch, self.best_key = epoch, key
         if stop_due(epoch, self.best_epoch, self.patience):
-            raise StopTraining(f"no lower validation loss in the {epoch - self.best_epoch} epochs after epoch "
+            what = "higher predicted acceptance length" if rule == "predicted_acceptance" else "lower validation loss"
+            raise StopTraining(f"no {what} in the {epoch - self.best_epoch} epochs after epoch "
                                f"{self.best_epoch} (train.early_stop_patience {self.patience})")

@@ -12,6 +12,7 @@ from typing import Any
 
 from eagle_pipeline import atomic
 from eagle_pipeline.train.checkpoints import keep_checkpoints, mark_complete
+from eagle_pipeline.train.predicted_acceptance import PREDICTED_LENGTH, CheckpointPredictor
 from eagle_pipeline.train.settings import CHECKPOINTS
 
 METRICS_CSV = "metrics.csv"
@@ -20,7 +21,7 @@ LOSS_PNG = "loss_curves.png"
 
 def metric_columns(ttt_steps: int) -> list[str]:
     per_position = [f"{name}_{k}" for name in ("loss", "full_acc", "cond_acc") for k in range(ttt_steps)]
-    return ["split", "epoch", "step", "loss", *per_position, "lr", "tokens_per_s"]
+    return ["split", "epoch", "step", "loss", *per_position, "lr", "tokens_per_s", PREDICTED_LENGTH]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -76,14 +77,18 @@ def truncate_metrics(path: Path, resume_state: dict[str, Any] | None) -> None:
 class MetricsRecorder(logging.Handler):
     """Receives speculators' metric records ("speculators.metrics" logger, dict messages).
 
-    Train records -> metrics.csv rows (and tokens/step time for throughput); val records -> a row, the
-    checkpoint's validation.json, then best.json and pruning.
+    Train records -> metrics.csv rows (and tokens/step time for throughput); val records -> the
+    checkpoint's predicted acceptance (with a `predictor`), a row, the checkpoint's validation.json, then
+    best.json (by `select_by`) and pruning.
     """
 
-    def __init__(self, out_dir: Path, ttt_steps: int, keep_last: int):
+    def __init__(self, out_dir: Path, ttt_steps: int, keep_last: int, select_by: str = "val_loss",
+                 predictor: CheckpointPredictor | None = None):
         super().__init__(level=logging.INFO)
         self.out_dir = out_dir
         self.keep_last = keep_last
+        self.select_by = select_by
+        self.predictor = predictor
         self.columns = metric_columns(ttt_steps)
         self.csv_path = out_dir / METRICS_CSV
         self.tokens = 0.0
@@ -128,10 +133,17 @@ class MetricsRecorder(logging.Handler):
     def _on_validation(self, message: Mapping[str, Any], step: int) -> None:
         epoch = int(message["epoch"])
         values = {key.removesuffix("_epoch"): value for key, value in message["val"].items()}
+        # speculators saved this epoch's checkpoint before validating it, so it can be replayed now.
+        if self.predictor is not None:
+            prediction = self.predictor.predict(epoch)
+            values.update(prediction)
+            print(f"epoch {epoch}: predicted acceptance length {prediction[PREDICTED_LENGTH]} on "
+                  f"{prediction['predicted_conversations']} held-out conversations ({prediction['prediction_s']} s)",
+                  flush=True)
         self._write({**values, "split": "val", "epoch": epoch, "step": step})
-        # speculators saved this epoch's checkpoint before validating it: mark it complete.
+        # Written last: the checkpoint is complete, prediction included.
         mark_complete(self.out_dir / CHECKPOINTS, epoch, {**values, "step": step})
-        keep_checkpoints(self.out_dir, self.keep_last)
+        keep_checkpoints(self.out_dir, self.keep_last, self.select_by)
 
     def _write(self, row: Mapping[str, Any]) -> None:
         # Opened per row: speculators' logging.config.dictConfig closes every handler it finds, this one
@@ -151,16 +163,18 @@ def _csv_value(value: Any) -> Any:
 
 
 def plot_metrics(csv_path: Path, png_path: Path, ttt_steps: int) -> None:
-    """Loss and per-position full accuracy, train per step and validation per epoch."""
+    """Loss and per-position full accuracy, train per step and validation per epoch; with predictions, the
+    predicted acceptance length of each validated checkpoint."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows = read_metrics(csv_path)
     train = [r for r in rows if r["split"] == "train"]
     val = [r for r in rows if r["split"] == "val"]
-    figure = Figure(figsize=(11, 4.5))
+    predicted = [r for r in val if r.get(PREDICTED_LENGTH) is not None]
+    figure = Figure(figsize=(16 if predicted else 11, 4.5))
     FigureCanvasAgg(figure)
-    loss_axes, acc_axes = figure.subplots(1, 2)
+    loss_axes, acc_axes, *predicted_axes = figure.subplots(1, 3 if predicted else 2)
     loss_axes.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.8, alpha=0.6, label="train")
     loss_axes.plot([r["step"] for r in val], [r["loss"] for r in val], "o-", label="val")
     loss_axes.set(xlabel="optimizer step", ylabel="loss (sum over positions)", title="Loss")
@@ -175,5 +189,10 @@ def plot_metrics(csv_path: Path, png_path: Path, ttt_steps: int) -> None:
         )
     acc_axes.set(xlabel="optimizer step", ylabel="full accuracy", title="Accuracy per draft position", ylim=(0, 1))
     acc_axes.legend(fontsize=7)
+    if predicted:
+        axes = predicted_axes[0]
+        axes.plot([r["step"] for r in predicted], [r[PREDICTED_LENGTH] for r in predicted], "o-", color="C3")
+        axes.set(xlabel="optimizer step", ylabel="mean acceptance length", ylim=(1, ttt_steps + 1),
+                 title="Predicted acceptance on held-out conversations")
     figure.tight_layout()
     atomic.write_with(png_path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))

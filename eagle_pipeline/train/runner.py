@@ -31,6 +31,7 @@ from eagle_pipeline.train.draft_config import DRAFT_CONFIG_FILE, build_draft_con
 from eagle_pipeline.train.early_stop import EarlyStopping, StopTraining
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.metrics import LOSS_PNG, METRICS_CSV, MetricsRecorder, plot_metrics, read_metrics, truncate_metrics
+from eagle_pipeline.train.predicted_acceptance import CheckpointPredictor
 from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun
 from eagle_pipeline.train.topic_split import dataset_topics, read_split, split_by_topic, split_summary, write_split_view
 
@@ -47,7 +48,7 @@ def train_drafter(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
     vocabulary map, aux layers, decoder shape and norm flags.
     """
     prepare(train, run)
-    if training_finished(run.checkpoint_dir, train.epochs, run.max_steps, train.early_stop_patience):
+    if training_finished(run.checkpoint_dir, train.epochs, run.max_steps, train.early_stop_patience, train.select_by):
         logger.info("Training in %s already finished; nothing to train.", run.out_dir)
     else:
         run_speculators(train, run)
@@ -181,12 +182,17 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     argv = speculators_argv(train, run)
     threads = torch_threads(train, run)
     resumed_from = newest_checkpoint(run.checkpoint_dir)
-    recorder = MetricsRecorder(run.out_dir, train.ttt_steps, train.keep_last) if _rank() == 0 else None
+    predictor = None
+    if train.predict_conversations:
+        predictor = CheckpointPredictor(run.data_dir, run.out_dir, run.checkpoint_dir, train.predict_conversations,
+                                        train.ttt_steps)
+    recorder = MetricsRecorder(run.out_dir, train.ttt_steps, train.keep_last, train.select_by, predictor) if _rank() == 0 else None
     early_stop = None
     if train.early_stop_patience is not None:
         best_file = run.out_dir / BEST_FILE
         best = json.loads(best_file.read_text()) if resumed_from is not None and best_file.is_file() else None
-        early_stop = EarlyStopping(train.early_stop_patience, best)
+        early_stop = EarlyStopping(train.early_stop_patience, best,
+                                   predictor if train.select_by == "predicted_acceptance" else None)
     root = logging.getLogger()
     # speculators' console handler (set up here so its basicConfig is not skipped) rewrites dict messages
     # into text; the recorder must see them first.
@@ -241,7 +247,7 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
 def finalize_training(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
     """Mark the best checkpoint, prune, plot, and return the run summary."""
     out = run.out_dir
-    keep_checkpoints(out, train.keep_last)
+    keep_checkpoints(out, train.keep_last, train.select_by)
     complete = complete_checkpoints(run.checkpoint_dir)
     if not complete:
         raise RuntimeError(f"training left no complete checkpoint in {run.checkpoint_dir}")
@@ -258,7 +264,7 @@ def finalize_training(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
         "last": {"epoch": last_epoch, "step": complete[last_epoch]["global_step"],
                  "checkpoint": f"{CHECKPOINTS}/{last_epoch}"},
         "best": json.loads((out / BEST_FILE).read_text()) if (out / BEST_FILE).is_file() else None,
-        "stopped_early": stopped_early(out, train.early_stop_patience),
+        "stopped_early": stopped_early(out, train.early_stop_patience, train.select_by),
         "split": split_summary(out),
         "epochs_completed": last_epoch + 1,
         "final_train": last_train,

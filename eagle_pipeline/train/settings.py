@@ -12,8 +12,10 @@ from eagle_pipeline.config import TrainConfig
 from eagle_pipeline.samples import StorageDtype
 
 # TrainConfig fields that may change between a run and its resumption without invalidating its
-# checkpoints; every other setting is recorded in the stage manifest, which refuses a change.
-RESUMABLE_SETTINGS = ("epochs", "early_stop_patience", "keep_last", "num_workers", "threads")
+# checkpoints; every other setting is recorded in the stage manifest, which refuses a change. The selection
+# settings choose among checkpoints and never change one; a change applies from the next validation on.
+RESUMABLE_SETTINGS = ("epochs", "early_stop_patience", "keep_last", "num_workers", "threads", "select_by",
+                      "predict_conversations")
 # Settings added after runs were finished with the pipeline: recorded only when set, so that those runs
 # stay complete for their unchanged inputs.
 RECORDED_WHEN_SET = ("init_from_convention",)
