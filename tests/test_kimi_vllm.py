@@ -16,6 +16,11 @@ only, kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 (DeepSeek-V3's and Kimi-K
 verifier keeps those two dimensions and shrinks everything else; with another latent size the engine fails
 at its first forward pass ("Head dimension 24 is not supported by MLA" for 16 + 8).
 
+The user's fine-tune route then continues through the stage scripts on the same run: stage 03 adopts the
+vocabulary of a released drafter stand-in in AQ-MedAI's flat layout (tests/released_drafter_standin.py:
+SGLang-convention ids, no norm flags, no embed_tokens), stage 04 fine-tunes from it, and stage 05 converts
+the result, compares every tensor with the released drafter and loads it into vLLM's Eagle3LlamaForCausalLM.
+
 What does not run: EAGLE-3 speculative decoding on an MLA target, i.e. stage 05's parity check and
 stage 06's eagle3 server. Without AMX the CPU platform forces the KV cache block size to 16 for MLA
 models (CPU_MLA supports only 16) while the drafter's attention backend, CPU_ATTN, supports only multiples
@@ -34,14 +39,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import SMOKE, ok, run_stage, write_smoke_config
 from kimi_standin import SPECIAL_TOKENS, VOCAB, kimi_k25_config, write_tokenizer
+from released_drafter_standin import KIMI_STANDIN, sglang_ids, write_released_standin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -278,6 +286,52 @@ if __name__ == "__main__":
 
 @pytest.mark.skipif(torch.cpu._is_amx_tile_supported(),
                     reason="with AMX tiles vLLM picks AMX_MLA, which does not force the block size to 16")
+def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run, tmp_path):
+    """01 -> 02 (above) -> 03 with the released drafter's vocabulary -> 04 fine-tuned from it -> 05 converted,
+    shape-checked against it and loaded by vLLM; only 05's parity check needs EAGLE-3 on the MLA target."""
+    from safetensors.torch import load_file
+
+    root, _ = kimi
+    assert tuple(LAYER_IDS) == KIMI_STANDIN.hf_layer_ids and HIDDEN == KIMI_STANDIN.hidden_size
+    run_dir = tmp_path / "data" / "k"
+    for stage in ("01_generate_data", "02_extract_hidden"):
+        shutil.copytree(kimi_run / stage, run_dir / stage)
+    released = write_released_standin(tmp_path / "Kimi-K2.5-eagle3", KIMI_STANDIN, seed=5)
+    shape = KIMI_STANDIN
+    config = write_smoke_config(
+        tmp_path / "k.yaml", data_root=str(tmp_path / "data"), run_name="k",
+        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS, "trust_remote_code": True},
+        generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
+        vocab={"draft_vocab_size": shape.draft_vocab_size, "from_drafter": str(released)},
+        # As configs/kimi-k2.5-10k-finetune.yaml: SpecForge's flags (all off), its convention, its shape.
+        train={"epochs": 1, "init_from": str(released), "init_from_convention": "sglang",
+               "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+               "draft_shape": {"num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_key_value_heads,
+                               "head_dim": shape.head_dim, "intermediate_size": shape.intermediate_size,
+                               "rope_theta": shape.rope_theta}},
+        convert={"reference_dir": str(released), "parity_prompts": 1, "parity_max_tokens": 4},
+    )
+    ok(run_stage("03_build_vocab_map.py", config))
+    source = load_file(str(released / "model.safetensors"))
+    assert np.load(run_dir / "03_build_vocab_map" / "d2t.npy").tobytes() == source["d2t"].numpy().tobytes()
+
+    ok(run_stage("04_train.py", config))
+    manifest = json.loads((run_dir / "04_train" / "manifest.json").read_text())
+    assert manifest["inputs"]["init_from_layer_ids"] == {"convention": "sglang", "written": sglang_ids(LAYER_IDS), "hf": LAYER_IDS}
+
+    result = run_stage("05_convert.py", config)
+    verify = json.loads((run_dir / "05_convert" / "verify.json").read_text())
+    checks = verify["checks"]
+    # Every tensor has the released drafter's shape, and vLLM's own model class takes every key.
+    assert checks["shapes"]["ok"] and checks["shapes"]["detail"]["reference"]["source"] == "weights", checks["shapes"]
+    assert checks["config"]["ok"] and checks["vllm_load"]["ok"], (checks["config"], checks["vllm_load"])
+    flat = load_file(str(run_dir / "05_convert" / "vllm" / "model.safetensors"))
+    assert {k: v.shape for k, v in flat.items()} == {k: v.shape for k, v in source.items()}
+    # Parity serves EAGLE-3 on the MLA target, which vLLM's CPU build cannot start (the test below).
+    assert result.returncode == 1 and not checks["parity"]["ok"], result.stdout[-2000:] + result.stderr[-2000:]
+    assert "No common block size" in json.dumps(checks["parity"]), checks["parity"]
+
+
 def test_eagle3_on_an_mla_target_fails_on_vllm_cpu_for_want_of_a_common_block_size(kimi, tmp_path):
     """Stages 05 (parity) and 06 (eagle3) need this engine; on vLLM 0.32's CPU build it cannot start.
 
