@@ -61,6 +61,8 @@ COMPANIONS = {
     "serve.num_speculative_tokens": ["serve.min_acceptance_length=1"],
     "data.self_written.min_words": ["data.self_written.max_words=100000"],
     "data.self_written.max_words": ["data.self_written.min_words=1"],
+    # No replayed conversation leaves nothing to select checkpoints by.
+    "train.predict_conversations": ["train.select_by=val_loss"],
 }
 
 

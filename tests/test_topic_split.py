@@ -188,3 +188,11 @@ def test_a_run_that_stopped_early_has_finished(tmp_path):
     assert checkpoints.stopped_early(tmp_path, 3) is None
     assert not checkpoints.training_finished(tmp_path / "checkpoints", epochs=10, max_steps=None, patience=3)
     assert not checkpoints.training_finished(tmp_path / "checkpoints", epochs=10, max_steps=None)
+
+
+def test_selection_by_prediction_needs_a_conversation_to_replay():
+    from eagle_pipeline.config import load_section
+
+    with pytest.raises(BadInput, match=r"train.predict_conversations: 0 leaves nothing to select by; set select_by: val_loss"):
+        load_section("train", {"predict_conversations": 0}, source="test")
+    assert load_section("train", {"predict_conversations": 0, "select_by": "val_loss"}, source="test").predict_conversations == 0
