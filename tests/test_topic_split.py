@@ -182,12 +182,12 @@ def test_early_stopping_by_predicted_acceptance_follows_the_prediction_not_the_l
 def test_a_run_that_stopped_early_has_finished(tmp_path):
     for epoch, loss in enumerate([3.0, 2.0, 2.2, 2.1]):
         fake_checkpoint(tmp_path, epoch, loss)
-    assert checkpoints.stopped_early(tmp_path, 2) == {"epoch": 3, "best_epoch": 1, "patience": 2}
-    assert checkpoints.training_finished(tmp_path / "checkpoints", epochs=10, max_steps=None, patience=2)
+    assert checkpoints.stopped_early(tmp_path, 2, "val_loss") == {"epoch": 3, "best_epoch": 1, "patience": 2}
+    assert checkpoints.training_finished(tmp_path / "checkpoints", epochs=10, max_steps=None, patience=2, select_by="val_loss")
     # More patience (a resumable setting) continues the run; without any it trains every epoch.
-    assert checkpoints.stopped_early(tmp_path, 3) is None
-    assert not checkpoints.training_finished(tmp_path / "checkpoints", epochs=10, max_steps=None, patience=3)
-    assert not checkpoints.training_finished(tmp_path / "checkpoints", epochs=10, max_steps=None)
+    assert checkpoints.stopped_early(tmp_path, 3, "val_loss") is None
+    assert not checkpoints.training_finished(tmp_path / "checkpoints", epochs=10, max_steps=None, patience=3, select_by="val_loss")
+    assert not checkpoints.training_finished(tmp_path / "checkpoints", epochs=10, max_steps=None, patience=None, select_by="val_loss")
 
 
 def test_selection_by_prediction_needs_a_conversation_to_replay():

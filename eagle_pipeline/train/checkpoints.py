@@ -103,7 +103,7 @@ def remove_torn_checkpoints(checkpoint_dir: str | os.PathLike) -> list[str]:
     return removed
 
 
-def best_checkpoint(out_dir: Path, select_by: str = "val_loss") -> dict[str, Any] | None:
+def best_checkpoint(out_dir: Path, select_by: str) -> dict[str, Any] | None:
     """The complete checkpoint `select_by` ranks first (earliest on ties)."""
     complete = complete_checkpoints(out_dir / CHECKPOINTS)
     if not complete:
@@ -121,7 +121,7 @@ def best_checkpoint(out_dir: Path, select_by: str = "val_loss") -> dict[str, Any
     }
 
 
-def keep_checkpoints(out_dir: Path, keep_last: int, select_by: str = "val_loss") -> None:
+def keep_checkpoints(out_dir: Path, keep_last: int, select_by: str) -> None:
     """Write best.json, then delete complete checkpoints other than the newest keep_last and the best."""
     best = best_checkpoint(out_dir, select_by)
     if best is not None:
@@ -137,7 +137,7 @@ def keep_checkpoints(out_dir: Path, keep_last: int, select_by: str = "val_loss")
         _remove_dangling_links(out_dir / CHECKPOINTS)
 
 
-def stopped_early(out_dir: Path, patience: int | None, select_by: str = "val_loss") -> dict[str, Any] | None:
+def stopped_early(out_dir: Path, patience: int | None, select_by: str) -> dict[str, Any] | None:
     """How training stopped early (newest epoch, best epoch, patience), or None if it did not."""
     newest, best = newest_checkpoint(out_dir / CHECKPOINTS), best_checkpoint(out_dir, select_by)
     if newest is None or best is None or not stop_due(newest["epoch"], best["epoch"], patience):
@@ -145,8 +145,8 @@ def stopped_early(out_dir: Path, patience: int | None, select_by: str = "val_los
     return {"epoch": newest["epoch"], "best_epoch": best["epoch"], "patience": patience}
 
 
-def training_finished(checkpoint_dir: Path, epochs: int, max_steps: int | None, patience: int | None = None,
-                      select_by: str = "val_loss") -> bool:
+def training_finished(checkpoint_dir: Path, epochs: int, max_steps: int | None, patience: int | None,
+                      select_by: str) -> bool:
     """True when the newest complete checkpoint ends the last epoch, reaches max_steps, or comes
     `patience` epochs after the best one."""
     newest = newest_checkpoint(checkpoint_dir)

@@ -82,7 +82,7 @@ class MetricsRecorder(logging.Handler):
     best.json (by `select_by`) and pruning.
     """
 
-    def __init__(self, out_dir: Path, ttt_steps: int, keep_last: int, select_by: str = "val_loss",
+    def __init__(self, out_dir: Path, ttt_steps: int, keep_last: int, select_by: str,
                  predictor: CheckpointPredictor | None = None):
         super().__init__(level=logging.INFO)
         self.out_dir = out_dir
