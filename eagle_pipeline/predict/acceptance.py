@@ -6,6 +6,12 @@ returned are the ones `eagle_pipeline.serve.spec_metrics` computes from vLLM's c
 a measurement of the same conversations at temperature 0 can be compared directly: a drafter the engine
 serves correctly should measure close to `as_served`; a measurement near one of the mistake variants
 instead points at that mistake.
+
+Beside the counts, each summary carries `first_draft_kl`: the mean, over the answer's rows, of the KL
+divergence from the target's distribution to the drafter's at draft position 0, which is speculators'
+training loss at step 0. Acceptance moves in whole drafts and, on a few conversations, by chance; this
+moves smoothly, and training minimises it under exactly the inputs the drafter was trained with, so the
+reading of a drafter with the lowest value is the one it was trained under (eagle_pipeline.predict.diagnose).
 """
 
 from __future__ import annotations
@@ -24,6 +30,23 @@ from eagle_pipeline.predict.variants import Sample, Variant, serving_inputs, sta
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
+def add_first_draft_fit(counts: AcceptanceCounts, drafter: Drafter | DraftStep, hidden_states: torch.Tensor,
+                        prompt_len: int) -> None:
+    """Add the last simulated sequence's first-draft KL (rows P-1 .. N-3, the answer's) to `counts`.
+
+    Only a drafter that can score its context pass (`context_kl`, SpeculatorsDrafter) adds anything.
+    """
+    score = getattr(drafter, "context_kl", None)
+    if score is None:
+        return
+    kl = score(hidden_states[:, -1].float())
+    if kl is None:
+        return
+    rows = kl[prompt_len - 1: -1]
+    counts.first_draft_kl_sum += float(rows.sum())
+    counts.first_draft_kl_rows += int(rows.numel())
+
+
 def simulate_samples(drafter: Drafter | DraftStep, samples: Iterable[Sample], num_speculative_tokens: int, *,
                      aux_slots: Sequence[int] | None = None, final_norm: Norm | None = None,
                      record_chains: bool = False) -> AcceptanceCounts:
@@ -33,6 +56,7 @@ def simulate_samples(drafter: Drafter | DraftStep, samples: Iterable[Sample], nu
         aux = serving_inputs(hidden_states, None if aux_slots is None else tuple(aux_slots), final_norm)
         simulate_sequence(drafter, torch.as_tensor(token_ids), aux, int(prompt_len), num_speculative_tokens,
                           counts, sequence=index)
+        add_first_draft_fit(counts, drafter, hidden_states, int(prompt_len))
     return counts
 
 
@@ -111,6 +135,8 @@ def simulate_variants(drafter_dir: str | os.PathLike | Any, samples: Iterable[Sa
         aux = serving_inputs(hidden_states, variant.aux_slots, norm if variant.final_slot_post_norm else None)
         simulate_sequence(drafters[variant.name], torch.as_tensor(token_ids), aux, int(prompt_len),
                           num_speculative_tokens, counts[variant.name], sequence=index)
+        if not variant.drop_d2t:  # the KL is taken over the draft vocabulary: blind to the map itself
+            add_first_draft_fit(counts[variant.name], drafters[variant.name], hidden_states, int(prompt_len))
 
     for index, sample in enumerate(itertools.chain([first], samples_iter)):
         for variant in shared:

@@ -8,12 +8,22 @@ before. Then:
 
 - served short of the reference beyond the tolerance at some position: the engine does not feed the
   drafter as it was trained; the cause is the alternative whose figures come closest to the served ones;
-- served within the tolerance but an alternative predicts clearly more than the reference: the folder's
-  config misstates how the drafter was trained (the engine reads what the folder says, and the folder is
-  wrong); the cause is that alternative. This is how a drafter from elsewhere (`serve.drafter`) is judged,
-  and how its layer convention is told (`layer_convention`);
-- a config that the engine cannot serve as intended whatever the figures (a pruned vocabulary without
-  `d2t`; ids only where vLLM's model runner V2 does not look) is named from the config alone.
+- served within the tolerance, and a config that the engine cannot serve as intended whatever the figures
+  (a pruned vocabulary without `d2t`; ids only where vLLM's model runner V2 does not look): the fault is
+  named from the config alone (without its map the replay's figures mean nothing either);
+- served within the tolerance but an alternative reading fits the target clearly better than the reference:
+  the folder's config misstates how the drafter was trained (the engine reads what the folder says, and the
+  folder is wrong); the cause is that alternative. This is how a drafter from elsewhere (`serve.drafter`)
+  is judged, and how its layer convention is told (`layer_convention`).
+
+"Fits better" is judged by `first_draft_kl` (eagle_pipeline.predict.acceptance): speculators' training loss
+at draft position 0 on the served answers. Training minimises it under exactly the reading the drafter was
+trained with, it moves smoothly where acceptance moves in whole drafts, and all readings are scored on the
+same captured states, so a lower value is not engine noise. Acceptance is no judge here: on a few
+conversations a reading one layer off can win or lose a draft by chance, and a sharper but wrong reading
+can win drafts while fitting worse (docs/measurements.md, "Which reading the drafter was trained under").
+A reading without the KL (no `d2t`: the KL is over the draft vocabulary and cannot see the map) is judged
+by acceptance, with MISDECLARED_MARGIN.
 
 Tolerance per position (docs/measurements.md, "Served vs predicted"): TOLERANCE_FLOOR plus TOLERANCE_SIGMAS
 binomial standard errors of the served fraction, sqrt(p (1 - p) / drafts).
@@ -34,8 +44,20 @@ from eagle_pipeline.predict.variants import Variant
 # them); the binomial term covers runs with few drafts.
 TOLERANCE_FLOOR = 0.05
 TOLERANCE_SIGMAS = 2.0
-# Two readings replayed on the same captured states carry no engine noise between them, so a reading that
-# beats the declared one by this much mean acceptance length says the declaration is wrong.
+# An alternative reading whose first-draft KL is lower than the declared reading's by more than this
+# fraction of it (and by FIT_MARGIN_ABS nats) says the declaration is wrong. Measured (docs/measurements.md,
+# "Which reading the drafter was trained under"): a correctly declared drafter's best alternative is at most
+# 0.8% lower (a flipped norm_before_fc, which the first layer's hidden_norm all but undoes); the wrong
+# declarations planted in tests/test_diagnosis.py are 20% or more above the right reading.
+FIT_MARGIN = 0.02
+FIT_MARGIN_ABS = 0.002
+# ... and only where the drafter drafts under that reading: at least this fraction of first drafts accepted.
+# A drafter that has learned little fits a reading with later layers a few percent better whatever it was
+# trained under (the later a layer, the closer it is to the target's output); the smoke run's drafter,
+# 0.02 accepted as declared, fits ids one layer higher 3% better (docs/measurements.md). A drafter that
+# drafts nothing under every reading is weak, not misdeclared.
+MIN_FIRST_ACCEPTANCE = 0.10
+# For a reading without the KL: beating the declared mean acceptance length by this much.
 MISDECLARED_MARGIN = 0.1
 
 
@@ -172,19 +194,20 @@ def diagnose(served: Sequence[float | None], served_drafts: int | None, predicti
     elif short:
         out.update(status="short")
         line = f"served acceptance per position {_fmt(s)} is short of predicted {_fmt(p)} (tolerance {_fmt(tol)})"
+    elif faults:
+        out.update(status="config", cause=faults[0]["name"], cause_text=faults[0]["text"])
+        line = f"served acceptance per position {_fmt(s)} agrees with predicted {_fmt(p)} (tolerance {_fmt(tol)})"
     else:
-        better = {name: sum(c) - sum(p) for name, c in candidates.items() if sum(c) - sum(p) > MISDECLARED_MARGIN}
-        if better:
-            cause = max(better, key=better.get)
+        cause, fit = better_reading(predictions, reference)
+        if cause:
             out.update(status="misdeclared", cause=cause, cause_text=texts[cause])
-            line = (f"served {_fmt(s)} agrees with the drafter as its config declares it ({_fmt(p)}), but it "
-                    f"predicts {_fmt(candidates[cause])} read otherwise; most likely cause: {texts[cause]}")
+            line = (f"served {_fmt(s)} agrees with the drafter as its config declares it ({_fmt(p)}), but read "
+                    f"otherwise it fits the target better{fit} and predicts {_fmt(candidates[cause])}; most likely "
+                    f"cause: {texts[cause]}")
         else:
             out.update(status="agrees")
             line = f"served acceptance per position {_fmt(s)} agrees with predicted {_fmt(p)} (tolerance {_fmt(tol)})"
     if faults:
-        if out["status"] == "agrees":
-            out.update(status="config", cause=faults[0]["name"], cause_text=faults[0]["text"])
         line += "; config: " + "; ".join(f["text"] for f in faults)
     notes = [f["text"] for f in findings if not f["fault"]]
     if notes:
@@ -194,17 +217,56 @@ def diagnose(served: Sequence[float | None], served_drafts: int | None, predicti
     return out
 
 
+def _kl(summary: Mapping[str, Any]) -> float | None:
+    value = summary.get("first_draft_kl")
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def _first_acceptance(summary: Mapping[str, Any]) -> float:
+    return _values(summary.get("predicted_per_position_acceptance"), 1)[0]
+
+
+def better_reading(predictions: Mapping[str, Mapping[str, Any]], reference: str) -> tuple[str | None, str]:
+    """The alternative reading that fits clearly better than the reference, and how it compares, or (None, "").
+
+    By first-draft KL where both readings have it (lower beyond FIT_MARGIN), else by mean acceptance length
+    (higher beyond MISDECLARED_MARGIN); either way only a reading under which the drafter drafts
+    (MIN_FIRST_ACCEPTANCE). Of several, the largest improvement; ties go to the earlier reading.
+    """
+    ref = predictions[reference]
+    ref_kl, ref_length = _kl(ref), ref.get("predicted_mean_acceptance_length") or 0.0
+    by_fit, by_length = {}, {}
+    for name, summary in predictions.items():
+        if name == reference or _first_acceptance(summary) < MIN_FIRST_ACCEPTANCE:
+            continue
+        kl = _kl(summary)
+        if ref_kl is not None and kl is not None:
+            if ref_kl - kl > max(FIT_MARGIN * ref_kl, FIT_MARGIN_ABS):
+                by_fit[name] = ref_kl - kl
+        elif (summary.get("predicted_mean_acceptance_length") or 0.0) - ref_length > MISDECLARED_MARGIN:
+            by_length[name] = summary["predicted_mean_acceptance_length"] - ref_length
+    if by_fit:
+        name = max(by_fit, key=by_fit.get)
+        return name, f" (first-draft KL {_kl(predictions[name]):.4f} against {ref_kl:.4f} as declared)"
+    if by_length:
+        return max(by_length, key=by_length.get), ""
+    return None, ""
+
+
 def layer_convention(predictions: Mapping[str, Mapping[str, Any]], reference: str) -> dict[str, Any]:
     """Which numbering the drafter's declared ids were written in, from the replay at ids, ids - 1 and ids + 1.
 
     Best at the declared ids: vLLM/HF numbering; at ids + 1: SGLang/SpecForge numbering (id k there is
     layer k's output, HF index k + 1); at ids - 1: ids written one too high.
     """
-    lengths = {name: predictions[name].get("predicted_mean_acceptance_length") for name in
-               (reference, "ids_minus_one", "ids_plus_one") if name in predictions}
-    known = {k: v for k, v in lengths.items() if v is not None}
-    if not known:
-        return {"convention": None, "mean_acceptance_length": lengths}
-    best = max(known, key=known.get)
+    names = [name for name in (reference, "ids_minus_one", "ids_plus_one") if name in predictions]
+    lengths = {name: predictions[name].get("predicted_mean_acceptance_length") for name in names}
+    fits = {name: _kl(predictions[name]) for name in names}
+    if names and all(v is not None for v in fits.values()):
+        best = min(fits, key=fits.get)  # the best fit, as in better_reading
+    elif any(v is not None for v in lengths.values()):
+        best = max((k for k, v in lengths.items() if v is not None), key=lambda k: lengths[k])
+    else:
+        return {"convention": None, "mean_acceptance_length": lengths, "first_draft_kl": fits}
     convention = {reference: "vllm", "ids_plus_one": "sglang", "ids_minus_one": "one_too_high"}[best]
-    return {"convention": convention, "mean_acceptance_length": lengths}
+    return {"convention": convention, "mean_acceptance_length": lengths, "first_draft_kl": fits}

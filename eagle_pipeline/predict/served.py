@@ -114,7 +114,7 @@ def predict_served(plan: ReplayPlan, token_ids: Sequence[tuple[Sequence[int] | N
         **{k: v for k, v in reference.items() if k.startswith("predicted")},
         "num_drafts": reference.get("num_drafts"),
         "readings": {name: {k: r.get(k) for k in ("predicted_mean_acceptance_length", "predicted_per_position_acceptance",
-                                                  "num_drafts")} for name, r in results.items()},
+                                                  "num_drafts", "first_draft_kl")} for name, r in results.items()},
         "prediction_capture_s": round(capture_s, 1),
         "prediction_s": round(time.monotonic() - started, 1),
     }

@@ -97,6 +97,10 @@ class AcceptanceCounts:
     # (sequence index, chain start row t, accepted) for every draft, when asked for: lets a caller compare
     # the drafts with another drafter's, or with teacher-forced accuracy, at exactly the chains counted.
     chains: list[tuple[int, int, int]] | None = None
+    # How well the first draft fits the target (eagle_pipeline.predict.acceptance.add_first_draft_fit): the
+    # KL of draft position 0 from the target's distribution, summed over answer rows, and the rows counted.
+    first_draft_kl_sum: float = 0.0
+    first_draft_kl_rows: int = 0
 
     def __post_init__(self):
         if not self.accepted_per_pos:
@@ -132,6 +136,8 @@ class AcceptanceCounts:
             "accepted_per_pos": list(self.accepted_per_pos),
             "num_sequences": self.num_sequences,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "first_draft_kl": (self.first_draft_kl_sum / self.first_draft_kl_rows
+                               if self.first_draft_kl_rows else None),
         }
 
 

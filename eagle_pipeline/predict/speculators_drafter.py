@@ -17,6 +17,10 @@ Knobs that reproduce engine-side mistakes without touching the checkpoint:
   would read them from a config. A norm the checkpoint has no weight for gets unit weight, which is what
   vLLM's `RMSNorm` starts with when nothing loads into it.
 
+`context_kl` scores the last context pass with the quantity training minimises at draft position 0: the
+KL divergence from the target's distribution over the draft vocabulary (speculators' `verifier_lm_head`
+after `verifier_norm`, applied to the target's final-layer state) to the drafter's.
+
 `teacher_forced_drafts` runs speculators' own training forward (teacher forcing) for comparison.
 """
 
@@ -80,6 +84,7 @@ class SpeculatorsDrafter:
         self._cache = None
         self._context_len = 0
         self._step = 0
+        self._context_logits = None
 
     @staticmethod
     def _norm(enabled: bool, trained, unit):
@@ -146,8 +151,29 @@ class SpeculatorsDrafter:
             logits = model.lm_head(hidden)
         else:
             logits = model.lm_head(model.norm(hidden))
+        if self._step == 0:
+            self._context_logits = logits[0]
         draft_ids = map_to_target(logits[0].argmax(dim=-1), self.d2t)
         return draft_ids, hidden[0]
+
+    @torch.no_grad()
+    def context_kl(self, final_states: torch.Tensor) -> torch.Tensor | None:
+        """KL [n] of the last context pass's row t from the target's distribution at position t + 1.
+
+        `final_states` [n + 1, H]: the target's final layer before its norm for the whole sequence (stage 02's
+        last slot). Row t drafts x_{t+2}, which the target predicts from its state at t + 1 (speculators'
+        training pairs them the same way). None when the drafter was loaded without its verifier's weights.
+        """
+        model = self.model
+        if self._context_logits is None or final_states.shape[0] != self._context_logits.shape[0] + 1:
+            raise ValueError("context_kl needs the context pass over the same sequence first")
+        if not (torch.isfinite(model.verifier_norm.weight).all() and torch.isfinite(model.verifier_lm_head.weight).all()):
+            return None
+        weight = model.verifier_lm_head.weight
+        targets = model.verifier_lm_head(model.verifier_norm(final_states[1:].to(weight.dtype)))
+        target_log_p = torch.log_softmax(targets.float(), dim=-1)
+        draft_log_p = torch.log_softmax(self._context_logits.float(), dim=-1)
+        return (target_log_p.exp() * (target_log_p - draft_log_p)).sum(dim=-1)
 
 
 def resolve_d2t(model, d2t: Any) -> torch.Tensor | None:

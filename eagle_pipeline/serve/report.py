@@ -108,7 +108,16 @@ def render_report_md(report: dict) -> str:
         lines += ["", "## Diagnosis", "", diagnosis["line"]]
         convention = (diagnosis.get("layer_convention") or {}).get("convention")
         if convention:
-            lines += ["", f"Layer convention of the drafter's ids (best replay at ids, ids - 1, ids + 1): {convention}."]
+            lines += ["", f"Layer convention of the drafter's ids (best fit at ids, ids - 1, ids + 1): {convention}."]
+        readings = report.get("prediction_readings") or {}
+        if readings:
+            lines += ["", "Every reading replayed (first-draft KL: training's loss at draft position 0 on these answers; "
+                      "the reading the drafter was trained under fits best):", "",
+                      "| reading | mean acceptance length | per position | first-draft KL |", "|---|---|---|---|"]
+            for name, r in readings.items():
+                per_position = "/".join(_fmt(v, 2) for v in r.get("predicted_per_position_acceptance") or [])
+                lines.append(f"| {name} | {_fmt(r.get('predicted_mean_acceptance_length'))} | {per_position} | "
+                             f"{_fmt(r.get('first_draft_kl'), 4)} |")
     spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
     if spec_modes:
         width = max(len(modes[name]["per_position_acceptance"]) for name in spec_modes)
