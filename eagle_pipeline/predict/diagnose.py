@@ -194,18 +194,19 @@ def diagnose(served: Sequence[float | None], served_drafts: int | None, predicti
     elif short:
         out.update(status="short")
         line = f"served acceptance per position {_fmt(s)} is short of predicted {_fmt(p)} (tolerance {_fmt(tol)})"
-    elif faults:
-        out.update(status="config", cause=faults[0]["name"], cause_text=faults[0]["text"])
-        line = f"served acceptance per position {_fmt(s)} agrees with predicted {_fmt(p)} (tolerance {_fmt(tol)})"
     else:
-        cause, fit = better_reading(predictions, reference)
+        # A config fault comes first: without its map or its ids the replays' figures mean nothing either.
+        cause, fit = (None, "") if faults else better_reading(predictions, reference)
         if cause:
             out.update(status="misdeclared", cause=cause, cause_text=texts[cause])
             line = (f"served {_fmt(s)} agrees with the drafter as its config declares it ({_fmt(p)}), but read "
                     f"otherwise it fits the target better{fit} and predicts {_fmt(candidates[cause])}; most likely "
                     f"cause: {texts[cause]}")
         else:
-            out.update(status="agrees")
+            if faults:
+                out.update(status="config", cause=faults[0]["name"], cause_text=faults[0]["text"])
+            else:
+                out.update(status="agrees")
             line = f"served acceptance per position {_fmt(s)} agrees with predicted {_fmt(p)} (tolerance {_fmt(tol)})"
     if faults:
         line += "; config: " + "; ".join(f["text"] for f in faults)

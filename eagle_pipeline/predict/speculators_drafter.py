@@ -85,6 +85,10 @@ class SpeculatorsDrafter:
         self._context_len = 0
         self._step = 0
         self._context_logits = None
+        # The target's head over the draft vocabulary, which context_kl scores against; NaN where the model
+        # was loaded without its verifier's weights.
+        self._verifier_loaded = bool(torch.isfinite(model.verifier_norm.weight).all()
+                                     and torch.isfinite(model.verifier_lm_head.weight).all())
 
     @staticmethod
     def _norm(enabled: bool, trained, unit):
@@ -167,7 +171,7 @@ class SpeculatorsDrafter:
         model = self.model
         if self._context_logits is None or final_states.shape[0] != self._context_logits.shape[0] + 1:
             raise ValueError("context_kl needs the context pass over the same sequence first")
-        if not (torch.isfinite(model.verifier_norm.weight).all() and torch.isfinite(model.verifier_lm_head.weight).all()):
+        if not self._verifier_loaded:
             return None
         weight = model.verifier_lm_head.weight
         targets = model.verifier_lm_head(model.verifier_norm(final_states[1:].to(weight.dtype)))
