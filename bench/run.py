@@ -28,7 +28,6 @@ import shlex
 import shutil
 import sys
 import time
-import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,11 +36,11 @@ from typing import Any, Iterator
 from bench import arms, figures, flops, report
 from bench.arms import ARMS, REPO
 from bench.capture_ab import capture_ab
+from bench.exit_codes import run_command
 from bench.serve_ab import serve_interleaved
 from bench.stats import ratio_or_none
 from eagle_pipeline import atomic
 from eagle_pipeline.config import RunConfig, load_config
-from eagle_pipeline.errors import BadInput
 from eagle_pipeline.stage import package_versions, read_manifest
 
 
@@ -312,19 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capture-samples", type=int, help="samples in the capture A/B (default 64; quick 2)")
     parser.add_argument("--arm-samples", type=int, help="conversations the two storage drafters train on (default 300; quick 6)")
     args = parser.parse_args(argv)
-    try:
-        run(args)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: no figures written", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - any other failure: exit 1 with where to look
-        traceback.print_exc()
-        print(f"failed: {type(e).__name__}: {e}; logs in the work folder's logs/ and benchmark.log", file=sys.stderr)
-        return 1
-    return 0
+    return run_command(run, args, interrupted="no figures written",
+                       logs="logs in the work folder's logs/ and benchmark.log")
 
 
 if __name__ == "__main__":

@@ -27,12 +27,12 @@ import math
 import shutil
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench import arms
+from bench.exit_codes import run_command
 from bench.figures import read_pipeline_run
 from eagle_pipeline import atomic
 from eagle_pipeline.config import RunConfig, load_config
@@ -368,19 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="config override, as for the stage scripts (applies to the run read and every point)")
     parser.add_argument("--work-dir", help="folder for the points (default: <data_root>/<run_name>-scaling)")
     args = parser.parse_args(argv)
-    try:
-        run(args)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: finished points are kept; rerun to resume", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - any other failure: exit 1 with where to look
-        traceback.print_exc()
-        print(f"failed: {type(e).__name__}: {e}; each point's stage logs are in the work folder's logs/", file=sys.stderr)
-        return 1
-    return 0
+    return run_command(run, args, interrupted="finished points are kept; rerun to resume",
+                       logs="each point's stage logs are in the work folder's logs/")
 
 
 if __name__ == "__main__":
