@@ -328,7 +328,7 @@ def test_served_sabotage_is_named(strong_drafter, tmp_path, fault, cause, fails)
     if fault == "ids_shifted":
         # The best fit is at the ids the drafter was trained on, wherever it runs. How far ahead it is depends
         # on how much this drafter, overfit on three short answers, leans on the hidden states rather than
-        # the token embedding: one layer off fit 26% worse on an AVX-512 machine and 3% on an AVX-2-only one,
+        # the token embedding: one layer off fit 20% worse on an AVX-512 machine and 3% on an AVX-2-only one,
         # whose answers and kernels differ. The drafter fails only where the fit clears the margin.
         assert diagnosis["layer_convention"]["convention"] == "one_too_high", diagnosis["line"]
         named, _ = dx.better_reading(report["prediction_readings"], "as_declared")

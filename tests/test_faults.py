@@ -401,7 +401,7 @@ def test_stage_06_killed_while_serving_leaves_no_server_and_reruns_to_a_report(f
     stage = run_dir / "06_serve_test"
     first_log = stage / "logs" / "server-none.log"
     # Two servers instead of three, and no offline replay after them: what a kill leaves behind does not
-    # depend on the mode, and the replay (tests/test_predict.py, tests/test_diagnosis.py) starts no server.
+    # depend on the mode, and the replay (its own capture engine) is tested in test_predict.py and test_diagnosis.py.
     settings = ["--set", "serve.ngram_baseline=false", "--set", "serve.predict=false"]
     rng = random.Random(SEED + 6)
 
