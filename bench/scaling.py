@@ -37,6 +37,7 @@ from bench.figures import read_pipeline_run
 from eagle_pipeline import atomic
 from eagle_pipeline.config import RunConfig, load_config
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.serve.baseline import ANSWERS, BASELINE_DIR
 from eagle_pipeline.stage import read_manifest
 
 TARGET_SAMPLES = 10_000  # the user's run: what the trend is asked to predict
@@ -123,8 +124,24 @@ def tokens_for(fit: dict[str, float], length: float) -> float | None:
 # One point: stages 02-04 on a prefix of the pipeline run, converted, served by stage 06
 
 
-def point_result(run_dir: Path, stage02: dict, report: dict, wall_s: float | None) -> dict[str, Any]:
+def eval_answer_coverage(t2d_path: Path, answer_token_ids: list[list[int]]) -> float | None:
+    """The share of the eval answers' tokens that the draft vocabulary holds: a drafter can never propose
+    the rest, so this bounds its per-token acceptance on those prompts."""
+    import numpy as np
+
+    if not t2d_path.is_file():
+        return None
+    in_draft = np.load(t2d_path)
+    ids = np.fromiter((t for answer in answer_token_ids for t in answer), dtype=np.int64)
+    return float(in_draft[ids].mean()) if ids.size else None
+
+
+def point_result(run_dir: Path, stage02: dict, report: dict, wall_s: float | None,
+                 answer_token_ids: list[list[int]]) -> dict[str, Any]:
     counts = stage02["counts"]
+    vocab = (read_manifest(run_dir / "03_build_vocab_map") or {}).get("counts", {})
+    train = read_manifest(run_dir / "04_train") or {}
+    train_counts = train.get("counts", {})
     return {
         "run_dir": str(run_dir),
         "samples": counts["samples"],
@@ -135,11 +152,18 @@ def point_result(run_dir: Path, stage02: dict, report: dict, wall_s: float | Non
         "predicted_per_position": report.get("predicted_per_position_acceptance"),
         "num_drafts": (report.get("modes", {}).get("eagle3") or {}).get("num_drafts"),
         "diagnosis": (report.get("diagnosis") or {}).get("status"),
+        "draft_vocab_coverage_train": vocab.get("coverage"),
+        "draft_vocab_coverage_eval": eval_answer_coverage(run_dir / "03_build_vocab_map" / "t2d.npy", answer_token_ids),
+        "epochs_completed": train_counts.get("epochs_completed"),
+        "best_checkpoint": (train_counts.get("best") or {}).get("checkpoint"),
+        "train_tokens_per_s": train_counts.get("train_tokens_per_s"),
+        "train_wall_s": train.get("wall_time_s"),
         "wall_s": wall_s,
     }
 
 
-def run_point(point: Point, args: argparse.Namespace, cfg: RunConfig, work: Path, vocab_size: int, log) -> dict[str, Any]:
+def run_point(point: Point, args: argparse.Namespace, cfg: RunConfig, work: Path, vocab_size: int,
+              answer_token_ids: list[list[int]], log) -> dict[str, Any]:
     run_dir = work / point.name
     if (run_dir / POINT_FILE).is_file():
         log(f"{point.name}: already measured")
@@ -173,7 +197,8 @@ def run_point(point: Point, args: argparse.Namespace, cfg: RunConfig, work: Path
         if (read_manifest(run_dir / "06_serve_test") or {}).get("status") != "complete":
             raise
     report = json.loads((run_dir / "06_serve_test" / "report.json").read_text())
-    result = point_result(run_dir, read_manifest(run_dir / "02_extract_hidden"), report, round(time.monotonic() - started, 1))
+    result = point_result(run_dir, read_manifest(run_dir / "02_extract_hidden"), report, round(time.monotonic() - started, 1),
+                          answer_token_ids)
     atomic.write_json(run_dir / POINT_FILE, result)
     return result
 
@@ -258,7 +283,34 @@ def render_markdown(results: dict[str, Any]) -> str:
                f"at ~{reach:,.0f} tokens (~{reach / summary['tokens_per_sample']:,.0f} samples)."))
     lines += ["", "An extrapolation of a log-linear fit: acceptance saturates eventually, so read the far end as an "
               "upper bound on what data alone buys.", ""]
+    lines += _changes_table(plan, points)
     return "\n".join(lines)
+
+
+def _changes_table(plan: list[dict[str, Any]], points: dict[str, dict]) -> list[str]:
+    """Each single change beside the unchanged point of its size (the reference row, change "-")."""
+    sizes = sorted({e["samples"] for e in plan if e["change"] is not None})
+    if not sizes:
+        return []
+    lines = ["| samples | change | served | vs unchanged | predicted | draft vocab covers eval answers | epochs run (best checkpoint) "
+             "| training tokens/s | stage 04 s |", "|---|---|---|---|---|---|---|---|---|"]
+    for size in sizes:
+        reference = next((e for e in plan if e["samples"] == size and e["change"] is None), None)
+        ref_served = points[reference["name"]]["served_mean_acceptance_length"] if reference else None
+        for entry in ([reference] if reference else []) + [e for e in plan if e["samples"] == size and e["change"]]:
+            p = points[entry["name"]]
+            served = p["served_mean_acceptance_length"]
+            delta = "-" if entry["change"] is None or None in (served, ref_served) else f"{served - ref_served:+.3f}"
+            coverage = p.get("draft_vocab_coverage_eval")
+            best = p.get("best_checkpoint")
+            epochs = _num(p.get("epochs_completed")) + ("" if best is None else f" ({best.rsplit('/', 1)[-1]})")
+            lines.append(f"| {size:,} | {'-' if entry['change'] is None else '='.join(entry['change'])} | {_num(served)} | "
+                         f"{delta} | {_num(p['predicted_mean_acceptance_length'])} | "
+                         f"{'-' if coverage is None else f'{coverage:.1%}'} | {epochs} | {_num(p.get('train_tokens_per_s'), 0)} | "
+                         f"{_num(p.get('train_wall_s'), 0)} |")
+    lines += ["", "vs unchanged: served acceptance length minus the unchanged point's of the same size. Training "
+              "tokens/s is the stage's mean over optimizer steps; stage 04 s includes validation and checkpoint replays.", ""]
+    return lines
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -317,15 +369,18 @@ def run(args: argparse.Namespace) -> Path:
 
     vocab_size = Verifier.from_config(cfg).vocab_size
     pipeline_report = json.loads((cfg.stage_dir("06_serve_test") / "report.json").read_text())
+    # The no-speculation answers every point is served against (serve.baseline): what the coverage is of.
+    baseline = json.loads((cfg.stage_dir("06_serve_test") / BASELINE_DIR / ANSWERS).read_text())
+    answer_token_ids = [answer for _prompt, answer in baseline["token_ids"]]
     points: dict[str, dict] = {}
     for i, point in enumerate(plan, 1):
         log(f"point {i} of {len(plan)}: {point.name}")
         if point.samples == available and point.change is None:
-            points[point.name] = point_result(cfg.run_dir, manifests["02_extract_hidden"], pipeline_report,
-                                                    None)
+            points[point.name] = point_result(cfg.run_dir, manifests["02_extract_hidden"], pipeline_report, None,
+                                              answer_token_ids)
             log(f"{point.name}: the pipeline run itself")
             continue
-        points[point.name] = run_point(point, args, cfg, work, vocab_size, log)
+        points[point.name] = run_point(point, args, cfg, work, vocab_size, answer_token_ids, log)
         p = points[point.name]
         log(f"{point.name}: {p['training_tokens']:,} training tokens, served {_num(p['served_mean_acceptance_length'])}, "
             f"predicted {_num(p['predicted_mean_acceptance_length'])}")

@@ -70,7 +70,9 @@ def _point(samples, tokens, served, predicted):
     return {"run_dir": f"runs/n{samples}", "samples": samples, "training_tokens": tokens,
             "served_mean_acceptance_length": served, "served_per_position": [served - 1, 0.0, 0.0],
             "predicted_mean_acceptance_length": predicted, "predicted_per_position": [predicted - 1, 0.0, 0.0],
-            "num_drafts": 100, "diagnosis": "agrees", "wall_s": 60.0}
+            "num_drafts": 100, "diagnosis": "agrees", "draft_vocab_coverage_train": 0.99, "draft_vocab_coverage_eval": 0.95,
+            "epochs_completed": 4, "best_checkpoint": "checkpoints/3", "train_tokens_per_s": 700.0, "train_wall_s": 120.0,
+            "wall_s": 60.0}
 
 
 def _results(tmp_path):
@@ -101,8 +103,22 @@ def test_the_document_and_the_plot(tmp_path):
     assert "| n100-train.epochs-8 | 100 | 10,000 | 1.600 | 0.60 / 0.00 / 0.00 | 1.620 |" in text
     assert "at 10,000 samples (~1,000,000 tokens at this run's 100 per sample) it predicts 2.10" in text
     assert "n-gram on the same prompts: 2.48" in text and "None" not in text
+    # The single change sits under the unchanged point of its size, with the difference it made.
+    assert "| 100 | - | 1.500 | - | 1.550 | 95.0% | 4 (3) | 700 | 120 |" in text
+    assert "| 100 | train.epochs=8 | 1.600 | +0.100 | 1.620 |" in text
     scaling.plot(results, tmp_path / "scaling.png")
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_coverage_counts_the_answer_tokens_the_draft_vocabulary_holds(tmp_path):
+    import numpy as np
+
+    in_draft = np.zeros(10, dtype=bool)
+    in_draft[[1, 2, 3]] = True
+    np.save(tmp_path / "t2d.npy", in_draft)
+    # Five answer tokens, repeats counted: 1, 2, 2 are drafted, 7 and 9 never can be.
+    assert scaling.eval_answer_coverage(tmp_path / "t2d.npy", [[1, 2, 7], [2, 9]]) == pytest.approx(0.6)
+    assert scaling.eval_answer_coverage(tmp_path / "missing.npy", [[1]]) is None
 
 
 def test_a_work_folder_cut_from_another_run_is_refused(tmp_path):
