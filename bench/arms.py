@@ -20,14 +20,15 @@ WORK_MARKER = ".benchmark-work-dir"
 ARMS = {"bf16": "bfloat16", "fp8": "fp8"}  # arm name -> hidden_states.storage_dtype
 
 
-def prepare_work_dir(path: Path) -> None:
-    """Empty the work folder of an earlier benchmark; refuse a folder that is not one."""
+def prepare_work_dir(path: Path, marker: str = WORK_MARKER, made_by: str = "bench.run",
+                     kind: str = "benchmark work folder") -> None:
+    """Empty the work folder of an earlier run of `made_by`; refuse a folder that is not one (no `marker`)."""
     if path.exists():
-        if any(path.iterdir()) and not (path / WORK_MARKER).exists():
-            raise BadInput(f"--work-dir: {path} exists and is not a benchmark work folder; choose an empty or new folder")
+        if any(path.iterdir()) and not (path / marker).exists():
+            raise BadInput(f"--work-dir: {path} exists and is not a {kind}; choose an empty or new folder")
         shutil.rmtree(path)
     (path / "logs").mkdir(parents=True)
-    (path / WORK_MARKER).write_text("made by `python -m bench.run`; emptied by every run\n")
+    (path / marker).write_text(f"made by `python -m {made_by}`; emptied by every run\n")
 
 
 def copy_conversations(source_stage: Path, target_stage: Path, num_samples: int) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -48,12 +47,7 @@ def check_arms(config: str, base: list[str], arm_overrides: list[list[str]]) -> 
 
 
 def prepare_work_dir(path: Path) -> None:
-    if path.exists():
-        if any(path.iterdir()) and not (path / WORK_MARKER).exists():
-            raise BadInput(f"--work-dir: {path} exists and is not a generation A/B folder; choose an empty or new folder")
-        shutil.rmtree(path)
-    (path / "logs").mkdir(parents=True)
-    (path / WORK_MARKER).write_text("made by `python -m bench.generation_ab`; emptied by every run\n")
+    arms.prepare_work_dir(path, WORK_MARKER, "bench.generation_ab", "generation A/B folder")
 
 
 def summarize(labels: list[str], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
