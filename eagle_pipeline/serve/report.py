@@ -96,8 +96,8 @@ def render_report_md(report: dict) -> str:
     if predicted and served:
         lines += ["", "## Predicted offline vs served (eagle3)", "",
                   "The trained checkpoint replayed on the answers served without speculation, fed as vLLM feeds it "
-                  "(eagle_pipeline/predict). Served far below predicted: the engine serves the drafter differently from "
-                  "how it was trained.", "",
+                  "(eagle_pipeline/predict). Served far below predicted would mean that the engine serves the drafter "
+                  "differently from how it was trained; the diagnosis below says whether it does.", "",
                   "| | mean acceptance length | " + " | ".join(f"position {i}" for i in range(len(served))) + " |",
                   "|---|---|" + "---|" * len(served),
                   f"| predicted | {_fmt(report.get('predicted_mean_acceptance_length'))} | "
