@@ -192,6 +192,9 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "muon"] = "adamw"
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     total_seq_len: int = Field(2048, ge=8, le=MAX_TOKENS, description="tokens per packed batch")
+    # How samples fill those batches: "sequential" is speculators' own (next samples in shuffled order until
+    # one does not fit), "best_fit" fills the open batch with the least room (patches/speculators_packing.py).
+    packing: Literal["sequential", "best_fit"] = "sequential"
     ttt_steps: int = Field(3, ge=1, le=64)
     # Loss weight of draft position k is decay**k; below 1 it spends the drafter's capacity on the early
     # positions, which decide most of the acceptance length.

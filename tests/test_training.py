@@ -253,6 +253,16 @@ def test_max_steps_stops_training_across_epochs(llama_case, tmp_path):
     assert summary["this_run"]["steps"] == 3
 
 
+def test_best_fit_packing_trains_an_epoch_in_fewer_steps(trained, llama_case, tmp_path):
+    out = tmp_path / "04_train"
+    runner.train_drafter(settings(epochs=1, packing="best_fit"), llama_case.run(out))
+    best_fit_steps = [r for r in read_rows(out) if r["split"] == "train"]
+    sequential_steps = [r for r in read_rows(trained["out"]) if r["split"] == "train" and r["epoch"] == "0"]
+    # The same epoch-0 shuffle of the same rows, packed tighter into the same 256-token batches.
+    assert 0 < len(best_fit_steps) < len(sequential_steps)
+    assert all(np.isfinite(float(r["loss"])) for r in best_fit_steps)
+
+
 def test_init_from_fine_tunes_a_trained_drafter(trained, llama_case, tmp_path):
     best = trained["out"] / trained["summary"]["best"]["checkpoint"]
     out = tmp_path / "04_train"
