@@ -31,7 +31,8 @@ from patches.speculators_cpu import TARGET_VERSION, check_version, source_sha256
 REPLACED = "speculators.train.distributed_batch_sampler:_assign_to_packed_batches"
 UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     REPLACED: "9eac5298597016c38ad23f771ef60a50beeab79421a48e0853959c8f76a8ddd2",
-    "speculators.train.distributed_batch_sampler:MultipackDistributedBatchSamplerV2._generate_batches": "6bd10672b274df6ce3e6a91697dcb915195450ba83720cf94b7a18e1ba624741",
+    "speculators.train.distributed_batch_sampler:MultipackDistributedBatchSamplerV2._generate_batches":
+        "6bd10672b274df6ce3e6a91697dcb915195450ba83720cf94b7a18e1ba624741",
 }
 
 PACKINGS = ("sequential", "best_fit")
