@@ -1,5 +1,7 @@
 """patches/speculators_packing.py: best-fit batches keep every sample, respect the token budget, fill
-batches better than speculators' sequential packing, and are what speculators' sampler yields once applied."""
+batches better than speculators' sequential packing, and are what speculators' sampler yields once applied;
+on the CPU a collated batch ends at its last sample. (That training without the padding takes the same
+steps: tests/test_training.py.)"""
 
 from __future__ import annotations
 
@@ -79,3 +81,25 @@ def test_refuses_an_unknown_packing_and_another_speculators_version(monkeypatch)
     monkeypatch.setattr("patches.speculators_cpu.installed_version", lambda: "0.9.1")
     with pytest.raises(RuntimeError, match=r"targets speculators 0\.9\.0 but 0\.9\.1 is installed"):
         speculators_packing.apply("best_fit")
+
+
+def test_on_the_cpu_a_collated_batch_ends_at_its_last_sample(monkeypatch):
+    import torch
+    from speculators.train.data import CollateFn
+
+    speculators_packing.apply("sequential")
+
+    def sample(length: int) -> dict:
+        return {"hidden_states": torch.ones(length, 3 * 8), "input_ids": torch.arange(length),
+                "verifier_last_hidden_states": torch.ones(length, 8), "loss_mask": torch.ones(length, dtype=torch.bool),
+                "lengths": torch.tensor([length]), "position_ids": torch.arange(length)}
+
+    collate = CollateFn(64, 8, num_target_layers=3, dtype=torch.float32)
+    batch = collate([sample(20), sample(15)])
+    assert batch["document_ids"].tolist() == [[0] * 20 + [1] * 15]
+    assert {key: tuple(value.shape) for key, value in batch.items() if isinstance(value, torch.Tensor)} == {
+        "hidden_states": (1, 35, 24), "input_ids": (1, 35), "verifier_last_hidden_states": (1, 35, 8),
+        "loss_mask": (1, 35), "position_ids": (1, 35), "document_ids": (1, 35)}
+    # With an accelerator the batch keeps its fixed length (the compiled forward wants one shape).
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert collate([sample(20), sample(15)])["input_ids"].shape == (1, 64)

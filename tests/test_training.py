@@ -263,6 +263,21 @@ def test_best_fit_packing_trains_an_epoch_in_fewer_steps(trained, llama_case, tm
     assert all(np.isfinite(float(r["loss"])) for r in best_fit_steps)
 
 
+def test_training_without_the_padding_takes_the_same_steps(llama_case, tmp_path, monkeypatch):
+    from patches import speculators_packing
+
+    losses = {}
+    for name in ("trimmed", "padded"):
+        if name == "padded":
+            monkeypatch.setattr(speculators_packing, "trim_padding", lambda batch: batch)
+        out = tmp_path / name / "04_train"
+        runner.train_drafter(settings(epochs=1), llama_case.run(out, max_steps=3))
+        losses[name] = [float(r["loss"]) for r in read_rows(out) if r["split"] == "train"]
+    # Padding is masked out of attention and loss: leaving it out changes no step's loss (and so no update).
+    assert len(losses["trimmed"]) == 3
+    assert losses["trimmed"] == pytest.approx(losses["padded"], rel=1e-4)
+
+
 def test_init_from_fine_tunes_a_trained_drafter(trained, llama_case, tmp_path):
     best = trained["out"] / trained["summary"]["best"]["checkpoint"]
     out = tmp_path / "04_train"

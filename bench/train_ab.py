@@ -1,0 +1,187 @@
+"""Stage 04's training throughput, A/B: how the batches are packed and padded, on the pipeline run's data.
+
+    python -m bench.train_ab --config configs/tiny.yaml --steps 60 --repeats 2
+
+Three arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
+optimizer steps on the finished pipeline run's stage 02 data and stage 03 vocabulary:
+  - shipped: sequential packing, every batch padded to train.total_seq_len (speculators as released);
+  - unpadded: the same batches, cut after their last sample (patches/speculators_packing.py, CPU only);
+  - best_fit: best-fit packing (train.packing: best_fit), unpadded.
+Every repetition runs each arm once, in an order rotated by one each repetition. The figure per run is the
+median over its steps of speculators' per-step tokens/s (real tokens, padding not counted, over the step's
+batch + forward + backward + optimizer time); ratios to `shipped` are taken within each repetition. The
+`shipped` and `unpadded` arms train on the same batches from the same start, so their step losses must
+agree: the table gives the largest relative difference. Batches per epoch and how full they are come from
+the samplers themselves, over the run's training split.
+
+Output in <data_root>/<run_name>-train-ab/ (or --work-dir): train_ab.json, train_ab.md and one training
+folder per arm and repetition (emptied by every run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import arms
+from bench.exit_codes import run_command
+from bench.stats import interleaved_order, paired_ratios, spread
+from eagle_pipeline import atomic
+from eagle_pipeline.config import load_config
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.stage import require_complete, require_sample_layout
+from eagle_pipeline.train.settings import TrainRun
+from eagle_pipeline.verifier import Verifier
+
+WORK_MARKER = ".train-ab-work-dir"
+ARMS = ("shipped", "unpadded", "best_fit")
+PACKING = {"shipped": "sequential", "unpadded": "sequential", "best_fit": "best_fit"}
+
+
+@contextlib.contextmanager
+def padding_kept(keep: bool) -> Iterator[None]:
+    """Train with speculators' padded batches (the `shipped` arm) instead of the patch's cut ones."""
+    from patches import speculators_packing
+
+    trim = speculators_packing.trim_padding
+    if keep:
+        speculators_packing.trim_padding = lambda batch: batch
+    try:
+        yield
+    finally:
+        speculators_packing.trim_padding = trim
+
+
+def step_rows(out_dir: Path) -> list[dict[str, str]]:
+    with open(out_dir / "metrics.csv", newline="") as f:
+        return [row for row in csv.DictReader(f) if row["split"] == "train"]
+
+
+def packing_figures(data_dir: Path, train_rows: int, total_seq_len: int, seed: int) -> dict[str, dict[str, float]]:
+    """Batches per epoch and the share of their tokens that are real, per packing, for epoch 0's shuffle."""
+    from datasets import load_from_disk
+
+    from patches import speculators_packing
+
+    lengths = np.clip(np.array(load_from_disk(str(data_dir)).with_format(None)["seq_len"][:train_rows]), 0, total_seq_len)
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    packers = {"sequential": speculators_packing.shipped_packing(), "best_fit": speculators_packing.best_fit_batches}
+    figures = {}
+    for name, pack in packers.items():
+        batches = pack(lengths[order], total_seq_len, 0, 1)
+        real = sum(int(lengths[order][batch].sum()) for batch in batches)
+        figures[name] = {"batches": len(batches), "fill": real / (len(batches) * total_seq_len)}
+    return figures
+
+
+def run(args: argparse.Namespace) -> int:
+    from eagle_pipeline.train import runner
+
+    cfg = load_config(args.config, args.overrides)
+    if args.steps < 2 or args.repeats < 1:
+        raise BadInput("--steps must be at least 2 and --repeats at least 1")
+    if cfg.train.num_gpus != 0:
+        raise BadInput("train.num_gpus: this benchmark measures CPU training; set it to 0")
+    _, layout = require_sample_layout(cfg)
+    require_complete(cfg, 3)
+    work = Path(args.work_dir) if args.work_dir else cfg.run_dir.parent / f"{cfg.run_name}-train-ab"
+    arms.prepare_work_dir(work, WORK_MARKER, "bench.train_ab", "training A/B folder")
+    verifier = Verifier.from_config(cfg)
+    vocab_dir = cfg.stage_dir("03_build_vocab_map")
+    data_dir = cfg.stage_dir("02_extract_hidden") / "data"
+
+    def train_run(out_dir: Path) -> TrainRun:
+        return TrainRun(data_dir=data_dir, d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
+                        verifier_dir=verifier.path, out_dir=out_dir, layer_ids=list(layout.layer_ids), seed=cfg.seed,
+                        storage_dtype=layout.storage_dtype, device="cpu", max_steps=args.steps)
+
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    started = time.time()
+    for repetition in range(args.repeats):
+        for arm in interleaved_order(ARMS, repetition):
+            out_dir = work / f"{arm}-{repetition}" / "04_train"
+            settings = cfg.train.model_copy(update={"packing": PACKING[arm], "early_stop_patience": None})
+            print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
+            with padding_kept(arm == "shipped"):
+                runner.train_drafter(settings, train_run(out_dir))
+            rows = step_rows(out_dir)
+            runs[arm].append({"tokens_per_s": statistics.median(float(r["tokens_per_s"]) for r in rows),
+                              "losses": [float(r["loss"]) for r in rows]})
+    # The run's training split, as the trainer reads it (validation topics last).
+    split_run = train_run(work / "shipped-0" / "04_train")
+    train_rows = round(json.loads((split_run.out_dir / "split.json").read_text())["train_data_ratio"]
+                       * layout_samples(split_run.split_dir))
+    results = {
+        "config": args.config,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "wall_s": time.time() - started,
+        "total_seq_len": cfg.train.total_seq_len,
+        **summarize(runs),
+        "packing": packing_figures(split_run.split_dir, train_rows, cfg.train.total_seq_len, cfg.seed),
+    }
+    atomic.write_json(work / "train_ab.json", results)
+    atomic.write_text(work / "train_ab.md", report(results))
+    print(report(results))
+    return 0
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per arm: tokens/s and its ratio to `shipped` pair by pair; how far the unpadded losses stray."""
+    rates = {arm: [r["tokens_per_s"] for r in runs[arm]] for arm in ARMS}
+    return {
+        "tokens_per_s": {arm: spread(rates[arm]) for arm in ARMS},
+        "ratio_to_shipped": {arm: spread(paired_ratios(rates[arm], rates["shipped"])) for arm in ARMS},
+        "loss_max_relative_difference_unpadded_vs_shipped": max(
+            abs(a - b) / abs(b) for shipped, unpadded in zip(runs["shipped"], runs["unpadded"], strict=True)
+            for a, b in zip(unpadded["losses"], shipped["losses"], strict=True)),
+    }
+
+
+def layout_samples(data_dir: Path) -> int:
+    from datasets import load_from_disk
+
+    return len(load_from_disk(str(data_dir)))
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [
+        "| arm | training tokens/s | ratio to shipped |",
+        "|---|---|---|",
+    ]
+    for arm in ARMS:
+        t, r = results["tokens_per_s"][arm], results["ratio_to_shipped"][arm]
+        lines.append(f"| {arm} | {t['median']:,.0f} [{t['min']:,.0f}-{t['max']:,.0f}] | {r['median']:.2f}x |")
+    lines += ["", f"| packing at {results['total_seq_len']} tokens | batches per epoch | real tokens per batch |", "|---|---|---|"]
+    for name, figure in results["packing"].items():
+        lines.append(f"| {name} | {figure['batches']} | {figure['fill']:.1%} |")
+    lines += ["", f"Step losses, unpadded against shipped (same batches, same start): largest relative difference "
+              f"{results['loss_max_relative_difference_unpadded_vs_shipped']:.1e}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the config of the finished pipeline run (e.g. configs/tiny.yaml)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per training run")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, interleaved")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, as for the stage scripts")
+    parser.add_argument("--work-dir", help="folder for the runs (default: <data_root>/<run_name>-train-ab)")
+    args = parser.parse_args(argv)
+    return run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
+                       logs="the trainer's own output is above")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The training A/B: its summary and document, and its refusals (no training started)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, write_config
+
+from bench import train_ab
+from eagle_pipeline.errors import BadInput
+
+
+def test_ratios_are_paired_and_the_unpadded_losses_are_compared_step_by_step():
+    # The machine slowed down in the second repetition; the pairs cancel it.
+    runs = {"shipped": [{"tokens_per_s": 100.0, "losses": [10.0, 9.0]}, {"tokens_per_s": 50.0, "losses": [10.0, 9.0]}],
+            "unpadded": [{"tokens_per_s": 140.0, "losses": [10.0, 9.0009]}, {"tokens_per_s": 70.0, "losses": [10.0, 9.0]}],
+            "best_fit": [{"tokens_per_s": 160.0, "losses": [11.0]}, {"tokens_per_s": 80.0, "losses": [11.0]}]}
+    summary = train_ab.summarize(runs)
+    assert summary["ratio_to_shipped"]["unpadded"]["median"] == pytest.approx(1.4)
+    assert summary["ratio_to_shipped"]["best_fit"]["median"] == pytest.approx(1.6)
+    assert summary["loss_max_relative_difference_unpadded_vs_shipped"] == pytest.approx(1e-4)
+    results = {**summary, "total_seq_len": 512,
+               "packing": {"sequential": {"batches": 273, "fill": 0.708}, "best_fit": {"batches": 235, "fill": 0.822}}}
+    text = train_ab.report(results)
+    assert "| unpadded | 105 [70-140] | 1.40x |" in text and "| best_fit | 235 | 82.2% |" in text
+    assert "largest relative difference 1.0e-04" in text
+
+
+def test_a_foreign_work_folder_is_refused(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep")
+    with pytest.raises(BadInput, match="--work-dir: .* is not a training A/B folder"):
+        train_ab.arms.prepare_work_dir(tmp_path, train_ab.WORK_MARKER, "bench.train_ab", "training A/B folder")
+    assert (tmp_path / "mine.txt").read_text() == "keep"
+
+
+def test_without_a_finished_run_it_exits_2_with_one_error_line(tmp_path):
+    config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r")
+    result = subprocess.run([sys.executable, "-m", "bench.train_ab", "--config", str(config)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and "02_extract_hidden" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "data" / "r-train-ab").exists()
