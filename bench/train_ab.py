@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import json
 import statistics
 import sys
 import time
@@ -40,7 +38,9 @@ from eagle_pipeline import atomic
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.stage import require_complete, require_sample_layout
+from eagle_pipeline.train.metrics import METRICS_CSV, read_metrics
 from eagle_pipeline.train.settings import TrainRun
+from eagle_pipeline.train.topic_split import read_split
 from eagle_pipeline.verifier import Verifier
 
 WORK_MARKER = ".train-ab-work-dir"
@@ -62,18 +62,16 @@ def padding_kept(keep: bool) -> Iterator[None]:
         speculators_packing.trim_padding = trim
 
 
-def step_rows(out_dir: Path) -> list[dict[str, str]]:
-    with open(out_dir / "metrics.csv", newline="") as f:
-        return [row for row in csv.DictReader(f) if row["split"] == "train"]
-
-
-def packing_figures(data_dir: Path, train_rows: int, total_seq_len: int, seed: int) -> dict[str, dict[str, float]]:
-    """Batches per epoch and the share of their tokens that are real, per packing, for epoch 0's shuffle."""
+def packing_figures(split_dir: Path, train_data_ratio: float, total_seq_len: int, seed: int) -> dict[str, dict[str, float]]:
+    """Batches per epoch and the share of their tokens that are real, per packing, for epoch 0's shuffle of
+    the training rows (the split view's first `train_data_ratio` of its rows)."""
     from datasets import load_from_disk
 
     from patches import speculators_packing
 
-    lengths = np.clip(np.array(load_from_disk(str(data_dir)).with_format(None)["seq_len"][:train_rows]), 0, total_seq_len)
+    all_lengths = load_from_disk(str(split_dir)).with_format(None)["seq_len"]
+    train_rows = round(train_data_ratio * len(all_lengths))
+    lengths = np.clip(np.array(all_lengths[:train_rows]), 0, total_seq_len)
     order = np.random.default_rng(seed).permutation(len(lengths))
     packers = {"sequential": speculators_packing.shipped_packing(), "best_fit": speculators_packing.best_fit_batches}
     figures = {}
@@ -114,13 +112,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
             with padding_kept(arm == "shipped"):
                 runner.train_drafter(settings, train_run(out_dir))
-            rows = step_rows(out_dir)
-            runs[arm].append({"tokens_per_s": statistics.median(float(r["tokens_per_s"]) for r in rows),
-                              "losses": [float(r["loss"]) for r in rows]})
+            rows = [row for row in read_metrics(out_dir / METRICS_CSV) if row["split"] == "train"]
+            runs[arm].append({"tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),
+                              "losses": [row["loss"] for row in rows]})
     # The run's training split, as the trainer reads it (validation topics last).
     split_run = train_run(work / "shipped-0" / "04_train")
-    train_rows = round(json.loads((split_run.out_dir / "split.json").read_text())["train_data_ratio"]
-                       * layout_samples(split_run.split_dir))
+    train_data_ratio = read_split(split_run.out_dir)["train_data_ratio"]
     results = {
         "config": args.config,
         "steps": args.steps,
@@ -128,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         "wall_s": time.time() - started,
         "total_seq_len": cfg.train.total_seq_len,
         **summarize(runs),
-        "packing": packing_figures(split_run.split_dir, train_rows, cfg.train.total_seq_len, cfg.seed),
+        "packing": packing_figures(split_run.split_dir, train_data_ratio, cfg.train.total_seq_len, cfg.seed),
     }
     atomic.write_json(work / "train_ab.json", results)
     atomic.write_text(work / "train_ab.md", report(results))
@@ -146,12 +143,6 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             abs(a - b) / abs(b) for shipped, unpadded in zip(runs["shipped"], runs["unpadded"], strict=True)
             for a, b in zip(unpadded["losses"], shipped["losses"], strict=True)),
     }
-
-
-def layout_samples(data_dir: Path) -> int:
-    from datasets import load_from_disk
-
-    return len(load_from_disk(str(data_dir)))
 
 
 def report(results: dict[str, Any]) -> str:
