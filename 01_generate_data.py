@@ -17,7 +17,7 @@ Full scale (8 GPUs, see README "Running on a GPU host"):
     python 01_generate_data.py --config configs/kimi-k2.5-10k.yaml
 
 Output in <data_root>/<run_name>/01_generate_data/:
-    parts/part-*.jsonl   finished batches (a crash loses at most the batch in flight)
+    parts/part-*.jsonl   finished conversations, generation.batch_size a file (a crash loses at most those not yet written)
     self_written/part-*.jsonl   prompt_source self: every sampled user turn and the filter's verdict
     conversations/       `datasets` dataset: sample_id, prompt_id, topic, messages, finish_reason, token counts,
                          prompt_token_ids, completion_token_ids
@@ -82,7 +82,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     verifier = Verifier.from_config(cfg)
     template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
     generation = cfg.generation.model_dump(mode="json")
-    generation.pop("batch_size")  # batching changes nothing in the output
+    for scheduling in ("batch_size", "refill"):  # how the engine is fed changes nothing in the output
+        generation.pop(scheduling)
     if self_written:
         # What the prompts come from; their count is data.num_samples (counts), which may grow on a rerun.
         prompt_input = {"source": "self", "model": verifier.fingerprints()["verifier"], "seed": cfg.seed,
@@ -130,6 +131,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         from tqdm import tqdm
         from vllm import LLM, SamplingParams
 
+        from eagle_pipeline.answering import answer_in_flight
         from eagle_pipeline.engine import apply_engine_env, llm_kwargs
 
         apply_engine_env(cfg)
@@ -152,36 +154,39 @@ def run(stage: Stage, dry_run: bool) -> None:
         )
         t0 = time.monotonic()  # generation speed, without the engine's start-up
         system = [{"role": "system", "content": cfg.generation.system_prompt}] if cfg.generation.system_prompt else []
-        batch_size = cfg.generation.batch_size
+        conversations = [system + prompts[i]["messages"] for i in todo]
+        # generation.batch_size conversations decode at once, topped up as each finishes; every batch_size
+        # finished ones are written as a part, so a crash loses at most the conversations not yet written.
+        finished: list[dict] = []
+
+        def write_part(records: list[dict]) -> None:
+            first = min(r["sample_id"] for r in records)
+            atomic.write_text(parts_dir / f"part-{first}-{len(records):05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+            done.update({r["sample_id"]: r for r in records})
+
         with tqdm(total=len(todo), desc="generate", unit="conv") as bar:
-            for start in range(0, len(todo), batch_size):
-                batch = todo[start : start + batch_size]
-                conversations = [system + prompts[i]["messages"] for i in batch]
-                outputs = llm.chat(
-                    conversations,
-                    params,
-                    use_tqdm=False,
-                    chat_template_kwargs=template_kwargs,
-                )
-                records = []
-                for i, messages, out in zip(batch, conversations, outputs):
-                    completion = out.outputs[0]
-                    generated_tokens += len(completion.token_ids)
-                    records.append({
-                        "sample_id": sample_ids[i],
-                        "prompt_id": prompts[i]["id"],
-                        "topic": prompts[i]["topic"],
-                        "messages": messages + [{"role": "assistant", "content": completion.text}],
-                        "finish_reason": completion.finish_reason,
-                        "prompt_tokens": len(out.prompt_token_ids),
-                        "completion_tokens": len(completion.token_ids),
-                        "prompt_token_ids": list(out.prompt_token_ids),
-                        "completion_token_ids": list(completion.token_ids),
-                    })
-                part = parts_dir / f"part-{sample_ids[batch[0]]}-{len(batch):05d}.jsonl"
-                atomic.write_text(part, "".join(json.dumps(r) + "\n" for r in records))
-                done.update({r["sample_id"]: r for r in records})
-                bar.update(len(batch))
+            answers = answer_in_flight(llm, conversations, params, in_flight=cfg.generation.batch_size,
+                                       chat_template_kwargs=template_kwargs, refill=cfg.generation.refill)
+            for position, out in answers:
+                i, messages, completion = todo[position], conversations[position], out.outputs[0]
+                generated_tokens += len(completion.token_ids)
+                finished.append({
+                    "sample_id": sample_ids[i],
+                    "prompt_id": prompts[i]["id"],
+                    "topic": prompts[i]["topic"],
+                    "messages": messages + [{"role": "assistant", "content": completion.text}],
+                    "finish_reason": completion.finish_reason,
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "completion_tokens": len(completion.token_ids),
+                    "prompt_token_ids": list(out.prompt_token_ids),
+                    "completion_token_ids": list(completion.token_ids),
+                })
+                bar.update(1)
+                if len(finished) == cfg.generation.batch_size:
+                    write_part(finished)
+                    finished = []
+            if finished:
+                write_part(finished)
         gen_seconds = time.monotonic() - t0
 
     # -- the dataset, in sample-id order ------------------------------------------------------------

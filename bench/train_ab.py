@@ -2,11 +2,14 @@
 
     python -m bench.train_ab --config configs/tiny.yaml --steps 60 --repeats 2
 
-Three arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
+Up to four arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
 optimizer steps on the finished pipeline run's stage 02 data and stage 03 vocabulary:
   - shipped: sequential packing, every batch padded to train.total_seq_len (speculators as released);
   - unpadded: the same batches, cut after their last sample (patches/speculators_packing.py, CPU only);
-  - best_fit: best-fit packing (train.packing: best_fit), unpadded.
+  - best_fit: best-fit packing (train.packing: best_fit), unpadded;
+  - unpadded_bf16: unpadded, with bf16 autocast (train.dtype: bfloat16, fp32 master weights), when the run
+    trains in float32 and this CPU has a bf16 matmul kernel (n/a with the reason otherwise): both of the
+    CPU's training speed-ups together.
 Every repetition runs each arm once, in an order rotated by one each repetition. The figure per run is the
 median over its steps of speculators' per-step tokens/s (real tokens, padding not counted, over the step's
 batch + forward + backward + optimizer time); ratios to `shipped` are taken within each repetition. The
@@ -44,8 +47,21 @@ from eagle_pipeline.train.topic_split import read_split
 from eagle_pipeline.verifier import Verifier
 
 WORK_MARKER = ".train-ab-work-dir"
-ARMS = ("shipped", "unpadded", "best_fit")
-PACKING = {"shipped": "sequential", "unpadded": "sequential", "best_fit": "best_fit"}
+ARMS = ("shipped", "unpadded", "best_fit", "unpadded_bf16")
+PACKING = {"shipped": "sequential", "unpadded": "sequential", "best_fit": "best_fit", "unpadded_bf16": "sequential"}
+
+
+def bf16_arm_unavailable(train_dtype: str) -> str | None:
+    """Why the unpadded_bf16 arm cannot run here ("n/a (...)"), or None when it can."""
+    from bench.flops import unavailable_matmul_kernels
+    from bench.stats import not_available
+
+    if train_dtype != "float32":
+        return not_available(f"the run already trains in {train_dtype}")
+    missing = unavailable_matmul_kernels("bfloat16")
+    if "torch" in missing:  # speculators' drafter runs torch's own kernels
+        return missing["torch"]
+    return None
 
 
 @contextlib.contextmanager
@@ -103,12 +119,15 @@ def run(args: argparse.Namespace) -> int:
                         verifier_dir=verifier.path, out_dir=out_dir, layer_ids=list(layout.layer_ids), seed=cfg.seed,
                         storage_dtype=layout.storage_dtype, device="cpu", max_steps=args.steps)
 
-    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    unavailable = {"unpadded_bf16": reason} if (reason := bf16_arm_unavailable(cfg.train.dtype)) else {}
+    measured = [arm for arm in ARMS if arm not in unavailable]
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in measured}
     started = time.time()
     for repetition in range(args.repeats):
-        for arm in interleaved_order(ARMS, repetition):
+        for arm in interleaved_order(measured, repetition):
             out_dir = work / f"{arm}-{repetition}" / "04_train"
-            settings = cfg.train.model_copy(update={"packing": PACKING[arm], "early_stop_patience": None})
+            dtype = "bfloat16" if arm == "unpadded_bf16" else cfg.train.dtype
+            settings = cfg.train.model_copy(update={"packing": PACKING[arm], "dtype": dtype, "early_stop_patience": None})
             print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
             with padding_kept(arm == "shipped"):
                 runner.train_drafter(settings, train_run(out_dir))
@@ -124,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "wall_s": time.time() - started,
         "total_seq_len": cfg.train.total_seq_len,
-        **summarize(runs),
+        **summarize(runs, unavailable),
         "packing": packing_figures(split_run.split_dir, train_data_ratio, cfg.train.total_seq_len, cfg.seed),
     }
     atomic.write_json(work / "train_ab.json", results)
@@ -133,12 +152,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per arm: tokens/s and its ratio to `shipped` pair by pair; how far the unpadded losses stray."""
-    rates = {arm: [r["tokens_per_s"] for r in runs[arm]] for arm in ARMS}
+def summarize(runs: dict[str, list[dict[str, Any]]], unavailable: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per arm: tokens/s and its ratio to `shipped` pair by pair (an arm this CPU cannot run: its n/a reason);
+    how far the unpadded losses stray."""
+    unavailable = unavailable or {}
+    rates = {arm: [r["tokens_per_s"] for r in runs[arm]] for arm in ARMS if arm in runs}
     return {
-        "tokens_per_s": {arm: spread(rates[arm]) for arm in ARMS},
-        "ratio_to_shipped": {arm: spread(paired_ratios(rates[arm], rates["shipped"])) for arm in ARMS},
+        "tokens_per_s": {arm: spread(rates[arm]) if arm in rates else unavailable[arm] for arm in ARMS},
+        "ratio_to_shipped": {arm: spread(paired_ratios(rates[arm], rates["shipped"])) if arm in rates else unavailable[arm]
+                             for arm in ARMS},
         "loss_max_relative_difference_unpadded_vs_shipped": max(
             abs(a - b) / abs(b) for shipped, unpadded in zip(runs["shipped"], runs["unpadded"], strict=True)
             for a, b in zip(unpadded["losses"], shipped["losses"], strict=True)),
@@ -152,7 +174,10 @@ def report(results: dict[str, Any]) -> str:
     ]
     for arm in ARMS:
         t, r = results["tokens_per_s"][arm], results["ratio_to_shipped"][arm]
-        lines.append(f"| {arm} | {t['median']:,.0f} [{t['min']:,.0f}-{t['max']:,.0f}] | {r['median']:.2f}x |")
+        if isinstance(t, str):  # n/a on this CPU, with the reason
+            lines.append(f"| {arm} | {t} | - |")
+        else:
+            lines.append(f"| {arm} | {t['median']:,.0f} [{t['min']:,.0f}-{t['max']:,.0f}] | {r['median']:.2f}x |")
     lines += ["", f"| packing at {results['total_seq_len']} tokens | batches per epoch | real tokens per batch |", "|---|---|---|"]
     for name, figure in results["packing"].items():
         lines.append(f"| {name} | {figure['batches']} | {figure['fill']:.1%} |")

@@ -136,7 +136,10 @@ class GenerationConfig(Section):
     reasoning: bool = Field(False, description="thinking on or off, through the template's own switch (enable_thinking, thinking, ...)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra chat-template arguments; override the detected thinking switch")
     system_prompt: Optional[str] = None
-    batch_size: int = Field(32, ge=1, le=MAX_COUNT, description="prompts per engine call; a crash loses at most one batch")
+    batch_size: int = Field(32, ge=1, le=MAX_COUNT, description="conversations the engine decodes at once, and per part file "
+                            "(a crash loses at most those not yet written)")
+    refill: bool = Field(True, description="start the next conversation as soon as one finishes; false hands the engine fixed "
+                         "batches of batch_size (eagle_pipeline/answering.py)")
 
 
 class HiddenStatesConfig(Section):

@@ -8,15 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import smoke_run
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
-# The suite's one small pipeline run: 6 conversations of at most 24 tokens, short training and serving, an
-# acceptance floor any drafter passes. It is also what users get as their first try.
-SMOKE_CONFIG = REPO / "configs" / "tiny-smoke.yaml"
+# The suite's one small pipeline run (tests/smoke_run.py): 6 conversations of at most 24 tokens, short
+# training and serving, an acceptance floor any drafter passes. It is also what users get as their first try.
+SMOKE_CONFIG = smoke_run.SMOKE_CONFIG
 SMOKE = yaml.safe_load(SMOKE_CONFIG.read_text())
 
 
@@ -71,27 +72,93 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-@pytest.fixture(scope="session")
-def small_run(tmp_path_factory):
-    """Stages 01-03 run for real once per test session: (root, config, run_dir)."""
-    root = tmp_path_factory.mktemp("pipeline")
-    config = write_smoke_config(root / "run.yaml", data_root=str(root / "data"), run_name="t")
-    for script in ("01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py"):
-        ok(run_stage(script, config))
-    return root, config, root / "data" / "t"
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker keeps to its own share of the cores, and so does everything it starts (vLLM binds
+    its threads to the cores a process may use, torch sizes its thread pool by them). Two workers on one
+    machine's cores would otherwise each start two-thread engines on both, whose threads spin waiting for each
+    other: measured on 2 cores, a served test took 3x its time alone, against 2x at most when each has a core."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    workers, index = int(workerinput["workercount"]), int(workerinput["workerid"].removeprefix("gw"))
+    share = len(cores) // workers
+    if share >= 1:
+        os.sched_setaffinity(0, cores[index * share:(index + 1) * share])
+
+
+def smoke_folder(config: pytest.Config) -> Path:
+    """Where the session's shared smoke run lives: beside the pytest-xdist workers' own temporary folders
+    (so every worker of the session finds the same one), or in the session's temporary folder without xdist."""
+    base = config._tmp_path_factory.getbasetemp()  # the tmp_path_factory fixture's own object, for use in hooks
+    return (base.parent if hasattr(config, "workerinput") else base) / "smoke"
+
+
+def needs_smoke_run(item: pytest.Item) -> bool:
+    return bool({"small_run", "finished_small_run"} & set(getattr(item, "fixturenames", ())))
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the test files for two workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
+    each file to one worker as a whole, in this order). Files none of whose tests need the shared smoke run go
+    first, so that they run while it is being built; within each half the files that start vLLM engines lead,
+    so that a long one does not end the session alone. (Fault injection, the longest, is split over two files.)"""
+    needs_smoke, starts_engines = set(), set()
+    for item in items:
+        if needs_smoke_run(item):
+            needs_smoke.add(item.path)
+        if item.get_closest_marker("vllm") is not None:
+            starts_engines.add(item.path)
+    items.sort(key=lambda item: (item.path in needs_smoke, item.path not in starts_engines))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the shared smoke run as soon as a selected test needs it (after -k / -m deselection)."""
+    if not session.config.option.collectonly and any(needs_smoke_run(item) for item in session.items):
+        smoke_run.start_in_background(smoke_folder(session.config))
+
+
+def _fuzz_cases_tried() -> int:
+    fuzz = sys.modules.get("test_schema_fuzz")
+    return fuzz.CASES_TRIED[0] if fuzz is not None else 0
+
+
+FUZZ_CASES_FROM_WORKERS = [0]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):
+        # A pytest-xdist worker hands its count to the controlling process (pytest_testnodedown).
+        session.config.workeroutput["fuzz_cases_tried"] = _fuzz_cases_tried()
+        return
+    # The controlling process, which outlives every worker: an interrupted session leaves no smoke build
+    # behind (it runs in a process session of its own).
+    smoke_run.stop(smoke_folder(session.config))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_testnodedown(node, error) -> None:
+    FUZZ_CASES_FROM_WORKERS[0] += getattr(node, "workeroutput", {}).get("fuzz_cases_tried", 0)
 
 
 @pytest.fixture(scope="session")
-def finished_small_run(small_run):
-    """The small run with stages 04-06 done as well, once per test session: (config, run_dir)."""
-    root, config, run_dir = small_run
-    for script in ("04_train.py", "05_convert.py", "06_serve_test.py"):
-        ok(run_stage(script, config, timeout=1800))
-    return config, run_dir
+def small_run(request):
+    """Stages 01-03 of the shared smoke run: (folder, config, run_dir)."""
+    folder = smoke_folder(request.config)
+    config = smoke_run.wait_for(folder, smoke_run.FIRST_STAGES)
+    return folder, config, smoke_run.run_dir(folder)
+
+
+@pytest.fixture(scope="session")
+def finished_small_run(request):
+    """The shared smoke run with all six stages done: (config, run_dir)."""
+    folder = smoke_folder(request.config)
+    config = smoke_run.wait_for(folder, smoke_run.LAST_STAGES)
+    return config, smoke_run.run_dir(folder)
 
 
 def pytest_terminal_summary(terminalreporter):
     """How many generated bad-input cases tests/test_schema_fuzz.py tried (the figure BENCHMARKS.md quotes)."""
-    fuzz = sys.modules.get("test_schema_fuzz")
-    if fuzz is not None and fuzz.CASES_TRIED[0]:
-        terminalreporter.write_line(f"schema fuzz: {fuzz.CASES_TRIED[0]} generated bad-input cases tried")
+    tried = _fuzz_cases_tried() + FUZZ_CASES_FROM_WORKERS[0]
+    if tried:
+        terminalreporter.write_line(f"schema fuzz: {tried} generated bad-input cases tried")

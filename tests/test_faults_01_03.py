@@ -1,0 +1,168 @@
+"""Fault injection into stages 01-03 (tests/fault_injection.py): each killed at seeded points and rerun to
+what the session's uninterrupted `small_run` made, and a disk that fills midway through stage 02."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+
+import pytest
+from conftest import ok, run_stage
+from fault_injection import (
+    SEED,
+    assert_complete_and_whole,
+    assert_same_hidden_states,
+    dataset_rows,
+    fresh_run,
+    kill_at,
+    link_stages,
+    pages,
+    read_manifest,
+    safetensors_is_whole,
+    status,
+    tmpfs,
+    write_smoke_config,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture
+def run(tmp_path):
+    return fresh_run(tmp_path)
+
+
+def test_stage_01_killed_three_times_gives_the_reference_conversations(small_run, run, tmp_path):
+    _, _, reference = small_run
+    config, run_dir = run
+    stage = run_dir / "01_generate_data"
+    parts = lambda: sorted((stage / "parts").glob("part-*.jsonl"))  # noqa: E731
+    rng = random.Random(SEED + 1)
+
+    # While the engine loads: nothing generated yet.
+    kill_at("01_generate_data.py", config, stage_dir=stage, when=lambda: status(stage) == "running",
+            delay=rng.uniform(0.5, 4.0), log_path=tmp_path / "kill-1.log")
+    assert parts() == []
+    # Right after the first batch of 4 (tiny-smoke.yaml) is written, while the second is generated.
+    kill_at("01_generate_data.py", config, stage_dir=stage, when=lambda: len(parts()) >= 1,
+            delay=rng.uniform(0.0, 0.05), log_path=tmp_path / "kill-2.log")
+    assert len(parts()) == 1
+    # Once both batches are written, while the dataset and the plot are: the rerun generates nothing.
+    output = kill_at("01_generate_data.py", config, stage_dir=stage, when=lambda: len(parts()) >= 2,
+                     delay=rng.uniform(0.0, 0.2), log_path=tmp_path / "kill-3.log")
+    assert "4 of 6 conversations already done, 2 to generate" in output
+
+    result = ok(run_stage("01_generate_data.py", config))
+    assert "6 of 6 conversations already done, 0 to generate" in result.stdout
+    manifest = assert_complete_and_whole(stage)
+    expected = read_manifest(reference / "01_generate_data")
+
+    rows = dataset_rows(stage / "conversations")
+    assert [r["sample_id"] for r in rows] == [f"s{i:06d}" for i in range(6)]
+    in_parts = [json.loads(line)["sample_id"] for part in parts() for line in part.read_text().splitlines()]
+    assert sorted(in_parts) == [r["sample_id"] for r in rows], "each sample in exactly one part file"
+    # Greedy decoding: the same texts, token counts and finish reasons as the uninterrupted run.
+    assert rows == dataset_rows(reference / "01_generate_data" / "conversations")
+    assert manifest["output_fingerprint"] == expected["output_fingerprint"]
+    assert manifest["counts"]["samples"] == 6
+
+
+def test_stage_02_killed_twice_gives_the_reference_hidden_states(small_run, tmp_path):
+    _, _, reference = small_run
+    run_dir = tmp_path / "data" / "f"
+    # One sample per engine call: a file every fraction of a second, so kills land between files.
+    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="f",
+                                hidden_states={"batch_size": 1})
+    link_stages(reference, run_dir, "01_generate_data")
+    stage = run_dir / "02_extract_hidden"
+    hs_dir = stage / "data" / "hidden_states"
+    files = lambda: len(list(hs_dir.glob("hs_*.safetensors"))) if hs_dir.exists() else 0  # noqa: E731
+    rng = random.Random(SEED + 2)
+
+    first = rng.choice([1, 2])
+    kill_at("02_extract_hidden.py", config, stage_dir=stage, when=lambda: files() >= first,
+            delay=rng.uniform(0.0, 0.03), log_path=tmp_path / "kill-1.log")
+    kept = files()
+    assert 1 <= kept < 6
+    second = kept + rng.choice([1, 2])
+    output = kill_at("02_extract_hidden.py", config, stage_dir=stage, when=lambda: files() >= second,
+                     delay=rng.uniform(0.0, 0.03), log_path=tmp_path / "kill-2.log")
+    assert f"{kept} of 6 samples already captured" in output
+    kept = files()
+    assert second <= kept < 6
+
+    result = ok(run_stage("02_extract_hidden.py", config))
+    assert f"{kept} of 6 samples already captured, {6 - kept} to capture" in result.stdout
+    manifest = assert_complete_and_whole(stage)
+    want = reference / "02_extract_hidden"
+    want_names = sorted(p.name for p in (want / "data" / "hidden_states").iterdir())
+    assert sorted(p.name for p in hs_dir.iterdir()) == want_names
+    assert_same_hidden_states(hs_dir, want / "data" / "hidden_states")
+    assert dataset_rows(stage / "data") == dataset_rows(want / "data")
+    assert manifest["output_fingerprint"] == read_manifest(want)["output_fingerprint"]
+    assert not (stage / "connector_scratch").exists()
+
+
+def test_stage_03_killed_twice_gives_the_reference_vocabulary_bytes(small_run, run, tmp_path):
+    _, _, reference = small_run
+    config, run_dir = run
+    link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden")
+    stage = run_dir / "03_build_vocab_map"
+    rng = random.Random(SEED + 3)
+
+    # While it reads the dataset and counts tokens.
+    kill_at("03_build_vocab_map.py", config, stage_dir=stage, when=lambda: status(stage) == "running",
+            delay=rng.uniform(0.0, 0.3), log_path=tmp_path / "kill-1.log")
+    # Between its first file and the manifest (the other maps, the plot).
+    kill_at("03_build_vocab_map.py", config, stage_dir=stage, when=lambda: (stage / "d2t.npy").exists(),
+            delay=rng.uniform(0.0, 0.05), log_path=tmp_path / "kill-2.log")
+
+    ok(run_stage("03_build_vocab_map.py", config))
+    manifest = assert_complete_and_whole(stage)
+    want = reference / "03_build_vocab_map"
+    for name in ("d2t.npy", "t2d.npy", "token_counts.npy"):
+        assert (stage / name).read_bytes() == (want / name).read_bytes(), name
+    assert manifest["counts"] == read_manifest(want)["counts"]
+    assert manifest["output_fingerprint"] == read_manifest(want)["output_fingerprint"]
+
+
+def test_disk_full_midway_through_stage_02_keeps_finished_samples_and_a_rerun_completes(small_run, run, tmp_path):
+    _, _, reference = small_run
+    config, run_dir = run
+    link_stages(reference, run_dir, "01_generate_data")
+    want = reference / "02_extract_hidden"
+    want_files = sorted((want / "data" / "hidden_states").glob("hs_*.safetensors"))
+    counts = read_manifest(want)["counts"]
+    # The stage's own estimate (bf16 states). Each file also holds its token ids and a header, and tmpfs
+    # gives out whole pages: a disk of exactly the estimate passes the up-front check, then fills midway.
+    estimate = counts["tokens"] * counts["num_hidden_states"] * counts["hidden_size"] * 2
+    size = pages(estimate)
+    assert sum(pages(p.stat().st_size) for p in want_files) > size, "this disk would hold every file"
+    stage = run_dir / "02_extract_hidden"
+    hs_dir = stage / "data" / "hidden_states"
+
+    with tmpfs(hs_dir, size):
+        assert shutil.disk_usage(hs_dir).free >= estimate
+        result = run_stage("02_extract_hidden.py", config)
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+        # vLLM's resource tracker may still print warnings after the stage's own line.
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, result.stderr[-3000:]
+        assert errors[0].startswith("error: disk full while writing") and str(hs_dir) in errors[0], errors[0]
+        kept = sorted(p.name for p in hs_dir.glob("hs_*.safetensors"))
+        assert 1 <= len(kept) < 6
+        assert not list(hs_dir.glob(".tmp-*")), "the failed write must not leave its temporary file"
+        assert all(safetensors_is_whole(hs_dir / name) for name in kept)
+        assert_same_hidden_states(hs_dir, want / "data" / "hidden_states", kept)
+        assert status(stage) == "running"
+
+        # Space freed: the same disk, grown.
+        subprocess.run(["mount", "-o", f"remount,size={2 * size}", str(hs_dir)], check=True)
+        result = ok(run_stage("02_extract_hidden.py", config))
+        assert f"{len(kept)} of 6 samples already captured, {6 - len(kept)} to capture" in result.stdout
+        manifest = assert_complete_and_whole(stage)
+        assert sorted(p.name for p in hs_dir.iterdir()) == [p.name for p in want_files]
+        assert_same_hidden_states(hs_dir, want / "data" / "hidden_states")
+        assert manifest["output_fingerprint"] == read_manifest(want)["output_fingerprint"]
