@@ -100,16 +100,24 @@ def needs_smoke_run(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the test files for two workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
-    each file to one worker as a whole, in this order). Files none of whose tests need the shared smoke run go
-    first, so that they run while it is being built; within each half the files that start vLLM engines lead,
-    so that a long one does not end the session alone. (Fault injection, the longest, is split over two files.)"""
-    needs_smoke, starts_engines = set(), set()
+    each file to one worker as a whole, in this order) so that neither waits while the shared smoke run is
+    being built: first the files that start vLLM engines without it, then those that need only its stages
+    01-03 (done after about a quarter of the build), then the quick files that need none of it, and last
+    those that need the whole run. Fault injection, the longest, is split over two files accordingly."""
+    def rank(fixtures: set[str], starts_engines: bool) -> int:
+        if "finished_small_run" in fixtures:
+            return 3
+        if "small_run" in fixtures:
+            return 1
+        return 0 if starts_engines else 2
+
+    fixtures: dict[Path, set[str]] = {}
+    starts_engines: set[Path] = set()
     for item in items:
-        if needs_smoke_run(item):
-            needs_smoke.add(item.path)
+        fixtures.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("vllm") is not None:
             starts_engines.add(item.path)
-    items.sort(key=lambda item: (item.path in needs_smoke, item.path not in starts_engines))
+    items.sort(key=lambda item: rank(fixtures[item.path], item.path in starts_engines))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
