@@ -98,12 +98,23 @@ def needs_smoke_run(item: pytest.Item) -> bool:
     return bool({"small_run", "finished_small_run"} & set(getattr(item, "fixturenames", ())))
 
 
+# The files that take longest on one core of a 2-core AVX-512 machine, in seconds (measured 2026-12-04 with
+# scripts/run_tests.sh; BENCHMARKS.md section 9 lists the slowest tests). Any file not listed counts as short.
+LONGEST_FILES_S = {
+    "test_kimi_vllm.py": 480, "test_diagnosis.py": 270, "test_benchmarks.py": 250, "test_faults_01_03.py": 240,
+    "test_faults_04_06.py": 210, "test_serving.py": 110, "test_corruption.py": 85, "test_bad_input.py": 70,
+    "test_verify.py": 70, "test_training.py": 55, "test_finetune.py": 45, "test_capture.py": 45,
+}
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the test files for two workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
     each file to one worker as a whole, in this order) so that neither waits while the shared smoke run is
     being built: first the files that start vLLM engines without it, then those that need only its stages
     01-03 (done after about a quarter of the build), then the quick files that need none of it, and last
-    those that need the whole run. Fault injection, the longest, is split over two files accordingly."""
+    those that need the whole run. Fault injection, the longest, is split over two files accordingly.
+    Within each group the longest files go first, so that the session does not end with one worker still
+    in a long file while the other has nothing left."""
     def rank(fixtures: set[str], starts_engines: bool) -> int:
         if "finished_small_run" in fixtures:
             return 3
@@ -117,7 +128,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         fixtures.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("vllm") is not None:
             starts_engines.add(item.path)
-    items.sort(key=lambda item: rank(fixtures[item.path], item.path in starts_engines))
+    items.sort(key=lambda item: (rank(fixtures[item.path], item.path in starts_engines),
+                                 -LONGEST_FILES_S.get(item.path.name, 0)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
