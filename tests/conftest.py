@@ -94,10 +94,6 @@ def smoke_folder(config: pytest.Config) -> Path:
     return (base.parent if hasattr(config, "workerinput") else base) / "smoke"
 
 
-def needs_smoke_run(item: pytest.Item) -> bool:
-    return bool({"small_run", "finished_small_run"} & set(getattr(item, "fixturenames", ())))
-
-
 # The files that take longest on one core of a 2-core AVX-512 machine, in seconds (measured 2026-12-04 with
 # scripts/run_tests.sh; BENCHMARKS.md section 9 lists the slowest tests). Any file not listed counts as short.
 LONGEST_FILES_S = {
@@ -109,18 +105,20 @@ LONGEST_FILES_S = {
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the test files for two workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
-    each file to one worker as a whole, in this order) so that neither waits while the shared smoke run is
-    being built: first the files that start vLLM engines without it, then those that need only its stages
-    01-03 (done after about a quarter of the build), then the quick files that need none of it, and last
-    those that need the whole run. Fault injection, the longest, is split over two files accordingly.
-    Within each group the longest files go first, so that the session does not end with one worker still
-    in a long file while the other has nothing left."""
-    def rank(fixtures: set[str], starts_engines: bool) -> int:
-        if "finished_small_run" in fixtures:
+    each file to one worker as a whole, in this order). First the build of the shared smoke run
+    (test_smoke_run.py), which holds one worker and its core while the other runs the files that start vLLM
+    engines without the run; then those that need its stages 01-03, then those that need all six, and last
+    the quick files that start no engine, which fill whatever the two workers have left to even out. Within
+    each group the longest files go first, so that the session does not end with one worker still in a long
+    file while the other has nothing left. Fault injection, the longest, is split over two files."""
+    def rank(path: Path) -> int:
+        if path.name == "test_smoke_run.py":
+            return 0
+        if "finished_small_run" in fixtures[path]:
             return 3
-        if "small_run" in fixtures:
-            return 1
-        return 0 if starts_engines else 2
+        if "small_run" in fixtures[path]:
+            return 2
+        return 1 if path in starts_engines else 4
 
     fixtures: dict[Path, set[str]] = {}
     starts_engines: set[Path] = set()
@@ -128,14 +126,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         fixtures.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("vllm") is not None:
             starts_engines.add(item.path)
-    items.sort(key=lambda item: (rank(fixtures[item.path], item.path in starts_engines),
-                                 -LONGEST_FILES_S.get(item.path.name, 0)))
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start building the shared smoke run as soon as a selected test needs it (after -k / -m deselection)."""
-    if not session.config.option.collectonly and any(needs_smoke_run(item) for item in session.items):
-        smoke_run.start_in_background(smoke_folder(session.config))
+    items.sort(key=lambda item: (rank(item.path), -LONGEST_FILES_S.get(item.path.name, 0)))
 
 
 def _fuzz_cases_tried() -> int:
