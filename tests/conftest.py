@@ -86,6 +86,8 @@ def pytest_configure(config: pytest.Config) -> None:
     share = len(cores) // workers
     if share >= 1:
         os.sched_setaffinity(0, cores[index * share:(index + 1) * share])
+    else:  # more workers than cores: each on one core, taking turns
+        os.sched_setaffinity(0, [cores[index % len(cores)]])
 
 
 def smoke_folder(config: pytest.Config) -> Path:
@@ -95,39 +97,31 @@ def smoke_folder(config: pytest.Config) -> Path:
     return (base.parent if hasattr(config, "workerinput") else base) / "smoke"
 
 
-# The files that take longest on one core of a 2-core AVX-512 machine, in seconds (measured 2026-12-04 with
-# scripts/run_tests.sh; BENCHMARKS.md section 9 lists the slowest tests). Any file not listed counts as short.
-LONGEST_FILES_S = {
-    "test_kimi_vllm.py": 480, "test_diagnosis.py": 270, "test_benchmarks.py": 250, "test_faults_01_03.py": 240,
-    "test_faults_04_06.py": 210, "test_serving.py": 110, "test_corruption.py": 85, "test_bad_input.py": 70,
-    "test_verify.py": 70, "test_training.py": 55, "test_finetune.py": 45, "test_capture.py": 45,
-}
+def needs_smoke_run(item: pytest.Item) -> bool:
+    return bool({"small_run", "finished_small_run"} & set(getattr(item, "fixturenames", ())))
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order the test files for two workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
-    each file to one worker as a whole, in this order). First the build of the shared smoke run
-    (test_smoke_run.py), which holds one worker and its core while the other runs the files that start vLLM
-    engines without the run; then those that need its stages 01-03, then those that need all six, and last
-    the quick files that start no engine, which fill whatever the two workers have left to even out. Within
-    each group the longest files go first, so that the session does not end with one worker still in a long
-    file while the other has nothing left. Fault injection, the longest, is split over two files."""
-    def rank(path: Path) -> int:
-        if path.name == "test_smoke_run.py":
-            return 0
-        if "finished_small_run" in fixtures[path]:
-            return 3
-        if "small_run" in fixtures[path]:
-            return 2
-        return 1 if path in starts_engines else 4
-
-    fixtures: dict[Path, set[str]] = {}
-    starts_engines: set[Path] = set()
+    """Order the test files for the workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
+    each file to one worker as a whole, in this order). Files none of whose tests need the shared smoke run go
+    first, so that they run while it is being built; within each half the files that start vLLM engines lead,
+    so that a long one does not end the session alone. (Fault injection, the longest, is split over two files.)
+    Measured against other orders in BENCHMARKS.md section 9."""
+    needs_smoke, starts_engines = set(), set()
     for item in items:
-        fixtures.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
+        if needs_smoke_run(item):
+            needs_smoke.add(item.path)
         if item.get_closest_marker("vllm") is not None:
             starts_engines.add(item.path)
-    items.sort(key=lambda item: (rank(item.path), -LONGEST_FILES_S.get(item.path.name, 0)))
+    items.sort(key=lambda item: (item.path in needs_smoke, item.path not in starts_engines))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the shared smoke run as soon as a selected test needs it (after -k / -m deselection).
+    The build shares the core of the worker that starts it: the two fill each other's waits (process starts,
+    server health polls), which measured faster than giving the build a worker of its own."""
+    if not session.config.option.collectonly and any(needs_smoke_run(item) for item in session.items):
+        smoke_run.start_in_background(smoke_folder(session.config))
 
 
 def _fuzz_cases_tried() -> int:
