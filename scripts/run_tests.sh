@@ -2,9 +2,9 @@
 # Set up .venv (if needed) and run the test suite. Extra arguments go to pytest, e.g. -m "not vllm".
 # Ends with the suite's wall time; pytest's own summary lists the slowest tests (pytest.ini: --durations).
 # Two workers (pytest-xdist): most of the suite is vLLM engine starts, which keep one core busy each, so two
-# at a time fill a 2-core machine. tests/conftest.py orders the test files for them: first the one shared
-# smoke run, built on one worker's core while the other runs the tests that do not need it.
-# EAGLE_TEST_WORKERS=0 runs everything in this one process instead.
+# at a time fill a 2-core machine. tests/conftest.py orders the test files for them, and one shared smoke
+# run is built in the background while the tests that do not need it run. EAGLE_TEST_WORKERS=0 runs
+# everything in this one process instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh

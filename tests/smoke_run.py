@@ -1,13 +1,11 @@
 """The suite's one small pipeline run (configs/tiny-smoke.yaml), built once per test session and shared by every
 test process of it.
 
-Building it takes a few minutes, mostly vLLM engine starts that keep one core busy. One process (`python
-tests/smoke_run.py FOLDER`) builds it, started by the first test that asks for it, normally
-tests/test_smoke_run.py, which the suite runs first and which keeps its worker waiting (that worker's core
-is the build's alone) while the other worker runs the tests that do not need the run; a test that needs it
-waits for the stages it reads. Under pytest-xdist every worker sees the same folder (beside the workers' own
-temporary folders), and only the first one to ask starts the build: the start is claimed by creating a
-file exclusively.
+Building it takes a few minutes, mostly vLLM engine starts. So as soon as a session has collected a test
+that needs it, one background process (`python tests/smoke_run.py FOLDER`) builds it while the tests that do
+not need it run; a test that needs it waits for the stages it reads. Under pytest-xdist every worker sees
+the same folder (beside the workers' own temporary folders), and only the first one to ask starts the
+build: the start is claimed by creating a file exclusively.
 
 Folder layout: run.yaml (the smoke config with data_root inside the folder), data/t/ (the run), build.log,
 and one marker per milestone: `stages-01-03.done`, `stages-04-06.done` or `failed` (with the reason).
