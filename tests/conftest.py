@@ -118,8 +118,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start building the shared smoke run as soon as a selected test needs it (after -k / -m deselection).
-    The build shares the core of the worker that starts it: the two fill each other's waits (process starts,
-    server health polls), which measured faster than giving the build a worker of its own."""
+    The build shares the core of the worker that starts it, which measured faster than giving it a worker of
+    its own (BENCHMARKS.md section 9)."""
     if not session.config.option.collectonly and any(needs_smoke_run(item) for item in session.items):
         smoke_run.start_in_background(smoke_folder(session.config))
 

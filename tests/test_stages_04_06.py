@@ -17,6 +17,15 @@ def read(path):
     return json.loads(path.read_text())
 
 
+def test_the_first_try_config_completes_every_stage(finished):
+    # configs/tiny-smoke.yaml is also what users run first (README).
+    from eagle_pipeline.stage import STAGES, read_manifest
+
+    _, run_dir = finished
+    assert {name: (read_manifest(run_dir / name) or {}).get("status") for name in STAGES.values()} == {
+        name: "complete" for name in STAGES.values()}
+
+
 def test_training_wrote_checkpoints_metrics_and_plots(finished):
     _, run_dir = finished
     train = run_dir / "04_train"
