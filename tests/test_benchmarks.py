@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -112,6 +113,30 @@ def test_matmul_peak_is_the_faster_kernel_of_each_repetition():
 
 
 NO_PRIMITIVE = "could not create a primitive descriptor for the matmul primitive"
+
+# oneDNN and torch held to AVX2 kernels: what an AVX2-only CPU offers them, on any x86 CPU (docs/engines.md,
+# "Machines differ").
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def test_onednn_held_to_avx2_has_no_bf16_matmul_and_the_peak_says_na_with_its_reason():
+    """The real oneDNN, not a stand-in: its bf16 matmul is refused with the error the benchmark reports as n/a."""
+    if "onednn" not in flops.matmul_kernels():
+        pytest.skip("this torch/vLLM build has no oneDNN GEMM op")
+    code = ("import json; from bench import flops; "
+            "print(json.dumps(flops.summarize_matmul([flops.matmul_flops_per_s(64, 0.01)], 64, threads=1)))")
+    env = {**os.environ, **AVX2_ONLY}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peak = json.loads(result.stdout.splitlines()[-1])
+    assert peak["kernels"]["bfloat16"]["onednn"].startswith(f"n/a (no bf16 matmul kernel on this CPU: {NO_PRIMITIVE}")
+    assert peak["flops_per_s"]["float32"]["median"] > 0
+    # Where torch's own bf16 kernel runs, the peak is its figure; otherwise the peak is n/a too.
+    torch_bf16 = peak["kernels"]["bfloat16"]["torch"]
+    if stats.is_available(torch_bf16):
+        assert peak["flops_per_s"]["bfloat16"]["values"] == torch_bf16["values"]
+    else:
+        assert peak["flops_per_s"]["bfloat16"].startswith("n/a (no bf16 matmul kernel on this CPU: ")
 
 
 @pytest.fixture
