@@ -69,7 +69,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  verifier {cfg.verifier.path} on {cfg.device}, tensor_parallel={cfg.verifier.tensor_parallel_size}, "
               f"expert_parallel={cfg.verifier.enable_expert_parallel}")
         print(f"  sampling temperature={cfg.generation.temperature} top_p={cfg.generation.top_p} "
-              f"max_tokens={cfg.generation.max_tokens} reasoning={cfg.generation.reasoning}")
+              f"max_tokens={cfg.generation.max_tokens} reasoning={cfg.generation.reasoning} "
+              f"dtype={cfg.generation.dtype or cfg.verifier.dtype}")
         if not cfg.verifier.path.startswith(EMBEDDED_PREFIX):
             # A model folder's tokenizer is cheap to load and is where remote code breaks first (docs/engines.md);
             # an embedded model is converted on first use, which a dry run must not do.
@@ -84,6 +85,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     generation = cfg.generation.model_dump(mode="json")
     for scheduling in ("batch_size", "refill"):  # how the engine is fed changes nothing in the output
         generation.pop(scheduling)
+    # The engine's dtype is an input of its own ("engine"), whichever section sets it.
+    generation_dtype = generation.pop("dtype") or cfg.verifier.dtype
     if self_written:
         # What the prompts come from; their count is data.num_samples (counts), which may grow on a rerun.
         prompt_input = {"source": "self", "model": verifier.fingerprints()["verifier"], "seed": cfg.seed,
@@ -95,7 +98,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         **verifier.fingerprints(),
         "prompts": prompt_input,
         "generation": value_fingerprint(generation),
-        "engine": value_fingerprint([cfg.verifier.dtype, cfg.verifier.engine_args]),
+        "engine": value_fingerprint([generation_dtype, cfg.verifier.engine_args]),
         "seed": cfg.seed,
         "chat_template_kwargs": template_kwargs,
         # Version of the records in parts/: 2 added the prompt's and the completion's token ids, 3 the
@@ -135,7 +138,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         from eagle_pipeline.engine import apply_engine_env, llm_kwargs
 
         apply_engine_env(cfg)
-        llm = LLM(**llm_kwargs(cfg, str(verifier.path)))
+        llm = LLM(**llm_kwargs(cfg, str(verifier.path), dtype=generation_dtype))
         if prompts is None:
             written = write_prompts(
                 llm, verifier.tokenizer, cfg.data.self_written, wanted=len(sample_ids), run_seed=cfg.seed,

@@ -2,14 +2,15 @@
 
     python -m bench.train_ab --config configs/tiny.yaml --steps 60 --repeats 2
 
-Up to four arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
+Up to five arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
 optimizer steps on the finished pipeline run's stage 02 data and stage 03 vocabulary:
   - shipped: sequential packing, every batch padded to train.total_seq_len (speculators as released);
   - unpadded: the same batches, cut after their last sample (patches/speculators_packing.py, CPU only);
   - best_fit: best-fit packing (train.packing: best_fit), unpadded;
   - unpadded_bf16: unpadded, with bf16 autocast (train.dtype: bfloat16, fp32 master weights), when the run
     trains in float32 and this CPU has a bf16 matmul kernel (n/a with the reason otherwise): both of the
-    CPU's training speed-ups together.
+    CPU's training speed-ups together;
+  - best_fit_bf16: best_fit with bf16 autocast, under the same condition: every speed-up at once.
 Every repetition runs each arm once, in an order rotated by one each repetition. The figure per run is the
 median over its steps of speculators' per-step tokens/s (real tokens, padding not counted, over the step's
 batch + forward + backward + optimizer time); ratios to `shipped` are taken within each repetition. The
@@ -47,12 +48,14 @@ from eagle_pipeline.train.topic_split import read_split
 from eagle_pipeline.verifier import Verifier
 
 WORK_MARKER = ".train-ab-work-dir"
-ARMS = ("shipped", "unpadded", "best_fit", "unpadded_bf16")
-PACKING = {"shipped": "sequential", "unpadded": "sequential", "best_fit": "best_fit", "unpadded_bf16": "sequential"}
+ARMS = ("shipped", "unpadded", "best_fit", "unpadded_bf16", "best_fit_bf16")
+PACKING = {"shipped": "sequential", "unpadded": "sequential", "best_fit": "best_fit", "unpadded_bf16": "sequential",
+           "best_fit_bf16": "best_fit"}
+BF16_ARMS = ("unpadded_bf16", "best_fit_bf16")  # autocast; run only where the run trains in float32 and the CPU has bf16
 
 
 def bf16_arm_unavailable(train_dtype: str) -> str | None:
-    """Why the unpadded_bf16 arm cannot run here ("n/a (...)"), or None when it can."""
+    """Why the bf16 arms cannot run here ("n/a (...)"), or None when it can."""
     from bench.flops import unavailable_matmul_kernels
     from bench.stats import not_available
 
@@ -119,14 +122,14 @@ def run(args: argparse.Namespace) -> int:
                         verifier_dir=verifier.path, out_dir=out_dir, layer_ids=list(layout.layer_ids), seed=cfg.seed,
                         storage_dtype=layout.storage_dtype, device="cpu", max_steps=args.steps)
 
-    unavailable = {"unpadded_bf16": reason} if (reason := bf16_arm_unavailable(cfg.train.dtype)) else {}
+    unavailable = dict.fromkeys(BF16_ARMS, reason) if (reason := bf16_arm_unavailable(cfg.train.dtype)) else {}
     measured = [arm for arm in ARMS if arm not in unavailable]
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in measured}
     started = time.time()
     for repetition in range(args.repeats):
         for arm in interleaved_order(measured, repetition):
             out_dir = work / f"{arm}-{repetition}" / "04_train"
-            dtype = "bfloat16" if arm == "unpadded_bf16" else cfg.train.dtype
+            dtype = "bfloat16" if arm in BF16_ARMS else cfg.train.dtype
             settings = cfg.train.model_copy(update={"packing": PACKING[arm], "dtype": dtype, "early_stop_patience": None})
             print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
             with padding_kept(arm == "shipped"):

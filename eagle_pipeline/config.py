@@ -140,6 +140,9 @@ class GenerationConfig(Section):
                             "(a crash loses at most those not yet written)")
     refill: bool = Field(True, description="start the next conversation as soon as one finishes; false hands the engine fixed "
                          "batches of batch_size (eagle_pipeline/answering.py)")
+    dtype: Optional[Literal["bfloat16", "float16", "float32", "auto"]] = Field(
+        None, description="the target's dtype while it answers (default: verifier.dtype); stage 02 captures and stage 06 "
+        "serves with verifier.dtype, so the drafter still learns the served target's states and distribution")
 
 
 class HiddenStatesConfig(Section):

@@ -46,11 +46,13 @@ def apply_engine_env(cfg: RunConfig) -> None:
         os.environ.setdefault(key, value)
 
 
-def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None) -> dict[str, Any]:
+def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+    """vLLM's offline-engine arguments for the target: the verifier section, with `dtype` (stage 01's
+    generation.dtype) in place of verifier.dtype when given."""
     v = cfg.verifier
     kwargs: dict[str, Any] = {
         "model": model,
-        "dtype": v.dtype,
+        "dtype": dtype or v.dtype,
         "max_model_len": max_model_len or v.max_model_len,
         "tensor_parallel_size": v.tensor_parallel_size,
         "trust_remote_code": v.trust_remote_code,

@@ -349,6 +349,20 @@ def test_speculative_configs(tmp_path):
         speculative_config_for("medusa", num_speculative_tokens=3)
 
 
+def test_generation_dtype_changes_only_the_answering_engine():
+    from conftest import SMOKE_CONFIG
+
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.engine import llm_kwargs, server_kwargs
+
+    cfg = load_config(SMOKE_CONFIG, ["generation.dtype=bfloat16"])
+    assert cfg.verifier.dtype == "float32"
+    assert llm_kwargs(cfg, "m", dtype=cfg.generation.dtype)["dtype"] == "bfloat16"
+    # Capture (stage 02), parity (05) and serving (06) keep the verifier's dtype.
+    assert llm_kwargs(cfg, "m")["dtype"] == "float32"
+    assert server_kwargs(cfg)["dtype"] == "float32"
+
+
 def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_gpu_or_remote_code_keep_processes(tmp_path):
     from conftest import SMOKE_CONFIG
 

@@ -73,6 +73,17 @@ def test_changed_layer_ids_make_stage_02_refuse(small_run):
     assert result.stderr.strip().splitlines()[-1].startswith("error:") and "'layer_ids' changed" in result.stderr
 
 
+def test_the_dtype_the_target_answers_in_is_an_input_of_stage_01(small_run):
+    """generation.dtype set to the verifier's own dtype is the same run; another dtype writes other answers, so
+    the finished stage refuses it (before any engine starts) instead of mixing them."""
+    _, config, _ = small_run
+    same = ok(run_stage("01_generate_data.py", config, "--set", "generation.dtype=float32"))
+    assert "already complete" in same.stdout
+    other = run_stage("01_generate_data.py", config, "--set", "generation.dtype=bfloat16")
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines()[-1].startswith("error:") and "input 'engine' changed" in other.stderr
+
+
 def test_stage_02_trains_on_exactly_the_token_ids_vllm_produced_in_stage_01(small_run):
     _, _, run_dir = small_run
     from datasets import load_from_disk
