@@ -18,6 +18,12 @@ Two more points are plain bugs, also on GPU hosts:
   - `--from-pretrained` loads the drafter in the dtype its checkpoint was saved in (bf16), so fine-tuning
     keeps bf16 master weights, against speculators' own rule that they are fp32; with fp32 hidden states
     (the CPU setting) the first matmul then fails on mixed dtypes.
+One is a speed fix on the CPU:
+  - torch's CPU `argmax` over a bfloat16 tensor runs ~3.8x slower than over the same values in float32,
+    and the drafter's forward (`Eagle3DraftModel.forward`, the draft tokens of each position) and its
+    metrics (`compute_metrics`, predicted and target ids) take it on bf16 logits under autocast: 8.6% of a
+    bf16 training step (BENCHMARKS.md section 3). Those two modules get a `torch` whose `argmax` upcasts a
+    bfloat16 CPU tensor first; float32 holds every bfloat16 value exactly, so the ids are the same.
 And one is a transformers gap: Kimi-K2 configs (`model_type: kimi_k2` with an `auto_map` to remote
 code) fail in `AutoConfig.from_pretrained` unless `trust_remote_code`, which speculators never passes.
 Kimi-K2's text model is DeepSeek-V3, so registering a `DeepseekV3Config` subclass under `kimi_k2` makes
@@ -40,6 +46,7 @@ import importlib.metadata
 import inspect
 import os
 import time
+import types
 from typing import Any
 
 import torch
@@ -72,6 +79,9 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     "speculators.train.trainer:Trainer.run_training": "83e395bd403ee08f5d008fe6fa0695f21db4ba7cba7dc26d5d3fde312c74235c",
     # Wrapped: fp32 master weights for --from-pretrained.
     "speculators.train.cli:build_draft_model": "53a1b6fb54a8bb16ecc19850055716610a5d3e7463e174e53f74aa7f326977e3",
+    # Their module's `torch` is swapped for one whose argmax upcasts bf16 on the CPU.
+    "speculators.models.eagle3.core:Eagle3DraftModel.forward": "f682b266d1b18786842b8d031697e9e396acc1d710ed55b343ef6fd5d3a48df0",
+    "speculators.models.eagle3.metrics:compute_metrics": "5dd4345b708ab81a46cdb86b9dba8ec96f949549d48c658293d33799bdf404d9",
     # Not patched: eagle_pipeline/train/ relies on the checkpoint layout these write and read
     # (<epoch>/ with model, optimizer, scheduler, then training_state.json last; resume from the highest
     # numbered folder) and on the metric records and logger set-up these emit.
@@ -275,6 +285,31 @@ def _patch_fine_tune_master_weights() -> None:
     cli.build_draft_model = build_draft_model
 
 
+class _TorchWithUpcastArgmax(types.ModuleType):
+    """`torch` for a speculators module, with an `argmax` that takes a bfloat16 CPU tensor's in float32."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def argmax(input: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+        if input.dtype == torch.bfloat16 and input.device.type == "cpu":
+            input = input.float()
+        return torch.argmax(input, dim=dim, keepdim=keepdim)
+
+
+def _patch_bf16_argmax() -> None:
+    from speculators.models.eagle3 import core, metrics
+
+    if not _no_accelerator():  # a GPU host compiles the forward (torch.compile): leave its torch alone
+        return
+    for module in (core, metrics):
+        module.torch = _TorchWithUpcastArgmax()
+
+
 def _register_kimi_k2_config() -> None:
     from transformers import AutoConfig, DeepseekV3Config
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -304,6 +339,7 @@ def apply() -> None:
     _patch_cpu_process_group()
     _patch_max_steps_across_epochs()
     _patch_fine_tune_master_weights()
+    _patch_bf16_argmax()
     _applied = True
 
 

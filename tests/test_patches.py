@@ -1,4 +1,4 @@
-"""patches/speculators_cpu.py: version guard, upstream fingerprints, device pass-through, kimi_k2 configs."""
+"""patches/speculators_cpu.py: version guard, upstream fingerprints, device pass-through, bf16 argmax, kimi_k2 configs."""
 
 from __future__ import annotations
 
@@ -55,6 +55,38 @@ def test_device_patches_act_only_without_an_accelerator(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     assert trainer.get_local_rank() == 0
     assert checkpointer.get_current_device() == "cuda:0"  # upstream's own answer on this GPU-less host
+
+
+def test_drafter_argmax_over_bf16_is_taken_in_float32_with_the_same_ids(monkeypatch):
+    from speculators.models.eagle3 import core, metrics
+
+    speculators_cpu.apply()
+    logits = torch.randn(1, 64, 512).to(torch.bfloat16)
+    logits[0, :8, 3] = logits[0, :8, 7] = 100.0  # ties: the first index wins either way
+    upstream_argmax, seen = torch.argmax, []
+
+    def recording_argmax(input, dim=None, keepdim=False):
+        seen.append(input.dtype)
+        return upstream_argmax(input, dim=dim, keepdim=keepdim)
+
+    monkeypatch.setattr(torch, "argmax", recording_argmax)
+    for module in (core, metrics):  # the forward's draft tokens and the accuracy metrics
+        assert torch.equal(module.torch.argmax(logits, dim=-1), upstream_argmax(logits, dim=-1))
+        assert module.torch.cat is torch.cat and module.torch.bfloat16 is torch.bfloat16
+    assert (upstream_argmax(logits, dim=-1)[0, :8] == 3).all()
+    floats = torch.randn(2, 5)
+    assert torch.equal(core.torch.argmax(floats, dim=1, keepdim=True), upstream_argmax(floats, dim=1, keepdim=True))
+    assert seen == [torch.float32, torch.float32, torch.float32]
+
+
+def test_argmax_patch_leaves_a_gpu_hosts_torch_alone(monkeypatch):
+    from speculators.models.eagle3 import core, metrics
+
+    monkeypatch.setattr(core, "torch", torch)
+    monkeypatch.setattr(metrics, "torch", torch)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    speculators_cpu._patch_bf16_argmax()
+    assert core.torch is torch and metrics.torch is torch
 
 
 def test_process_group_patch_acts_only_for_torchrun_ranks_without_an_accelerator(monkeypatch):
