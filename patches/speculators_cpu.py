@@ -286,7 +286,7 @@ def _patch_fine_tune_master_weights() -> None:
 
 
 class _TorchWithUpcastArgmax(types.ModuleType):
-    """`torch` for a speculators module, with an `argmax` that takes a bfloat16 CPU tensor's in float32."""
+    """`torch` for a speculators module, except that `argmax` upcasts a bfloat16 CPU tensor to float32 first."""
 
     def __init__(self) -> None:
         super().__init__("torch")
