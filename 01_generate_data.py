@@ -63,6 +63,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         prompts = prompts[: cfg.data.num_samples]
         source = str(prompts_path)
     sample_ids = [f"s{i:06d}" for i in range(cfg.data.num_samples)]
+    generation_dtype = cfg.generation.dtype or cfg.verifier.dtype  # the answering engine's; 02-06 keep verifier.dtype
 
     if dry_run:
         print(f"stage 01: generate {len(sample_ids)} conversations from {source}")
@@ -70,7 +71,7 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"expert_parallel={cfg.verifier.enable_expert_parallel}")
         print(f"  sampling temperature={cfg.generation.temperature} top_p={cfg.generation.top_p} "
               f"max_tokens={cfg.generation.max_tokens} reasoning={cfg.generation.reasoning} "
-              f"dtype={cfg.generation.dtype or cfg.verifier.dtype}")
+              f"dtype={generation_dtype}")
         if not cfg.verifier.path.startswith(EMBEDDED_PREFIX):
             # A model folder's tokenizer is cheap to load and is where remote code breaks first (docs/engines.md);
             # an embedded model is converted on first use, which a dry run must not do.
@@ -85,8 +86,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     generation = cfg.generation.model_dump(mode="json")
     for scheduling in ("batch_size", "refill"):  # how the engine is fed changes nothing in the output
         generation.pop(scheduling)
-    # The engine's dtype is an input of its own ("engine"), whichever section sets it.
-    generation_dtype = generation.pop("dtype") or cfg.verifier.dtype
+    generation.pop("dtype")  # an input of its own below ("engine"), whichever section sets it
     if self_written:
         # What the prompts come from; their count is data.num_samples (counts), which may grow on a rerun.
         prompt_input = {"source": "self", "model": verifier.fingerprints()["verifier"], "seed": cfg.seed,
