@@ -2,15 +2,19 @@
 
     python -m bench.train_ab --config configs/tiny.yaml --steps 60 --repeats 2
 
-Up to five arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
+Up to six arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
 optimizer steps on the finished pipeline run's stage 02 data and stage 03 vocabulary:
-  - shipped: sequential packing, every batch padded to train.total_seq_len (speculators as released);
-  - unpadded: the same batches, cut after their last sample (patches/speculators_packing.py, CPU only);
+  - shipped: sequential packing, every batch padded to train.total_seq_len, attention through SDPA over
+    the dense TTT mask (speculators as released);
+  - unpadded: the same batches, cut after their last sample (patches/speculators_packing.py, CPU only),
+    attention by blocks (patches/speculators_ttt_attention.py, CPU only);
   - best_fit: best-fit packing (train.packing: best_fit), unpadded;
   - unpadded_bf16: unpadded, with bf16 autocast (train.dtype: bfloat16, fp32 master weights), when the run
-    trains in float32 and this CPU has a bf16 matmul kernel (n/a with the reason otherwise): both of the
-    CPU's training speed-ups together;
-  - best_fit_bf16: best_fit with bf16 autocast, under the same condition: every speed-up at once.
+    trains in float32 and this CPU has a bf16 matmul kernel (n/a with the reason otherwise): every CPU
+    speed-up but best-fit packing;
+  - best_fit_bf16: best_fit with bf16 autocast, under the same condition: every speed-up at once;
+  - unpadded_bf16_sdpa: unpadded_bf16 with speculators' own SDPA attention, under the same condition: the
+    attention patch's own A/B (against unpadded_bf16).
 Every repetition runs each arm once, in an order rotated by one each repetition. The figure per run is the
 median over its steps of speculators' per-step tokens/s (real tokens, padding not counted, over the step's
 batch + forward + backward + optimizer time); ratios to `shipped` are taken within each repetition. The
@@ -48,10 +52,12 @@ from eagle_pipeline.train.topic_split import read_split
 from eagle_pipeline.verifier import Verifier
 
 WORK_MARKER = ".train-ab-work-dir"
-ARMS = ("shipped", "unpadded", "best_fit", "unpadded_bf16", "best_fit_bf16")
+ARMS = ("shipped", "unpadded", "best_fit", "unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa")
 PACKING = {"shipped": "sequential", "unpadded": "sequential", "best_fit": "best_fit", "unpadded_bf16": "sequential",
-           "best_fit_bf16": "best_fit"}
-BF16_ARMS = ("unpadded_bf16", "best_fit_bf16")  # autocast; run only where the run trains in float32 and the CPU has bf16
+           "best_fit_bf16": "best_fit", "unpadded_bf16_sdpa": "sequential"}
+# autocast; run only where the run trains in float32 and the CPU has bf16
+BF16_ARMS = ("unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa")
+SDPA_ARMS = ("shipped", "unpadded_bf16_sdpa")  # speculators' own attention over the dense TTT mask
 
 
 def bf16_arm_unavailable(train_dtype: str) -> str | None:
@@ -79,6 +85,20 @@ def padding_kept(keep: bool) -> Iterator[None]:
         yield
     finally:
         speculators_packing.trim_padding = trim
+
+
+@contextlib.contextmanager
+def attention_as_shipped(keep: bool) -> Iterator[None]:
+    """Train with speculators' SDPA attention over the dense TTT mask instead of the patch's blocks."""
+    from patches import speculators_ttt_attention
+
+    uses_block_attention = speculators_ttt_attention.uses_block_attention
+    if keep:
+        speculators_ttt_attention.uses_block_attention = lambda model: False
+    try:
+        yield
+    finally:
+        speculators_ttt_attention.uses_block_attention = uses_block_attention
 
 
 def packing_figures(split_dir: Path, train_data_ratio: float, total_seq_len: int, seed: int) -> dict[str, dict[str, float]]:
@@ -132,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             dtype = "bfloat16" if arm in BF16_ARMS else cfg.train.dtype
             settings = cfg.train.model_copy(update={"packing": PACKING[arm], "dtype": dtype, "early_stop_patience": None})
             print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
-            with padding_kept(arm == "shipped"):
+            with padding_kept(arm == "shipped"), attention_as_shipped(arm in SDPA_ARMS):
                 runner.train_drafter(settings, train_run(out_dir))
             rows = [row for row in read_metrics(out_dir / METRICS_CSV) if row["split"] == "train"]
             runs[arm].append({"tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),
@@ -157,13 +177,16 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize(runs: dict[str, list[dict[str, Any]]], unavailable: dict[str, str] | None = None) -> dict[str, Any]:
     """Per arm: tokens/s and its ratio to `shipped` pair by pair (an arm this CPU cannot run: its n/a reason);
-    how far the unpadded losses stray."""
+    the attention patch's own ratio (unpadded_bf16 over unpadded_bf16_sdpa); how far the unpadded losses stray."""
     unavailable = unavailable or {}
     rates = {arm: [r["tokens_per_s"] for r in runs[arm]] for arm in ARMS if arm in runs}
+    blocks, sdpa = "unpadded_bf16", "unpadded_bf16_sdpa"
     return {
         "tokens_per_s": {arm: spread(rates[arm]) if arm in rates else unavailable[arm] for arm in ARMS},
         "ratio_to_shipped": {arm: spread(paired_ratios(rates[arm], rates["shipped"])) if arm in rates else unavailable[arm]
                              for arm in ARMS},
+        "ratio_block_attention_over_sdpa": spread(paired_ratios(rates[blocks], rates[sdpa]))
+        if blocks in rates and sdpa in rates else unavailable.get(sdpa),
         "loss_max_relative_difference_unpadded_vs_shipped": max(
             abs(a - b) / abs(b) for shipped, unpadded in zip(runs["shipped"], runs["unpadded"], strict=True)
             for a, b in zip(unpadded["losses"], shipped["losses"], strict=True)),
@@ -184,6 +207,10 @@ def report(results: dict[str, Any]) -> str:
     lines += ["", f"| packing at {results['total_seq_len']} tokens | batches per epoch | real tokens per batch |", "|---|---|---|"]
     for name, figure in results["packing"].items():
         lines.append(f"| {name} | {figure['batches']} | {figure['fill']:.1%} |")
+    attention = results["ratio_block_attention_over_sdpa"]
+    if attention is not None:
+        figure = attention if isinstance(attention, str) else f"{attention['median']:.2f}x"
+        lines += ["", f"Attention by blocks against speculators' SDPA (unpadded_bf16 over unpadded_bf16_sdpa): {figure}."]
     lines += ["", f"Step losses, unpadded against shipped (same batches, same start): largest relative difference "
               f"{results['loss_max_relative_difference_unpadded_vs_shipped']:.1e}.", ""]
     return "\n".join(lines)

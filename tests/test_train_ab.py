@@ -18,7 +18,8 @@ def test_ratios_are_paired_and_the_unpadded_losses_are_compared_step_by_step():
             "unpadded": [{"tokens_per_s": 140.0, "losses": [10.0, 9.0009]}, {"tokens_per_s": 70.0, "losses": [10.0, 9.0]}],
             "best_fit": [{"tokens_per_s": 160.0, "losses": [11.0]}, {"tokens_per_s": 80.0, "losses": [11.0]}],
             "unpadded_bf16": [{"tokens_per_s": 200.0, "losses": [10.5]}, {"tokens_per_s": 110.0, "losses": [10.5]}],
-            "best_fit_bf16": [{"tokens_per_s": 220.0, "losses": [11.5]}, {"tokens_per_s": 120.0, "losses": [11.5]}]}
+            "best_fit_bf16": [{"tokens_per_s": 220.0, "losses": [11.5]}, {"tokens_per_s": 120.0, "losses": [11.5]}],
+            "unpadded_bf16_sdpa": [{"tokens_per_s": 160.0, "losses": [10.5]}, {"tokens_per_s": 100.0, "losses": [10.5]}]}
     summary = train_ab.summarize(runs)
     assert summary["ratio_to_shipped"]["unpadded"]["median"] == pytest.approx(1.4)
     assert summary["ratio_to_shipped"]["best_fit"]["median"] == pytest.approx(1.6)
@@ -31,6 +32,9 @@ def test_ratios_are_paired_and_the_unpadded_losses_are_compared_step_by_step():
     assert "largest relative difference 1.0e-04" in text
     assert "| unpadded_bf16 | 155 [110-200] | 2.10x |" in text
     assert "| best_fit_bf16 | 170 [120-220] | 2.30x |" in text
+    # The attention patch against speculators' own attention, pair by pair: 200/160 and 110/100.
+    assert summary["ratio_block_attention_over_sdpa"]["median"] == pytest.approx(1.175)
+    assert "(unpadded_bf16 over unpadded_bf16_sdpa): 1.18x." in text
 
 
 def test_an_arm_this_cpu_cannot_run_is_na_with_its_reason():
@@ -38,7 +42,8 @@ def test_an_arm_this_cpu_cannot_run_is_na_with_its_reason():
     reason = "n/a (no bf16 matmul kernel on this CPU: could not create a primitive descriptor)"
     summary = train_ab.summarize(runs, dict.fromkeys(train_ab.BF16_ARMS, reason))
     text = train_ab.report({**summary, "total_seq_len": 512, "packing": {}})
-    for arm in ("unpadded_bf16", "best_fit_bf16"):
+    assert summary["ratio_block_attention_over_sdpa"] == reason
+    for arm in ("unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa"):
         assert summary["tokens_per_s"][arm] == summary["ratio_to_shipped"][arm] == reason
         assert f"| {arm} | {reason} | - |" in text
     assert train_ab.bf16_arm_unavailable("bfloat16") == "n/a (the run already trains in bfloat16)"

@@ -166,10 +166,11 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     """Run speculators' trainer for a prepared run in this process (one rank under torch.distributed.run)."""
     import torch
 
-    from patches import speculators_cpu, speculators_packing
+    from patches import speculators_cpu, speculators_packing, speculators_ttt_attention
 
     speculators_cpu.apply()
     speculators_packing.apply(train.packing)
+    speculators_ttt_attention.apply()
     # speculators trains on the accelerator whenever there is one.
     if run.device == "cpu" and torch.accelerator.is_available():
         raise BadInput("train.num_gpus: 0 trains on the CPU but this host has an accelerator; set it to the GPUs to use")
