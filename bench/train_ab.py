@@ -74,31 +74,15 @@ def bf16_arm_unavailable(train_dtype: str) -> str | None:
 
 
 @contextlib.contextmanager
-def padding_kept(keep: bool) -> Iterator[None]:
-    """Train with speculators' padded batches (the `shipped` arm) instead of the patch's cut ones."""
-    from patches import speculators_packing
-
-    trim = speculators_packing.trim_padding
-    if keep:
-        speculators_packing.trim_padding = lambda batch: batch
+def swapped(owner: Any, name: str, replacement: Any, active: bool) -> Iterator[None]:
+    """`owner.name` is `replacement` inside the block when `active`: how an arm undoes one CPU patch."""
+    original = getattr(owner, name)
+    if active:
+        setattr(owner, name, replacement)
     try:
         yield
     finally:
-        speculators_packing.trim_padding = trim
-
-
-@contextlib.contextmanager
-def attention_as_shipped(keep: bool) -> Iterator[None]:
-    """Train with speculators' SDPA attention over the dense TTT mask instead of the patch's blocks."""
-    from patches import speculators_ttt_attention
-
-    uses_block_attention = speculators_ttt_attention.uses_block_attention
-    if keep:
-        speculators_ttt_attention.uses_block_attention = lambda model: False
-    try:
-        yield
-    finally:
-        speculators_ttt_attention.uses_block_attention = uses_block_attention
+        setattr(owner, name, original)
 
 
 def packing_figures(split_dir: Path, train_data_ratio: float, total_seq_len: int, seed: int) -> dict[str, dict[str, float]]:
@@ -123,6 +107,7 @@ def packing_figures(split_dir: Path, train_data_ratio: float, total_seq_len: int
 
 def run(args: argparse.Namespace) -> int:
     from eagle_pipeline.train import runner
+    from patches import speculators_packing, speculators_ttt_attention
 
     cfg = load_config(args.config, args.overrides)
     if args.steps < 2 or args.repeats < 1:
@@ -152,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
             dtype = "bfloat16" if arm in BF16_ARMS else cfg.train.dtype
             settings = cfg.train.model_copy(update={"packing": PACKING[arm], "dtype": dtype, "early_stop_patience": None})
             print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
-            with padding_kept(arm == "shipped"), attention_as_shipped(arm in SDPA_ARMS):
+            # speculators' padded batches (the `shipped` arm) and its SDPA attention over the dense TTT mask
+            with (swapped(speculators_packing, "trim_padding", lambda batch: batch, arm == "shipped"),
+                  swapped(speculators_ttt_attention, "uses_block_attention", lambda model: False, arm in SDPA_ARMS)):
                 runner.train_drafter(settings, train_run(out_dir))
             rows = [row for row in read_metrics(out_dir / METRICS_CSV) if row["split"] == "train"]
             runs[arm].append({"tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),

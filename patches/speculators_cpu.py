@@ -47,6 +47,7 @@ import inspect
 import os
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,16 +126,24 @@ def source_sha256(qualified: str) -> str:
     return hashlib.sha256(inspect.getsource(_lookup(qualified)).encode()).hexdigest()
 
 
+def changed_sources(fingerprints: dict[str, str], sha256: Callable[[str], str] = source_sha256) -> list[str]:
+    """Names of the fingerprinted upstream functions whose source differs from the one fingerprinted."""
+    return [name for name, digest in fingerprints.items() if sha256(name) != digest]
+
+
 def changed_upstream_sources() -> list[str]:
-    """Names of the fingerprinted upstream functions whose source differs from speculators 0.9.0."""
-    return [name for name, digest in UPSTREAM_SOURCE_SHA256.items() if source_sha256(name) != digest]
+    """This module's fingerprinted upstream functions whose source differs from speculators 0.9.0."""
+    return changed_sources(UPSTREAM_SOURCE_SHA256)
 
 
-def _check_upstream_sources() -> None:
-    changed = changed_upstream_sources()
+def require_unchanged_sources(fingerprints: dict[str, str], patch_file: str,
+                              sha256: Callable[[str], str] = source_sha256) -> None:
+    """Raise unless every upstream function a patch module fingerprints still has the source it was written
+    against (the check of every module in patches/ that patches speculators)."""
+    changed = changed_sources(fingerprints, sha256)
     if changed:
         raise RuntimeError(
-            f"patches/speculators_cpu.py targets speculators {TARGET_VERSION}, but these functions differ "
+            f"{patch_file} targets speculators {TARGET_VERSION}, but these functions differ "
             f"from that release: {', '.join(changed)}; re-check the patches that depend on them"
         )
 
@@ -331,7 +340,7 @@ def apply() -> None:
     check_version()
     if _applied:
         return
-    _check_upstream_sources()
+    require_unchanged_sources(UPSTREAM_SOURCE_SHA256, "patches/speculators_cpu.py")
     _register_kimi_k2_config()
     _patch_trainer_device()
     _patch_step_timer()

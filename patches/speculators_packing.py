@@ -33,7 +33,7 @@ import inspect
 import numpy as np
 import torch
 
-from patches.speculators_cpu import TARGET_VERSION, check_version, source_sha256
+from patches.speculators_cpu import check_version, require_unchanged_sources, source_sha256
 
 # The function replaced, and its caller whose use of it (shuffled lengths in, per-rank index arrays
 # relative to that shuffle out) the replacement keeps.
@@ -122,10 +122,6 @@ def upstream_sha256(qualified: str) -> str:
     return source_sha256(qualified)
 
 
-def changed_upstream_sources() -> list[str]:
-    return [name for name, digest in UPSTREAM_SOURCE_SHA256.items() if upstream_sha256(name) != digest]
-
-
 def apply(packing: str) -> None:
     """Pack speculators' training and validation batches the `packing` way ("sequential": as shipped) and,
     without an accelerator, leave out their padding. Safe to call before every run."""
@@ -133,12 +129,7 @@ def apply(packing: str) -> None:
     if packing not in PACKINGS:
         raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
     check_version()
-    changed = changed_upstream_sources()
-    if changed:
-        raise RuntimeError(
-            f"patches/speculators_packing.py targets speculators {TARGET_VERSION}, but these functions differ "
-            f"from that release: {', '.join(changed)}; re-check the patch against them"
-        )
+    require_unchanged_sources(UPSTREAM_SOURCE_SHA256, "patches/speculators_packing.py", upstream_sha256)
     from speculators.train import distributed_batch_sampler as sampler
 
     if _upstream is None:

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from patches.speculators_cpu import TARGET_VERSION, check_version, source_sha256
+from patches.speculators_cpu import check_version, require_unchanged_sources
 
 ATTENTION_NAME = "eagle3_ttt_blocks"
 
@@ -117,20 +117,11 @@ def _layers_on_block_attention(model) -> Iterator[None]:
             attention.config = config
 
 
-def changed_upstream_sources() -> list[str]:
-    return [name for name, digest in UPSTREAM_SOURCE_SHA256.items() if source_sha256(name) != digest]
-
-
 def apply() -> None:
     """Install the forward wrapper once (it decides per call); refuses another speculators or changed sources."""
     global _installed
     check_version()
-    changed = changed_upstream_sources()
-    if changed:
-        raise RuntimeError(
-            f"patches/speculators_ttt_attention.py targets speculators {TARGET_VERSION}, but these functions "
-            f"differ from that release: {', '.join(changed)}; re-check the patch against them"
-        )
+    require_unchanged_sources(UPSTREAM_SOURCE_SHA256, "patches/speculators_ttt_attention.py")
     if _installed:
         return
     from speculators.models.eagle3.core import Eagle3DraftModel

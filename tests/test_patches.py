@@ -30,6 +30,14 @@ def test_fingerprints_see_through_the_installed_wrappers():
     assert speculators_cpu.changed_upstream_sources() == []
 
 
+def test_a_changed_upstream_source_is_refused_by_name():
+    name = "speculators.train.cli:build_draft_model"
+    speculators_cpu.require_unchanged_sources({name: speculators_cpu.source_sha256(name)}, "patches/x.py")
+    with pytest.raises(RuntimeError, match=r"patches/x\.py targets speculators 0\.9\.0, but these functions differ "
+                       r"from that release: speculators\.train\.cli:build_draft_model;"):
+        speculators_cpu.require_unchanged_sources({name: "0" * 64}, "patches/x.py")
+
+
 def test_apply_is_idempotent():
     from speculators.train import checkpointer, trainer
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from patches import speculators_ttt_attention
+from patches.speculators_cpu import source_sha256
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's shape: grouped-query attention, 3 heads per key
 
@@ -38,7 +39,7 @@ def attention_module(groups: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("qualified_name", sorted(speculators_ttt_attention.UPSTREAM_SOURCE_SHA256))
 def test_upstream_source_is_the_one_the_patch_was_written_for(qualified_name):
-    assert (speculators_ttt_attention.source_sha256(qualified_name)
+    assert (source_sha256(qualified_name)
             == speculators_ttt_attention.UPSTREAM_SOURCE_SHA256[qualified_name])
 
 
