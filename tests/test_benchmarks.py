@@ -114,17 +114,18 @@ def test_matmul_peak_is_the_faster_kernel_of_each_repetition():
 
 NO_PRIMITIVE = "could not create a primitive descriptor for the matmul primitive"
 
-# oneDNN and torch held to AVX2 kernels: what an AVX2-only CPU offers them, on any x86 CPU (docs/engines.md,
-# "Machines differ").
-AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# Every kernel held to AVX2: what an AVX2-only CPU offers, on any x86 CPU (docs/engines.md, "Machines differ").
+AS_AVX2_ONLY = str(REPO / "scripts" / "as_avx2_only.sh")
+
+
+def run_as_avx2_only(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([AS_AVX2_ONLY, sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def test_onednn_held_to_avx2_has_no_bf16_matmul_and_the_peak_says_na_with_its_reason():
     """The real oneDNN, not a stand-in: its bf16 matmul is refused with the error the benchmark reports as n/a."""
-    code = ("import json; from bench import flops; "
-            "print(json.dumps(flops.summarize_matmul([flops.matmul_flops_per_s(64, 0.01)], 64, threads=1)))")
-    env = {**os.environ, **AVX2_ONLY}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = run_as_avx2_only("import json; from bench import flops; "
+                              "print(json.dumps(flops.summarize_matmul([flops.matmul_flops_per_s(64, 0.01)], 64, threads=1)))")
     assert result.returncode == 0, result.stderr[-3000:]
     peak = json.loads(result.stdout.splitlines()[-1])
     if "onednn" not in peak["kernels"]["bfloat16"]:
@@ -137,6 +138,33 @@ def test_onednn_held_to_avx2_has_no_bf16_matmul_and_the_peak_says_na_with_its_re
         assert peak["flops_per_s"]["bfloat16"]["values"] == torch_bf16["values"]
     else:
         assert peak["flops_per_s"]["bfloat16"].startswith("n/a (no bf16 matmul kernel on this CPU: ")
+
+
+VLLM_KERNELS_LOADED = """
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+libraries = {line.split()[-1].rsplit("/", 1)[-1] for line in open("/proc/self/maps") if "/vllm/_C" in line}
+print(torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported(), torch.backends.cpu.get_cpu_capability(),
+      *sorted(libraries))
+"""
+
+
+@pytest.mark.vllm
+def test_as_avx2_only_makes_vllm_load_its_avx2_kernels():
+    """vLLM picks its compiled library by what torch says the CPU has; under the script it is the AVX2 one."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("vLLM's CPU build has AVX2 and AVX-512 libraries on x86-64 Linux only")
+    held = run_as_avx2_only(VLLM_KERNELS_LOADED)
+    assert held.returncode == 0, held.stderr[-3000:]
+    assert held.stdout.split() == ["False", "False", "AVX2", "_C_AVX2.abi3.so"], held.stdout
+    import torch
+
+    if torch.cpu._is_avx512_supported():
+        # Where torch sees AVX-512, the same process without the script loads another library: the script changed it.
+        free = subprocess.run([sys.executable, "-c", VLLM_KERNELS_LOADED], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert free.returncode == 0, free.stderr[-3000:]
+        assert free.stdout.split()[0] == "True" and "_C_AVX2.abi3.so" not in free.stdout, free.stdout
 
 
 @pytest.fixture
