@@ -101,8 +101,10 @@ def needs_smoke_run(item: pytest.Item) -> bool:
     return bool({"small_run", "finished_small_run"} & set(getattr(item, "fixturenames", ())))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Order the test files for the workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
+    """Mark every test that needs the shared smoke run `slow` (it waits for a build of several minutes), and
+    order the test files for the workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
     each file to one worker as a whole, in this order). Files none of whose tests need the shared smoke run go
     first, so that they run while it is being built; within each half the files that start vLLM engines lead,
     so that a long one does not end the session alone. (Fault injection, the longest, is split over two files.)
@@ -110,6 +112,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     needs_smoke, starts_engines = set(), set()
     for item in items:
         if needs_smoke_run(item):
+            item.add_marker(pytest.mark.slow)
             needs_smoke.add(item.path)
         if item.get_closest_marker("vllm") is not None:
             starts_engines.add(item.path)
@@ -163,8 +166,40 @@ def finished_small_run(request):
     return config, smoke_run.run_dir(folder)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """How many generated bad-input cases tests/test_schema_fuzz.py tried (the figure BENCHMARKS.md quotes)."""
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--timeline", action="store_true",
+                     help="end with when each test file ran and on which worker (BENCHMARKS.md section 9)")
+
+
+# With --timeline, each test file's first start, last stop and worker, from the reports of its tests.
+FILE_SPANS: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not hasattr(report, "start"):
+        return
+    span = FILE_SPANS.setdefault(report.nodeid.split("::")[0], {"start": report.start, "stop": report.stop, "worker": "main"})
+    span["start"], span["stop"] = min(span["start"], report.start), max(span["stop"], report.stop)
+    node = getattr(report, "node", None)  # set by pytest-xdist in the controlling process
+    if node is not None:
+        span["worker"] = node.gateway.id
+
+
+def write_timeline(terminalreporter) -> None:
+    if not FILE_SPANS:
+        return
+    began = min(span["start"] for span in FILE_SPANS.values())
+    terminalreporter.write_line("timeline (s from the first test's start): start  end  seconds  worker  file")
+    for name, span in sorted(FILE_SPANS.items(), key=lambda item: item[1]["start"]):
+        terminalreporter.write_line(f"{span['start'] - began:7.0f} {span['stop'] - began:7.0f} {span['stop'] - span['start']:7.0f}"
+                                    f"  {span['worker']}  {name}")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config):
+    """How many generated bad-input cases tests/test_schema_fuzz.py tried (the figure BENCHMARKS.md quotes);
+    with --timeline, when each test file ran."""
     tried = _fuzz_cases_tried() + FUZZ_CASES_FROM_WORKERS[0]
     if tried:
         terminalreporter.write_line(f"schema fuzz: {tried} generated bad-input cases tried")
+    if config.getoption("timeline"):
+        write_timeline(terminalreporter)

@@ -1,0 +1,24 @@
+"""scripts/run_tests.sh --timeline: when each test file ran and on which worker (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import conftest
+
+
+def report(nodeid: str, start: float, stop: float, worker: str | None):
+    node = SimpleNamespace(gateway=SimpleNamespace(id=worker)) if worker else None
+    return SimpleNamespace(nodeid=nodeid, start=start, stop=stop, node=node)
+
+
+def test_each_file_spans_its_first_start_to_its_last_stop_on_its_worker(monkeypatch):
+    monkeypatch.setattr(conftest, "FILE_SPANS", {})
+    for r in (report("tests/test_b.py::test_one", 110.0, 130.0, "gw1"), report("tests/test_a.py::test_one", 100.0, 105.0, "gw0"),
+              report("tests/test_a.py::test_two", 105.0, 160.4, "gw0"), report("tests/test_b.py::test_two", 130.0, 131.0, "gw1"),
+              SimpleNamespace(nodeid="tests/test_c.py::test_one")):  # a report without times (collection) is left out
+        conftest.pytest_runtest_logreport(r)
+    lines = []
+    conftest.write_timeline(SimpleNamespace(write_line=lines.append))
+    assert [line.split() for line in lines[1:]] == [["0", "60", "60", "gw0", "tests/test_a.py"],
+                                                    ["10", "31", "21", "gw1", "tests/test_b.py"]]
