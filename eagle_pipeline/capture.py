@@ -9,8 +9,9 @@ Layer ids follow eagle_pipeline.layer_ids (HF `output_hidden_states` indices); v
 ids plus the final layer (its output before the final norm), which speculators expects in the last slot
 (`verifier_last_hidden_states`). The stored sample format belongs to eagle_pipeline.samples.
 
-The engine runs once per `HiddenStateCapture` context; vLLM spawns worker processes, so the calling script
-must guard its entry point with `if __name__ == "__main__":`.
+The engine runs once per `HiddenStateCapture` context, in the calling process where engine.engine_env says
+so (one CPU worker) and otherwise in processes vLLM spawns, for which the calling script must guard its
+entry point with `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from typing import Any
 import torch
 
 from eagle_pipeline import atomic
-from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids
 from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
 
 CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
+# The step after a batch ends hands every pending write to the connector; this is a bound, not a wait.
+MAX_STEPS_TO_WRITE = 100
 
 
 def speculative_config(layer_ids: Sequence[int], num_layers: int) -> dict[str, Any]:
@@ -134,21 +136,14 @@ class HiddenStateCapture:
             self.storage_path = Path(self._requested_storage_path)
             self.storage_path.mkdir(parents=True, exist_ok=True)
         args = self.engine_args(self.storage_path, _platform_device_type())
-        # The engine core and workers import the connector module (patches/, part of the installed package)
-        # by name in their own processes. Those processes are required: the reader waits on each file's lock
-        # until the worker's write releases it, which in one process would wait forever.
-        previous = os.environ.get(MULTIPROCESSING_VARIABLE)
-        os.environ[MULTIPROCESSING_VARIABLE] = "1"  # read while the engine is built; restored after
+        # In this process or with engine processes, as the caller's environment says (engine.engine_env);
+        # the engine core and workers import the connector module (patches/, part of the installed
+        # package) by name either way.
         try:
             self._llm = LLM(**args)
         except BaseException:
             self._remove_storage()
             raise
-        finally:
-            if previous is None:
-                os.environ.pop(MULTIPROCESSING_VARIABLE)
-            else:
-                os.environ[MULTIPROCESSING_VARIABLE] = previous
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -166,6 +161,27 @@ class HiddenStateCapture:
         if self._owns_storage and self.storage_path is not None:
             shutil.rmtree(self.storage_path, ignore_errors=True)
             self._owns_storage = False
+
+    def _let_the_connector_write(self) -> None:
+        """Step an in-process engine until its connector has written every finished request's states.
+
+        The connector writes a request's states one engine step after the request finishes (the scheduler
+        hands the pending save to the worker with the next step), and `load_hidden_states` waits on the
+        file's lock until that write is done. Engine processes keep stepping on their own; an engine in this
+        process steps only when called, and `generate` returns as soon as the outputs are complete, so the
+        reader would wait forever. The scheduler holds each request until its write has been handed over.
+        """
+        # An in-process client holds the engine core itself (vLLM's InprocClient); a multiprocess client
+        # talks to it in another process, which needs no help.
+        core = getattr(self._llm.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            return
+        for _ in range(MAX_STEPS_TO_WRITE):
+            if not core.scheduler.has_requests():
+                return
+            self._llm.llm_engine.step()
+        raise RuntimeError(f"capture: vLLM still holds finished requests after {MAX_STEPS_TO_WRITE} engine steps; "
+                           "their hidden states were never written")
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
         """Hidden states for each token id list, in order: dicts with `hidden_states` and `token_ids`."""
@@ -192,6 +208,7 @@ class HiddenStateCapture:
         # The sampled token is irrelevant; max_tokens=1 ends each request right after its prefill.
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        self._let_the_connector_write()
 
         samples = []
         paths = [(out.kv_transfer_params or {}).get("hidden_states_path") for out in outputs]

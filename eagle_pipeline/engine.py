@@ -35,8 +35,8 @@ def single_process_engine(cfg: RunConfig) -> bool:
     greedy text. Tensor parallelism needs the worker processes, so it stays off there. So does a verifier
     with remote code: in-process, vLLM 0.32's CPU worker start scans every module the caller has loaded
     (`triton_utils/dispatcher.py`, `_rebind_kernels`) and fails on one it cannot read (llvmlite's, loaded
-    along with the tiny Kimi-K2.5 verifier of tests/test_kimi_vllm.py). Hidden-state
-    capture turns the processes back on (`capture.HiddenStateCapture`: its connector needs a writer process).
+    along with the tiny Kimi-K2.5 verifier of tests/test_kimi_vllm.py). Hidden-state capture follows the
+    same rule (`capture.HiddenStateCapture` steps an in-process engine until its connector has written).
     """
     return cfg.device == "cpu" and cfg.verifier.tensor_parallel_size == 1 and not cfg.verifier.trust_remote_code
 

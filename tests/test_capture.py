@@ -1,8 +1,10 @@
 """Hidden-state capture: vLLM's layer convention, speculators' loader, fp8 storage, sample checks, CPU patch.
 
-The vLLM-marked tests share one engine run (a subprocess through `python -m eagle_pipeline.capture`, which
-spawns vLLM's workers behind a `__main__` guard). It runs eagerly (`enforce_eager`): torch.compile adds
-one to three minutes of start-up on this machine and does not change which states are captured.
+The vLLM-marked tests share one engine run (a subprocess through `python -m eagle_pipeline.capture`), with the
+engine in that process as engine.engine_env has it for one CPU worker; the Kimi stand-in's capture
+(tests/test_kimi_vllm.py, remote code) checks the path with engine processes against HF the same way. It
+runs eagerly (`enforce_eager`): torch.compile adds one to three minutes of start-up on this machine and does
+not change which states are captured.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from conftest import skip_without_bf16_matmul
 from safetensors.torch import save_file
 
 from eagle_pipeline.capture import kv_transfer_config, speculative_config
+from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids as vllm_layer_ids
 from eagle_pipeline.samples import BadSample, read_sample, sample_filename, verify_sample_file, write_sample
@@ -195,7 +198,7 @@ def captured(tmp_path_factory, verifier_dir, prompts) -> Path:
     work = tmp_path_factory.mktemp("capture")
     (work / "prompts.json").write_text(json.dumps(prompts))
     scratch = work / "connector-scratch"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", **{MULTIPROCESSING_VARIABLE: "0"})
     result = subprocess.run(
         [
             sys.executable, "-m", "eagle_pipeline.capture",

@@ -377,8 +377,9 @@ def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_gpu_
     assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["verifier.trust_remote_code=true"]))
 
 
-def test_capture_builds_its_engine_with_processes_and_restores_the_setting(tmp_path, monkeypatch):
-    """Its connector's reader waits on a lock the worker's write holds: in one process, forever."""
+@pytest.mark.parametrize("setting", ["0", None])
+def test_capture_builds_its_engine_as_the_environment_says(tmp_path, monkeypatch, setting):
+    """In this process where engine_env asks for it (one CPU worker), with vLLM's processes otherwise."""
     import types
 
     from eagle_pipeline import capture
@@ -394,10 +395,62 @@ def test_capture_builds_its_engine_with_processes_and_restores_the_setting(tmp_p
     # A stand-in for the package (the real one takes seconds to import): only its LLM is used here.
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
     monkeypatch.setattr(capture, "_platform_device_type", lambda: "cpu")
-    monkeypatch.setenv(MULTIPROCESSING_VARIABLE, "0")
+    if setting is None:
+        monkeypatch.delenv(MULTIPROCESSING_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(MULTIPROCESSING_VARIABLE, setting)
     with HiddenStateCapture(tmp_path / "verifier", [2, 15, 27], num_layers=30, storage_path=tmp_path / "scratch"):
-        assert os.environ[MULTIPROCESSING_VARIABLE] == "0"
-    assert seen == ["1"]
+        pass
+    assert seen == [setting]
+
+
+class SchedulerHoldingRequests:
+    """A scheduler that keeps finished requests for `steps` engine steps (the connector's pending writes)."""
+
+    def __init__(self, steps: int):
+        self.steps_left = steps
+
+    def has_requests(self) -> bool:
+        return self.steps_left > 0
+
+
+def _capture_with_engine_core(core, tmp_path):
+    import types
+
+    from eagle_pipeline.capture import HiddenStateCapture
+
+    cap = HiddenStateCapture(tmp_path / "verifier", [2, 15, 27], num_layers=30)
+    steps = []
+
+    def step():
+        steps.append(1)
+        core.engine_core.scheduler.steps_left -= 1
+
+    cap._llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core, step=step))
+    return cap, steps
+
+
+def test_capture_steps_an_in_process_engine_until_its_connector_has_written(tmp_path):
+    import types
+
+    from eagle_pipeline import capture
+
+    in_process = types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=SchedulerHoldingRequests(2)))
+    cap, steps = _capture_with_engine_core(in_process, tmp_path)
+    cap._let_the_connector_write()
+    assert len(steps) == 2 and not in_process.engine_core.scheduler.has_requests()
+
+    # Engine processes step by themselves: nothing to do from here.
+    cap, steps = _capture_with_engine_core(types.SimpleNamespace(), tmp_path)
+    cap._let_the_connector_write()
+    assert steps == []
+
+    # A scheduler that never lets go is an error, not a hang.
+    stuck = types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=SchedulerHoldingRequests(10**9)))
+    cap, steps = _capture_with_engine_core(stuck, tmp_path)
+    with pytest.raises(RuntimeError, match="never written"):
+        cap._let_the_connector_write()
+    assert len(steps) == capture.MAX_STEPS_TO_WRITE
 
 
 def test_server_command_carries_the_speculative_config(tmp_path):
