@@ -1,9 +1,8 @@
 """The run config: one YAML file, validated by a typed schema.
 
+- The file is read by config_file.py (`extends:` bases, `--set a.b=value` overrides, repeated keys refused);
+  this module types what it read.
 - Unknown or misspelt keys are errors that name the key and where it is.
-- `extends: other.yaml` (relative to the file) loads another config first and overlays this one on it.
-- `--set a.b=value` overrides any key from the command line; the value is parsed as YAML and typed by
-  the schema.
 - Relative paths in a config are taken relative to the repository root, so a command works from any
   directory.
 - Every number has a range and must be finite; rules that tie fields together (a generation length below
@@ -15,7 +14,6 @@
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import difflib
 import functools
@@ -29,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from eagle_pipeline.config_file import Origins, read_config_file
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.layer_ids import order_problem
@@ -400,140 +399,6 @@ def vllm_engine_arg_names() -> frozenset[str] | None:
 
 # -- loading ---------------------------------------------------------------------------------------
 
-# Where each key of a merged config came from: key path -> the file (or --set) that set it last.
-Origins = dict[tuple[str, ...], str]
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: Any, line: int, first_line: int):
-        super().__init__(key)
-        self.key, self.line, self.first_line = key, line, first_line
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may override on purpose
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
-                try:
-                    if key in seen:
-                        raise _DuplicateKey(key, line, seen[key])
-                    seen[key] = line
-                except TypeError:  # an unhashable key; SafeLoader reports it itself
-                    continue
-        return super().construct_mapping(node, deep=deep)
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
-def _parse_yaml(path: Path) -> Any:
-    try:
-        raw = path.read_bytes()
-    except IsADirectoryError:
-        raise BadInput(f"{path}: is a folder, not a config file; name a .yaml file inside it, e.g. configs/tiny.yaml") from None
-    except OSError as e:
-        raise BadInput(f"{path}: cannot read the config ({e.strerror}); check the path and its permissions") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise BadInput(f"{path} line {line}: byte 0x{raw[e.start]:02x} is not UTF-8; save the file as UTF-8") from None
-    try:
-        return yaml.load(text, Loader=UniqueKeyLoader)
-    except _DuplicateKey as e:
-        raise BadInput(f"{path} line {e.line}: key {e.key!r} appears again (first at line {e.first_line}) and would "
-                       f"silently replace the first; merge the two into one") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" line {mark.line + 1}" if mark else ""
-        raise BadInput(f"{path}{at}: not valid YAML ({_one_line(getattr(e, 'problem', None) or e)}); fix the syntax") from None
-
-
-def _resolve(path: Path, what: str) -> Path:
-    try:
-        return path.resolve()
-    except (RuntimeError, OSError) as e:  # Python 3.11 raises RuntimeError for a symlink loop
-        raise BadInput(f"{path}: {what} cannot be resolved ({_one_line(e)}); point it at a real file") from None
-
-
-def _origins(data: dict, source: str, prefix: tuple[str, ...] = ()) -> Origins:
-    found: Origins = {}
-    for key, value in data.items():
-        found[prefix + (key,)] = source
-        if isinstance(value, dict):
-            found.update(_origins(value, source, prefix + (key,)))
-    return found
-
-
-def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], Origins]:
-    if path in chain:
-        raise BadInput(f"{path}: 'extends' forms a cycle ({' -> '.join(map(str, chain + (path,)))}); remove one link")
-    if not path.exists():
-        where = f" (extended by {chain[-1]})" if chain else ""
-        raise BadInput(f"{path}: config file not found{where}; check the path")
-    data = _parse_yaml(path)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise BadInput(f"{path}: a config must be a YAML mapping of keys to values, not a {type(data).__name__}; "
-                       f"start from configs/tiny.yaml")
-    parent = data.pop("extends", None)
-    origins = _origins(data, str(path))
-    if parent is None:
-        return data, origins
-    if not isinstance(parent, str) or not parent.strip():
-        raise BadInput(f"{path}: extends: expected one base file name, got {parent!r}; a config extends a single "
-                       f"base (the base may extend another)")
-    base_path = _resolve(path.parent / parent, "extends")
-    if base_path.is_dir():
-        raise BadInput(f"{path}: extends: {base_path} is a folder; name a .yaml file")
-    base, base_origins = _read_yaml(base_path, chain + (path,))
-    return deep_merge(base, data), {**base_origins, **origins}
-
-
-def deep_merge(base: dict, overlay: dict) -> dict:
-    merged = copy.deepcopy(base)
-    for key, value in overlay.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def apply_override(data: dict, assignment: str, origins: Origins | None = None) -> None:
-    """Apply one `a.b.c=value` override; the value is parsed as YAML (so 3 is an int, [1,2] a list)."""
-    if "=" not in assignment:
-        raise BadInput(f"--set {assignment!r}: expected dotted.key=value, e.g. --set data.num_samples=10")
-    dotted, raw = assignment.split("=", 1)
-    keys = dotted.strip().split(".")
-    if not all(keys):
-        raise BadInput(f"--set {assignment!r}: empty key segment; use dotted.key=value")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        value = raw
-    node = data
-    for key in keys[:-1]:
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            raise BadInput(f"--set {dotted}: {key!r} is a value, not a section")
-        node = child
-    node[keys[-1]] = value
-    if origins is not None:
-        origins[tuple(keys)] = f"--set {assignment}"
-
-
 def _blame(origins: Origins, loc: tuple, default: str) -> str:
     """The source that set the value at `loc` (or the nearest section above it)."""
     for n in range(len(loc), 0, -1):
@@ -564,13 +429,7 @@ def _explain(error: ValidationError, source: str, section: str | None = None, or
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    given = Path(path)
-    path = _resolve(given, "--config")
-    if path.is_dir():
-        raise BadInput(f"{given}: --config names a folder; name a .yaml file, e.g. configs/tiny.yaml")
-    data, origins = _read_yaml(path)
-    for assignment in overrides:
-        apply_override(data, assignment, origins)
+    path, data, origins = read_config_file(Path(path), overrides)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
