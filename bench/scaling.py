@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import time
@@ -34,13 +33,13 @@ from typing import Any
 from bench import arms
 from bench.exit_codes import run_command
 from bench.figures import read_pipeline_run
+from bench.scaling_report import as_text, plot, render_markdown, summarize
 from eagle_pipeline import atomic
 from eagle_pipeline.config import RunConfig, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.baseline import ANSWERS, BASELINE_DIR
 from eagle_pipeline.stage import read_manifest
 
-TARGET_SAMPLES = 10_000  # the user's run: what the trend is asked to predict
 SOURCE_FILE = "source.json"  # which pipeline run the work folder's points were cut from
 POINT_FILE = "point.json"  # a measured point's figures, written last: its presence means the point is done
 
@@ -94,30 +93,6 @@ def check_changes(config: str, overrides: list[str], changes: list[tuple[str, st
             raise BadInput(f"--vary: {key} shapes the pipeline run's conversations or captured states, which every "
                            f"point reuses; vary train.*, vocab.* or serve.* keys")
         load_config(config, [*overrides, f"{key}={value}"])
-
-
-def fit_log_trend(tokens: list[float], lengths: list[float]) -> dict[str, float] | None:
-    """Least squares of length = a + b ln(tokens); None below two distinct sizes."""
-    points = [(math.log(t), y) for t, y in zip(tokens, lengths) if t > 0 and y is not None]
-    if len({x for x, _ in points}) < 2:
-        return None
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    sxx = sum((x - mean_x) ** 2 for x, _ in points)
-    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
-    a = mean_y - b * mean_x
-    residual = sum((y - a - b * x) ** 2 for x, y in points)
-    total = sum((y - mean_y) ** 2 for _, y in points)
-    return {"a": a, "b": b, "r2": 1.0 - residual / total if total > 0 else 1.0, "points": len(points)}
-
-
-def trend_at(fit: dict[str, float], tokens: float) -> float:
-    return fit["a"] + fit["b"] * math.log(tokens)
-
-
-def tokens_for(fit: dict[str, float], length: float) -> float | None:
-    """Training tokens at which the trend reaches `length`; None if it never grows."""
-    return math.exp((length - fit["a"]) / fit["b"]) if fit["b"] > 0 else None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -218,134 +193,7 @@ def check_source(work: Path, manifests: dict[str, dict]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The document
-
-
-def summarize(points: dict[str, dict], plan: list[Point], pipeline_report: dict, pipeline_samples: int,
-              pipeline_tokens: int) -> dict[str, Any]:
-    scaling = [points[p.name] for p in plan if p.change is None]
-    ngram = ((pipeline_report.get("modes") or {}).get("ngram") or {}).get("mean_acceptance_length")
-    summary: dict[str, Any] = {"ngram_mean_acceptance_length": ngram, "tokens_per_sample": pipeline_tokens / pipeline_samples,
-                               "target_samples": TARGET_SAMPLES}
-    target_tokens = summary["tokens_per_sample"] * TARGET_SAMPLES
-    for kind in ("served", "predicted"):
-        fit = fit_log_trend([p["training_tokens"] for p in scaling], [p[f"{kind}_mean_acceptance_length"] for p in scaling])
-        if fit is not None:
-            fit["at_target_samples"] = trend_at(fit, target_tokens)
-            if ngram is not None:
-                fit["tokens_to_ngram"] = tokens_for(fit, ngram)
-        summary[f"{kind}_fit"] = fit
-    span = [p["training_tokens"] for p in scaling]
-    summary["token_span"] = max(span) / min(span) if span and min(span) > 0 else None
-    return summary
-
-
-def _num(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return f"{value:,}"
-
-
-def _positions(values: list[float] | None) -> str:
-    return "-" if not values else " / ".join(f"{v:.2f}" for v in values)
-
-
-def render_markdown(results: dict[str, Any]) -> str:
-    meta, summary, points, plan = results["meta"], results["summary"], results["points"], results["plan"]
-    lines = [f"# Data scaling of the drafter: {meta['config']}", "",
-             f"`{meta['command']}` ({meta['date']}, {meta['total_s'] / 60:.1f} min). Served: vLLM's counters on "
-             f"{meta['num_prompts']} held-out prompts, {meta['num_speculative_tokens']} draft tokens; predicted: the "
-             f"drafter replayed offline on the same answers. n-gram on the same prompts: "
-             f"{_num(summary['ngram_mean_acceptance_length'], 2)}.", "",
-             "| point | samples | training tokens | served acceptance length | per position | predicted | per position |",
-             "|---|---|---|---|---|---|---|"]
-    for entry in plan:
-        p = points[entry["name"]]
-        lines.append(f"| {entry['name']} | {p['samples']:,} | {p['training_tokens']:,} | "
-                     f"{_num(p['served_mean_acceptance_length'])} | {_positions(p['served_per_position'])} | "
-                     f"{_num(p['predicted_mean_acceptance_length'])} | {_positions(p['predicted_per_position'])} |")
-    lines.append("")
-    tokens_10k = summary["tokens_per_sample"] * summary["target_samples"]
-    for kind in ("served", "predicted"):
-        fit = summary.get(f"{kind}_fit")
-        if fit is None:
-            lines.append(f"- {kind}: fewer than two data sizes, no trend.")
-            continue
-        reach = fit.get("tokens_to_ngram")
-        lines.append(
-            f"- {kind}: acceptance length = {fit['a']:.3f} + {fit['b']:.4f} ln(training tokens) over {fit['points']} sizes "
-            f"spanning {summary['token_span']:.0f}x (R² {fit['r2']:.2f}); at {summary['target_samples']:,} samples "
-            f"(~{tokens_10k:,.0f} tokens at this run's {summary['tokens_per_sample']:.0f} per sample) it predicts "
-            f"{fit['at_target_samples']:.2f}; n-gram's {_num(summary['ngram_mean_acceptance_length'], 2)} "
-            + ("is never reached (the trend does not grow)." if reach is None else
-               f"at ~{reach:,.0f} tokens (~{reach / summary['tokens_per_sample']:,.0f} samples)."))
-    lines += ["", "An extrapolation of a log-linear fit: acceptance saturates eventually, so read the far end as an "
-              "upper bound on what data alone buys.", ""]
-    lines += _changes_table(plan, points)
-    return "\n".join(lines)
-
-
-def _changes_table(plan: list[dict[str, Any]], points: dict[str, dict]) -> list[str]:
-    """Each single change beside the unchanged point of its size (the reference row, change "-")."""
-    sizes = sorted({e["samples"] for e in plan if e["change"] is not None})
-    if not sizes:
-        return []
-    lines = ["| samples | change | served | vs unchanged | predicted | draft vocab covers eval answers | epochs run (best checkpoint) "
-             "| training tokens/s | stage 04 s |", "|---|---|---|---|---|---|---|---|---|"]
-    for size in sizes:
-        reference = next((e for e in plan if e["samples"] == size and e["change"] is None), None)
-        ref_served = points[reference["name"]]["served_mean_acceptance_length"] if reference else None
-        for entry in ([reference] if reference else []) + [e for e in plan if e["samples"] == size and e["change"]]:
-            p = points[entry["name"]]
-            served = p["served_mean_acceptance_length"]
-            delta = "-" if entry["change"] is None or None in (served, ref_served) else f"{served - ref_served:+.3f}"
-            coverage = p.get("draft_vocab_coverage_eval")
-            best = p.get("best_checkpoint")
-            epochs = _num(p.get("epochs_completed")) + ("" if best is None else f" ({best.rsplit('/', 1)[-1]})")
-            lines.append(f"| {size:,} | {'-' if entry['change'] is None else '='.join(entry['change'])} | {_num(served)} | "
-                         f"{delta} | {_num(p['predicted_mean_acceptance_length'])} | "
-                         f"{'-' if coverage is None else f'{coverage:.1%}'} | {epochs} | {_num(p.get('train_tokens_per_s'), 0)} | "
-                         f"{_num(p.get('train_wall_s'), 0)} |")
-    lines += ["", "vs unchanged: served acceptance length minus the unchanged point's of the same size. Training "
-              "tokens/s is the stage's mean over optimizer steps; stage 04 s includes validation and checkpoint replays.", ""]
-    return lines
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary, points = results["summary"], results["points"]
-    scaling = [points[e["name"]] for e in results["plan"] if e["change"] is None]
-    tokens = [p["training_tokens"] for p in scaling]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for kind, style in (("served", "o-"), ("predicted", "s--")):
-        ys = [p[f"{kind}_mean_acceptance_length"] for p in scaling]
-        if any(y is not None for y in ys):
-            ax.plot(tokens, ys, style, label=kind)
-        fit = summary.get(f"{kind}_fit")
-        if fit is not None and tokens:
-            end = summary["tokens_per_sample"] * summary["target_samples"]
-            xs = [min(tokens) * (end / min(tokens)) ** (i / 40) for i in range(41)]
-            ax.plot(xs, [trend_at(fit, x) for x in xs], ":", label=f"{kind} trend")
-    if summary["ngram_mean_acceptance_length"] is not None:
-        ax.axhline(summary["ngram_mean_acceptance_length"], color="grey", linestyle="-.", label="n-gram")
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens (assistant tokens of the conversations trained on)")
-    ax.set_ylabel("mean acceptance length")
-    ax.set_title(f"Data scaling: {results['meta']['config']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    atomic.write_with(path, lambda tmp: fig.savefig(tmp, format="png"))
-    plt.close(fig)
-
-
-# --------------------------------------------------------------------------------------------------------
+# The study: every point, then the trend and the document (bench/scaling_report.py)
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -382,8 +230,8 @@ def run(args: argparse.Namespace) -> Path:
             continue
         points[point.name] = run_point(point, args, cfg, work, vocab_size, answer_token_ids, log)
         p = points[point.name]
-        log(f"{point.name}: {p['training_tokens']:,} training tokens, served {_num(p['served_mean_acceptance_length'])}, "
-            f"predicted {_num(p['predicted_mean_acceptance_length'])}")
+        log(f"{point.name}: {p['training_tokens']:,} training tokens, served {as_text(p['served_mean_acceptance_length'])}, "
+            f"predicted {as_text(p['predicted_mean_acceptance_length'])}")
 
     pipeline_counts = manifests["02_extract_hidden"]["counts"]
     words = ["scripts/run_scaling.sh", args.config, "--sizes", args.sizes]

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO, write_config
 
-from bench import scaling
+from bench import scaling, scaling_report
 from eagle_pipeline.errors import BadInput
 
 
@@ -56,14 +56,14 @@ def test_changes_are_checked_against_the_schema_and_must_leave_the_shared_data_a
 
 def test_the_trend_recovers_a_log_linear_law_and_inverts_it():
     tokens = [1_000, 4_000, 16_000, 64_000]
-    fit = scaling.fit_log_trend(tokens, [1.2 + 0.1 * math.log(t) for t in tokens])
+    fit = scaling_report.fit_log_trend(tokens, [1.2 + 0.1 * math.log(t) for t in tokens])
     assert fit["a"] == pytest.approx(1.2) and fit["b"] == pytest.approx(0.1) and fit["r2"] == pytest.approx(1.0)
-    assert scaling.trend_at(fit, 1e6) == pytest.approx(1.2 + 0.1 * math.log(1e6))
-    assert scaling.tokens_for(fit, scaling.trend_at(fit, 2e5)) == pytest.approx(2e5)
-    assert scaling.tokens_for({"a": 2.0, "b": -0.1}, 2.5) is None
-    assert scaling.fit_log_trend([1_000, 1_000], [1.3, 1.4]) is None
+    assert scaling_report.trend_at(fit, 1e6) == pytest.approx(1.2 + 0.1 * math.log(1e6))
+    assert scaling_report.tokens_for(fit, scaling_report.trend_at(fit, 2e5)) == pytest.approx(2e5)
+    assert scaling_report.tokens_for({"a": 2.0, "b": -0.1}, 2.5) is None
+    assert scaling_report.fit_log_trend([1_000, 1_000], [1.3, 1.4]) is None
     # A point without a figure (a served run that measured nothing) is left out, not read as zero.
-    assert scaling.fit_log_trend([1_000, 4_000, 9_000], [1.3, None, 1.5])["points"] == 2
+    assert scaling_report.fit_log_trend([1_000, 4_000, 9_000], [1.3, None, 1.5])["points"] == 2
 
 
 def _point(samples, tokens, served, predicted):
@@ -80,7 +80,7 @@ def _results(tmp_path):
     points = {"n10": _point(10, 1_000, 1.2, 1.25), "n100": _point(100, 10_000, 1.5, 1.55),
               "n100-train.epochs-8": _point(100, 10_000, 1.6, 1.62)}
     report = {"modes": {"ngram": {"mean_acceptance_length": 2.48}}}
-    summary = scaling.summarize(points, plan, report, pipeline_samples=100, pipeline_tokens=10_000)
+    summary = scaling_report.summarize(points, plan, report, pipeline_samples=100, pipeline_tokens=10_000)
     meta = {"command": "scripts/run_scaling.sh configs/tiny.yaml --sizes 10,100", "config": "configs/tiny.yaml",
             "date": "2026-12-02 00:00 UTC", "total_s": 600.0, "num_prompts": 24, "num_speculative_tokens": 3}
     plan_rows = [{"name": p.name, "samples": p.samples, "change": list(p.change) if p.change else None} for p in plan]
@@ -94,19 +94,19 @@ def test_the_summary_fits_only_the_data_scaling_points_and_predicts_ten_thousand
     assert fit["b"] == pytest.approx(0.3 / math.log(10)) and fit["points"] == 2
     assert summary["token_span"] == pytest.approx(10.0) and summary["tokens_per_sample"] == 100
     assert fit["at_target_samples"] == pytest.approx(1.5 + 0.3 * 2)  # 10k samples = 1e6 tokens, two decades on
-    assert scaling.trend_at(fit, fit["tokens_to_ngram"]) == pytest.approx(2.48)
+    assert scaling_report.trend_at(fit, fit["tokens_to_ngram"]) == pytest.approx(2.48)
 
 
 def test_the_document_and_the_plot(tmp_path):
     results = _results(tmp_path)
-    text = scaling.render_markdown(results)
+    text = scaling_report.render_markdown(results)
     assert "| n100-train.epochs-8 | 100 | 10,000 | 1.600 | 0.60 / 0.00 / 0.00 | 1.620 |" in text
     assert "at 10,000 samples (~1,000,000 tokens at this run's 100 per sample) it predicts 2.10" in text
     assert "n-gram on the same prompts: 2.48" in text and "None" not in text
     # The single change sits under the unchanged point of its size, with the difference it made.
     assert "| 100 | - | 1.500 | - | 1.550 | 95.0% | 4 (3) | 700 | 120 |" in text
     assert "| 100 | train.epochs=8 | 1.600 | +0.100 | 1.620 |" in text
-    scaling.plot(results, tmp_path / "scaling.png")
+    scaling_report.plot(results, tmp_path / "scaling.png")
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
