@@ -101,14 +101,23 @@ def needs_smoke_run(item: pytest.Item) -> bool:
     return bool({"small_run", "finished_small_run"} & set(getattr(item, "fixturenames", ())))
 
 
+# The files that need the shared smoke run, in the order they are handed out. pytest-xdist gives a worker its
+# next file as soon as two tests of its current one are left: for the fault files (four tests of minutes each)
+# that is minutes ahead, so they go first, where handing out early costs nothing. The two longest files follow,
+# and the files of many short tests come last, where whichever worker frees first takes them and neither ends
+# the session alone (BENCHMARKS.md section 9).
+SMOKE_RUN_FILE_ORDER = ("test_faults_04_06.py", "test_faults_01_03.py", "test_benchmarks.py", "test_diagnosis.py",
+                        "test_corruption.py", "test_stages_01_03.py", "test_stages_04_06.py", "test_finetune.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test that needs the shared smoke run `slow` (it waits for a build of several minutes), and
     order the test files for the workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
     each file to one worker as a whole, in this order). Files none of whose tests need the shared smoke run go
-    first, so that they run while it is being built; within each half the files that start vLLM engines lead,
-    so that a long one does not end the session alone. (Fault injection, the longest, is split over two files.)
-    Measured against other orders in BENCHMARKS.md section 9."""
+    first, so that they run while it is being built; in that half the files that start vLLM engines lead, so
+    that a long one does not end the session alone. The other half follows SMOKE_RUN_FILE_ORDER. (Fault
+    injection, the longest, is split over two files.) Measured against other orders in BENCHMARKS.md section 9."""
     needs_smoke, starts_engines = set(), set()
     for item in items:
         if needs_smoke_run(item):
@@ -116,7 +125,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             needs_smoke.add(item.path)
         if item.get_closest_marker("vllm") is not None:
             starts_engines.add(item.path)
-    items.sort(key=lambda item: (item.path in needs_smoke, item.path not in starts_engines))
+
+    def rank(path: Path) -> int:
+        if path in needs_smoke and path.name in SMOKE_RUN_FILE_ORDER:
+            return SMOKE_RUN_FILE_ORDER.index(path.name)
+        return len(SMOKE_RUN_FILE_ORDER) + (path not in starts_engines)
+
+    items.sort(key=lambda item: (item.path in needs_smoke, rank(item.path)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -22,3 +22,9 @@ def test_each_file_spans_its_first_start_to_its_last_stop_on_its_worker(monkeypa
     conftest.write_timeline(SimpleNamespace(write_line=lines.append))
     assert [line.split() for line in lines[1:]] == [["0", "60", "60", "gw0", "tests/test_a.py"],
                                                     ["10", "31", "21", "gw1", "tests/test_b.py"]]
+
+
+def test_the_hand_out_order_names_only_test_files_that_exist():
+    # A renamed file would silently drop to the end of the order.
+    tests = conftest.REPO / "tests"
+    assert [name for name in conftest.SMOKE_RUN_FILE_ORDER if not (tests / name).is_file()] == []
