@@ -115,9 +115,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """Mark every test that needs the shared smoke run `slow` (it waits for a build of several minutes), and
     order the test files for the workers (scripts/run_tests.sh: pytest-xdist, `--dist loadfile`, which hands
     each file to one worker as a whole, in this order). Files none of whose tests need the shared smoke run go
-    first, so that they run while it is being built; in that half the files that start vLLM engines lead, so
-    that a long one does not end the session alone. The other half follows SMOKE_RUN_FILE_ORDER. (Fault
-    injection, the longest, is split over two files.) Measured against other orders in BENCHMARKS.md section 9."""
+    first, so that they run while it is being built, and among them the files that start vLLM engines lead, so
+    that a long one does not end the session alone; the files that need it follow in SMOKE_RUN_FILE_ORDER.
+    (Fault injection, the longest, is split over two files.) Measured against other orders in BENCHMARKS.md
+    section 9."""
     needs_smoke, starts_engines = set(), set()
     for item in items:
         if needs_smoke_run(item):
