@@ -1,7 +1,7 @@
 """The chat-template arguments every stage passes to the target: one answer for "reasoning on or off".
 
 Templates switch thinking with different variables: Qwen3 and SmolLM3 read `enable_thinking`, Kimi-K2.5
-reads `thinking` and thinks unless it is passed as false (docs/engines.md, "Kimi-K2.5's chat template").
+reads `thinking` and thinks unless it is passed as false (docs/engines.md, "Kimi-K2 and Kimi-K2.5").
 Passing the wrong name is silently ignored, so `generation.reasoning: false` would still produce thinking
 data. The variable is found in the template itself; `generation.chat_template_kwargs` overrides or adds
 arguments for a template this does not cover. Stages 01 and 06 use the same arguments, so the drafter is
