@@ -107,13 +107,14 @@ def run(stage: Stage, dry_run: bool) -> None:
         parity_source_dir=checkpoint, parity_prompts=parity_prompts, num_speculative_tokens=cfg.serve.num_speculative_tokens,
         max_tokens=c.parity_max_tokens, tolerance=c.parity_tolerance,
         engine_kwargs={k: v for k, v in llm_kwargs(cfg, str(verifier.path)).items() if k != "model"},
-        env=engine_env(cfg), timeout_s=c.engine_timeout_s,
+        env=engine_env(cfg), timeout_s=c.engine_timeout_s, log_dir=stage.dir / "logs",
     )
     atomic.write_json(stage.dir / "verify.json", result)
     drafter_checks.print_table(result)
     if not result["ok"]:
         failed = [name for name, check in result["checks"].items() if not check["ok"] and not check.get("skipped")]
-        print(f"verification failed: {', '.join(failed)} (details in {stage.dir / 'verify.json'})", file=sys.stderr)
+        print(f"verification failed: {', '.join(failed)} (details in {stage.dir / 'verify.json'}, the vLLM jobs' "
+              f"whole output in {stage.dir / 'logs'})", file=sys.stderr)
         sys.exit(1)
 
     counts = {"checkpoint": str(checkpoint.relative_to(cfg.run_dir)), "checks": {k: v["ok"] for k, v in result["checks"].items()},

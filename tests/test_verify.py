@@ -338,3 +338,17 @@ def test_acceptance_parity_between_speculators_and_converted_formats(tmp_path):
     assert detail["a"]["accepted_per_position"] == detail["b"]["accepted_per_position"]
     assert detail["a"]["num_drafts"] == detail["b"]["num_drafts"] > 0
     assert detail["b"]["accepted_per_position"][0] > 0 and detail["same_greedy_outputs"]
+
+
+def test_a_failed_vllm_job_keeps_its_whole_log_and_names_it(tmp_path):
+    # A job that fails before any engine starts (a missing argument): the log is kept where the caller asked,
+    # headed by the command, and the failure carries its tail and its path.
+    from eagle_pipeline.drafter_checks.subprocess_json import run_json_subprocess
+
+    log = tmp_path / "logs" / "vllm-load.log"
+    with pytest.raises(RuntimeError) as failure:
+        run_json_subprocess(["inspect", "--target", str(tmp_path)], log_path=log)
+    text = log.read_text()
+    assert text.startswith("$ ") and " inspect --target " in text.splitlines()[0]
+    assert "the following arguments are required: --drafter" in text
+    assert f"whole log: {log}" in str(failure.value) and "--drafter" in str(failure.value)

@@ -20,8 +20,9 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
                    parity_prompts: list | None = None, num_speculative_tokens: int = 3, max_tokens: int = 32,
                    tolerance: float = 0.05, engine_kwargs: dict[str, Any] | None = None,
                    env: dict[str, str] | None = None, engine: str = "vllm",
-                   timeout_s: float = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
+                   timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None) -> dict[str, Any]:
     """Run all four checks on a drafter folder; `expected` maps (dotted) config keys to required values.
+    The vLLM jobs' whole output is kept in `log_dir` when given (vllm-load.log, parity-a.log, parity-b.log).
 
     `engine` is the engine the folder was written for ("vllm" or "sglang"). Parity runs only for a
     vLLM folder with `parity_source_dir` (the speculators checkpoint) and `parity_prompts`; otherwise
@@ -42,7 +43,9 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         checks["shapes"] = check_shapes(drafter_dir, reference_dir)
     except BadInput as problem:
         checks["shapes"] = {"ok": False, "detail": {"problems": [str(problem)]}}
-    vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s)
+    log_dir = Path(log_dir) if log_dir is not None else None
+    vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s,
+                      log_dir=log_dir)
     checks["config"] = check_config(drafter_dir, target_dir, expected, vllm["config"], engine)
     load = vllm["load"]
     checks["vllm_load"] = {"ok": bool(load.get("ok")), "detail": load}
@@ -52,7 +55,8 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
     elif parity_source_dir is not None and parity_prompts:
         checks["parity"] = acceptance_parity(target_dir, parity_source_dir, drafter_dir, parity_prompts,
                                              num_speculative_tokens, max_tokens, tolerance,
-                                             engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s)
+                                             engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s,
+                                             log_dir=log_dir)
     else:
         checks["parity"] = {"ok": False, "skipped": True,
                             "detail": "not run: no parity_source_dir and parity_prompts given"}

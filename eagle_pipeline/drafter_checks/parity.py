@@ -82,19 +82,21 @@ def compare_acceptance(run_a: dict[str, Any], run_b: dict[str, Any], tolerance: 
 def acceptance_parity(target_dir: str | Path, dir_a: str | Path, dir_b: str | Path, prompts: list,
                       num_speculative_tokens: int, max_tokens: int, tolerance: float, *,
                       engine_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                      timeout_s: float = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
+                      timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: Path | None = None) -> dict[str, Any]:
     """Run vLLM greedily with drafter A (e.g. the speculators checkpoint) and B (its conversion) and
-    compare accepted tokens per draft position; `prompts` are strings or chat message lists."""
+    compare accepted tokens per draft position; `prompts` are strings or chat message lists. With `log_dir`,
+    each run's output is kept there as parity-a.log and parity-b.log."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="eagle-parity-") as tmp:
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
-        for drafter in (dir_a, dir_b):
+        for drafter, log_name in ((dir_a, "parity-a.log"), (dir_b, "parity-b.log")):
             args = ["acceptance", "--target", str(target_dir), "--drafter", str(drafter),
                     "--prompts", str(prompts_file), "--num-speculative-tokens", str(num_speculative_tokens),
                     "--max-tokens", str(max_tokens), "--engine-kwargs", json.dumps(engine_kwargs or {})]
             try:
-                runs.append(run_json_subprocess(args, env, timeout=timeout_s))
+                log_path = Path(log_dir) / log_name if log_dir is not None else None
+                runs.append(run_json_subprocess(args, env, timeout=timeout_s, log_path=log_path))
             except (RuntimeError, subprocess.TimeoutExpired) as error:
                 return {"ok": False, "detail": {"tolerance": tolerance, "problems": [f"{drafter}: {error}"]}}
     return compare_acceptance(runs[0], runs[1], tolerance)

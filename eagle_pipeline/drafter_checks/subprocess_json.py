@@ -2,13 +2,16 @@
 process and returns the JSON it writes.
 
 vLLM spawns workers and keeps process-global state (distributed groups, current config) that must not
-leak into the caller, so each job gets its own interpreter.
+leak into the caller, so each job gets its own interpreter. Its whole output goes to a log file the caller
+names (stage 05: `05_convert/logs/`), because the reason an engine fails to start on a multi-GPU host is
+seldom in the last lines; a failure carries the log's tail and its path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -29,16 +32,21 @@ def subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_json_subprocess(args: list[str], env: dict[str, str] | None = None,
-                        timeout: float = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
-    """Run `python -m eagle_pipeline.drafter_checks.cli ARGS --out FILE` and return FILE's JSON (or the failure)."""
+                        timeout: float = SUBPROCESS_TIMEOUT_S, log_path: Path | None = None) -> dict[str, Any]:
+    """Run `python -m eagle_pipeline.drafter_checks.cli ARGS --out FILE` and return FILE's JSON (or the failure).
+    The job's output is written to `log_path` (kept), or to a temporary file when none is given."""
+    command = [sys.executable, "-m", "eagle_pipeline.drafter_checks.cli", *args]
     with tempfile.TemporaryDirectory(prefix="eagle-verify-") as tmp:
         out = Path(tmp) / "result.json"
-        log = Path(tmp) / "log.txt"
+        log = Path(log_path) if log_path is not None else Path(tmp) / "log.txt"
+        log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as log_file:
-            proc = subprocess.run([sys.executable, "-m", "eagle_pipeline.drafter_checks.cli", *args, "--out", str(out)],
-                                  stdout=log_file, stderr=subprocess.STDOUT, env=subprocess_env(env),
-                                  timeout=timeout)
+            log_file.write(f"$ {shlex.join(command)}\n".encode())
+            log_file.flush()
+            proc = subprocess.run([*command, "--out", str(out)], stdout=log_file, stderr=subprocess.STDOUT,
+                                  env=subprocess_env(env), timeout=timeout)
         if proc.returncode != 0 or not out.exists():
             tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"vLLM subprocess {args[0]} exited with {proc.returncode}:\n{tail}")
+            whole = f" (whole log: {log})" if log_path is not None else ""
+            raise RuntimeError(f"vLLM subprocess {args[0]} exited with {proc.returncode}{whole}:\n{tail}")
         return json.loads(out.read_text())

@@ -146,12 +146,15 @@ def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any
 
 
 def check_vllm(drafter_dir: str | Path, target_dir: str | Path, *, engine_kwargs: dict[str, Any] | None = None,
-               env: dict[str, str] | None = None, timeout_s: float = SUBPROCESS_TIMEOUT_S) -> dict[str, Any]:
-    """vLLM's view of the config and its load_weights result, from a fresh subprocess."""
+               env: dict[str, str] | None = None, timeout_s: float = SUBPROCESS_TIMEOUT_S,
+               log_dir: Path | None = None) -> dict[str, Any]:
+    """vLLM's view of the config and its load_weights result, from a fresh subprocess (its output in
+    `log_dir`/vllm-load.log when given)."""
     args = ["inspect", "--target", str(target_dir), "--drafter", str(drafter_dir),
             "--engine-kwargs", json.dumps(engine_kwargs or {})]
+    log_path = Path(log_dir) / "vllm-load.log" if log_dir is not None else None
     try:
-        return run_json_subprocess(args, env, timeout=timeout_s)
+        return run_json_subprocess(args, env, timeout=timeout_s, log_path=log_path)
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         message = str(error)
         return {"config": {"error": message}, "load": {"ok": False, "error": message}}
