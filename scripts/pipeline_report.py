@@ -5,32 +5,57 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 from eagle_pipeline.config import load_config
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.serve.report import format_speedup, read_report
 from eagle_pipeline.stage import STAGES, read_manifest
 
 
-def key_figures(stage: str, counts: dict) -> str:
+def _num(value, digits: int = 2) -> str:
+    return "?" if value is None else f"{value:.{digits}f}"
+
+
+def _per_position(values) -> str:
+    return " / ".join(_num(v) for v in values or []) or "?"
+
+
+def key_figures(stage: str, counts: dict, stage_dir: Path) -> str:
+    """The few figures of a finished stage that say whether it did its job, rounded for reading."""
     c = counts
     if stage == "01_generate_data":
-        return f"{c.get('samples')} conversations, {c.get('completion_tokens')} response tokens, {c.get('output_tokens_per_s')} output tok/s"
+        finish = ", ".join(f"{reason} {n}" for reason, n in (c.get("finish_reasons") or {}).items())
+        return (f"{c.get('samples')} conversations, {c.get('completion_tokens')} answer tokens (finish_reason {finish or '?'}), "
+                f"{_num(c.get('output_tokens_per_s'), 1)} output tok/s")
     if stage == "02_extract_hidden":
-        return (f"{c.get('tokens')} tokens, {c.get('capture_tokens_per_s')} tok/s capture, {c.get('bytes_per_token')} B/token, "
-                f"{(c.get('stored_bytes') or 0) / 1e6:.0f} MB")
+        return (f"{c.get('tokens')} tokens, layers {c.get('layer_ids')} + final, {_num(c.get('capture_tokens_per_s'), 1)} tok/s "
+                f"captured, {_num((c.get('bytes_per_token') or 0) / 1e3, 1)} KB/token, {_num((c.get('stored_bytes') or 0) / 1e6, 1)} MB")
     if stage == "03_build_vocab_map":
-        return f"draft vocab {c.get('draft_vocab_size')}, coverage {c.get('coverage')}"
+        adopted = f", adopted from {c['from_drafter']}" if c.get("from_drafter") else ""
+        return (f"draft vocab {c.get('draft_vocab_size')} of {c.get('target_vocab_size')}, "
+                f"coverage {_num(100 * (c.get('coverage') or 0), 1)}% of the answer tokens{adopted}")
     if stage == "04_train":
-        val = c.get("final_val") or {}
-        acc = {k: round(float(v), 3) for k, v in val.items() if str(k).startswith("full_acc")}
-        return (f"{c.get('epochs_completed')} epochs, {c.get('train_tokens_per_s')} train tok/s, peak RSS {c.get('peak_rss_mb')} MB, "
-                f"val {acc}")
+        best, val = c.get("best") or {}, c.get("final_val") or {}
+        accuracy = [val.get(f"full_acc_{k}") for k in range(3) if f"full_acc_{k}" in val]
+        return (f"{c.get('epochs_completed')} epochs, best {best.get('checkpoint', '?')} (predicted acceptance length "
+                f"{_num(best.get('predicted_acceptance_length'))}), last validation accuracy {_per_position(accuracy)}, "
+                f"{_num(c.get('train_tokens_per_s'), 0)} train tok/s, peak RSS {_num((c.get('peak_rss_mb') or 0) / 1e3, 1)} GB")
     if stage == "05_convert":
-        return f"checks {c.get('checks')}"
+        checks = c.get("checks") or {}
+        failed = [name for name, ok in checks.items() if not ok]
+        return f"{c.get('checkpoint')} converted; checks {'FAILED: ' + ', '.join(failed) if failed else 'all ok'} ({', '.join(checks)})"
     if stage == "06_serve_test":
-        tps = {k: round(v, 1) for k, v in (c.get("tokens_per_s") or {}).items() if v is not None}
-        per = [round(x, 3) for x in c.get("per_position_acceptance") or []]
-        return (f"mean acceptance length {c.get('mean_acceptance_length')}, per position {per}, tok/s {tps}, "
-                f"speed-up {c.get('speedup')}, greedy match {c.get('greedy_match')}")
+        diagnosis = (c.get("diagnosis") or {}).get("status", "?")
+        try:
+            ngram = (read_report(stage_dir / "report.json").get("ngram_acceptance") or {}).get("mean_acceptance_length")
+        except BadInput:
+            ngram = None
+        speed = c.get("tokens_per_s") or {}
+        return (f"acceptance length {_num(c.get('mean_acceptance_length'))} served, {_num(c.get('predicted_mean_acceptance_length'))} "
+                f"predicted ({diagnosis}), n-gram {_num(ngram)}; per position {_per_position(c.get('per_position_acceptance'))}; "
+                f"speed-up {format_speedup(c.get('speedup'))} ({', '.join(f'{mode} {_num(v, 1)}' for mode, v in speed.items())} tok/s); "
+                f"greedy match {c.get('greedy_match')}")
     return ""
 
 
@@ -43,11 +68,12 @@ def main() -> int:
     print("| stage | status | wall time (s) | key figures |\n|---|---|---|---|")
     total = 0.0
     for stage in STAGES.values():
-        manifest = read_manifest(cfg.stage_dir(stage)) or {}
+        stage_dir = cfg.stage_dir(stage)
+        manifest = read_manifest(stage_dir) or {}
         seconds = manifest.get("wall_time_s")
         total += seconds or 0
-        print(f"| {stage} | {manifest.get('status', 'missing')} | {seconds if seconds is not None else ''} | "
-              f"{key_figures(stage, manifest.get('counts', {})) if manifest else ''} |")
+        figures = key_figures(stage, manifest.get("counts") or {}, stage_dir) if manifest.get("status") == "complete" else ""
+        print(f"| {stage} | {manifest.get('status', 'not run')} | {_num(seconds, 0) if seconds is not None else ''} | {figures} |")
     print(f"| total | | {total:.0f} | |")
     return 0
 

@@ -1,9 +1,11 @@
 """Stages 04-06 for real on the small run of stages 01-03: train, convert + verify, serve and measure."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-from conftest import run_stage
+from conftest import REPO, run_stage
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -91,3 +93,19 @@ def test_offline_prediction_of_the_intact_drafter_agrees_with_what_vllm_served(f
     assert abs(report["predicted_mean_acceptance_length"] - report["mean_acceptance_length"]) <= 0.2
     assert all(abs(p - s) <= 0.15 for p, s in zip(predicted, served))
     assert "Predicted offline vs served" in (run_dir / "06_serve_test" / "report.md").read_text()
+
+
+def test_the_run_summary_has_a_row_per_stage_with_its_key_figures(finished):
+    config, run_dir = finished
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(config)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line for line in result.stdout.splitlines()[2:]}
+    assert list(rows) == ["01_generate_data", "02_extract_hidden", "03_build_vocab_map", "04_train", "05_convert",
+                          "06_serve_test", "total"]
+    report = read(run_dir / "06_serve_test" / "report.json")
+    assert "6 conversations" in rows["01_generate_data"] and "layers [2, 15, 27] + final" in rows["02_extract_hidden"]
+    assert "checks all ok" in rows["05_convert"]
+    assert (f"acceptance length {report['mean_acceptance_length']:.2f} served, "
+            f"{report['predicted_mean_acceptance_length']:.2f} predicted (agrees), "
+            f"n-gram {report['ngram_acceptance']['mean_acceptance_length']:.2f}") in rows["06_serve_test"]
