@@ -350,7 +350,3 @@ def apply() -> None:
     _patch_fine_tune_master_weights()
     _patch_bf16_argmax()
     _applied = True
-
-
-def applied() -> bool:
-    return _applied

@@ -158,15 +158,6 @@ def _busy_port(run_dir, tmp):
     return ["--set", f"serve.port={sock.getsockname()[1]}"]
 
 
-def _then(*setups):
-    def setup(run_dir, tmp):
-        args = []
-        for s in setups:
-            args += s(run_dir, tmp) or []
-        return args
-    return setup
-
-
 CASES = [
     ("unknown-key", {"genration": {"max_tokens": 3}}, None, "01_generate_data.py", ["--dry-run"], "unknown key 'genration' in the top level"),
     ("misspelt-nested-key", {"train": {"learning_rate": 1}}, None, "04_train.py", [], "unknown key 'learning_rate' in section 'train'"),
