@@ -2,6 +2,7 @@
 # Run every stage of the pipeline in order on one config (default: the embedded CPU config).
 #   scripts/run_pipeline.sh [CONFIG] [--set key=value ...]
 # Each stage skips work that is already finished, so rerunning after a failure resumes where it stopped.
+# Ends with one table of every stage's wall time and key figures (scripts/pipeline_report.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:-configs/tiny.yaml}"
@@ -15,3 +16,15 @@ for stage in 01_generate_data 02_extract_hidden 03_build_vocab_map 04_train 05_c
   .venv/bin/python "$stage.py" --config "$config" "$@"
   echo "=== $stage finished in $(( $(date +%s) - start )) s"
 done
+# The summary reads the same config, with the same --set overrides (the stages' other flags are not its own).
+overrides=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --set) overrides+=(--set "$2"); shift 2 ;;
+    --set=*) overrides+=("$1"); shift ;;
+    --dry-run) exit 0 ;;
+    *) shift ;;
+  esac
+done
+echo "=== summary"
+.venv/bin/python scripts/pipeline_report.py --config "$config" "${overrides[@]}"
