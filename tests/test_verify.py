@@ -352,3 +352,32 @@ def test_a_failed_vllm_job_keeps_its_whole_log_and_names_it(tmp_path):
     assert text.startswith("$ ") and " inspect --target " in text.splitlines()[0]
     assert "the following arguments are required: --drafter" in text
     assert f"whole log: {log}" in str(failure.value) and "--drafter" in str(failure.value)
+
+
+def test_a_job_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
+    # As vLLM's engine core and workers do, the job's child and grandchild would run on after it is killed.
+    import os
+    import sys
+
+    from eagle_pipeline.drafter_checks.subprocess_json import run_logged
+
+    pids, job = tmp_path / "pids", tmp_path / "job.py"
+    job.write_text(
+        "import os, subprocess, sys, time\n"
+        f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "if int(sys.argv[1]) < 2:\n"
+        "    subprocess.Popen([sys.executable, __file__, str(int(sys.argv[1]) + 1)])\n"
+        "time.sleep(600)\n")
+    log = tmp_path / "job.log"
+    assert run_logged([sys.executable, str(job), "0"], log, dict(os.environ), timeout=8) is None
+    started = [int(line) for line in pids.read_text().split()]
+    assert len(started) == 3, "the job did not start its child and grandchild within the timeout"
+
+    def alive(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+
+    assert [pid for pid in started if alive(pid)] == []
+    assert log.read_text().startswith(f"$ {sys.executable} {job} 0")

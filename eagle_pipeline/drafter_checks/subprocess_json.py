@@ -5,6 +5,10 @@ vLLM spawns workers and keeps process-global state (distributed groups, current 
 leak into the caller, so each job gets its own interpreter. Its whole output goes to a log file the caller
 names (stage 05: `05_convert/logs/`), because the reason an engine fails to start on a multi-GPU host is
 seldom in the last lines; a failure carries the log's tail and its path.
+
+A job that runs past its timeout is killed with everything it started: vLLM's engine core and its workers
+do not exit when the job dies (they were seen running on as orphans), and on a GPU host they would keep the
+GPUs' memory from the next engine.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +45,81 @@ def run_json_subprocess(args: list[str], env: dict[str, str] | None = None,
     with tempfile.TemporaryDirectory(prefix="eagle-verify-") as tmp:
         out = Path(tmp) / "result.json"
         log = Path(log_path) if log_path is not None else Path(tmp) / "log.txt"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as log_file:
-            log_file.write(f"$ {shlex.join(command)}\n".encode())
-            log_file.flush()
-            proc = subprocess.run([*command, "--out", str(out)], stdout=log_file, stderr=subprocess.STDOUT,
-                                  env=subprocess_env(env), timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
+        code = run_logged([*command, "--out", str(out)], log, subprocess_env(env), timeout)
+        if code != 0 or not out.exists():
             tail = log.read_text(errors="replace")[-3000:]
             whole = f" (whole log: {log})" if log_path is not None else ""
-            raise RuntimeError(f"vLLM subprocess {args[0]} exited with {proc.returncode}{whole}:\n{tail}")
+            what = f"did not finish within {timeout:g} s and was killed" if code is None else f"exited with {code}"
+            raise RuntimeError(f"vLLM subprocess {args[0]} {what}{whole}:\n{tail}")
         return json.loads(out.read_text())
+
+
+def run_logged(command: list[str], log: Path, env: dict[str, str], timeout: float) -> int | None:
+    """Run `command` with its output in `log` (headed by the command); its exit code, or None when it ran
+    past `timeout` and was killed together with every process below it."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as log_file:
+        log_file.write(f"$ {shlex.join(command)}\n".encode())
+        log_file.flush()
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(process)
+            return None
+        except BaseException:  # Ctrl-C while waiting: nothing of the job may outlive the stage
+            kill_tree(process)
+            raise
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a process and all its descendants. Each is stopped first, until no new one appears, so none
+    can start another or be orphaned (and so lost from the tree) while the others are killed."""
+    stopped: list[int] = []
+    while True:
+        found = [pid for pid in [process.pid, *descendants(process.pid)] if pid not in stopped]
+        if not found:
+            break
+        for pid in found:
+            _signal(pid, signal.SIGSTOP)
+        stopped += found
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
+    process.wait()
+    for pid in stopped:  # the job's own children are reaped by their parents' deaths, not by us: wait until gone
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X", None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid`, read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +154,6 @@ def check_vllm(drafter_dir: str | Path, target_dir: str | Path, *, engine_kwargs
     log_path = Path(log_dir) / "vllm-load.log" if log_dir is not None else None
     try:
         return run_json_subprocess(args, env, timeout=timeout_s, log_path=log_path)
-    except (RuntimeError, subprocess.TimeoutExpired) as error:
+    except RuntimeError as error:
         message = str(error)
         return {"config": {"error": message}, "load": {"ok": False, "error": message}}
