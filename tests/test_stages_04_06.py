@@ -59,6 +59,7 @@ def test_converted_drafter_passes_all_four_checks(finished):
     first_lines = {name: (logs / name).read_text().splitlines()[0] for name in ("vllm-load.log", "parity-a.log", "parity-b.log")}
     assert " inspect " in first_lines["vllm-load.log"]
     assert " acceptance " in first_lines["parity-b.log"] and str(run_dir / "05_convert" / "vllm") in first_lines["parity-b.log"]
+    assert f"--prompts {logs / 'parity-prompts.json'}" in first_lines["parity-a.log"]
 
 
 def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):

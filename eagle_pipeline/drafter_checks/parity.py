@@ -84,10 +84,12 @@ def acceptance_parity(target_dir: str | Path, dir_a: str | Path, dir_b: str | Pa
                       timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: Path | None = None) -> dict[str, Any]:
     """Run vLLM greedily with drafter A (e.g. the speculators checkpoint) and B (its conversion) and
     compare accepted tokens per draft position; `prompts` are strings or chat message lists. With `log_dir`,
-    each run's output is kept there as parity-a.log and parity-b.log."""
+    each run's output is kept there as parity-a.log and parity-b.log, with the prompts (parity-prompts.json)."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="eagle-parity-") as tmp:
-        prompts_file = Path(tmp) / "prompts.json"
+        # Beside the logs when kept, so that the command heading each log can be run again by hand.
+        prompts_file = (Path(log_dir) if log_dir is not None else Path(tmp)) / "parity-prompts.json"
+        prompts_file.parent.mkdir(parents=True, exist_ok=True)
         prompts_file.write_text(json.dumps(prompts))
         for drafter, log_name in ((dir_a, "parity-a.log"), (dir_b, "parity-b.log")):
             args = ["acceptance", "--target", str(target_dir), "--drafter", str(drafter),
