@@ -86,10 +86,10 @@ def kill_tree(process: subprocess.Popen) -> None:
     for pid in stopped:
         _signal(pid, signal.SIGKILL)
     process.wait()
-    for pid in stopped:  # the job's own children are reaped by their parents' deaths, not by us: wait until gone
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X", None) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    # The descendants are reaped by whoever inherits them, not by us: wait until each is dead (gone or a zombie).
+    deadline = time.monotonic() + 10
+    while any(_state(pid) not in ("Z", "X", None) for pid in stopped) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def descendants(pid: int) -> list[int]:
