@@ -354,12 +354,25 @@ def test_a_failed_vllm_job_keeps_its_whole_log_and_names_it(tmp_path):
     assert f"whole log: {log}" in str(failure.value) and "--drafter" in str(failure.value)
 
 
-def test_a_job_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
-    # As vLLM's engine core and workers do, the job's child and grandchild would run on after it is killed.
+def test_a_job_past_its_timeout_is_killed_and_its_log_kept(tmp_path):
     import os
     import sys
 
     from eagle_pipeline.drafter_checks.subprocess_json import run_logged
+
+    log = tmp_path / "job.log"
+    command = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"]
+    assert run_logged(command, log, dict(os.environ), timeout=1) is None
+    assert log.read_text().startswith(f"$ {sys.executable} -c ")
+
+
+def test_killing_a_job_kills_everything_it_started(tmp_path):
+    # As vLLM's engine core and workers do, the job's child and grandchild would run on after it is killed.
+    import subprocess
+    import sys
+    import time
+
+    from eagle_pipeline.drafter_checks.subprocess_json import kill_tree
 
     pids, job = tmp_path / "pids", tmp_path / "job.py"
     job.write_text(
@@ -368,10 +381,13 @@ def test_a_job_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
         "if int(sys.argv[1]) < 2:\n"
         "    subprocess.Popen([sys.executable, __file__, str(int(sys.argv[1]) + 1)])\n"
         "time.sleep(600)\n")
-    log = tmp_path / "job.log"
-    assert run_logged([sys.executable, str(job), "0"], log, dict(os.environ), timeout=8) is None
+    process = subprocess.Popen([sys.executable, str(job), "0"])
+    deadline = time.monotonic() + 60
+    while not (pids.exists() and len(pids.read_text().split()) == 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
     started = [int(line) for line in pids.read_text().split()]
-    assert len(started) == 3, "the job did not start its child and grandchild within the timeout"
+    assert len(started) == 3
+    kill_tree(process)
 
     def alive(pid):
         try:
@@ -380,4 +396,3 @@ def test_a_job_past_its_timeout_is_killed_with_everything_it_started(tmp_path):
             return False
 
     assert [pid for pid in started if alive(pid)] == []
-    assert log.read_text().startswith(f"$ {sys.executable} {job} 0")
