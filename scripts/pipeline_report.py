@@ -9,16 +9,12 @@ from pathlib import Path
 
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.serve.report import format_speedup, read_report
+from eagle_pipeline.serve.report import format_number, format_speedup, read_report
 from eagle_pipeline.stage import STAGES, read_manifest
 
 
-def _num(value, digits: int = 2) -> str:
-    return "?" if value is None else f"{value:.{digits}f}"
-
-
 def _per_position(values) -> str:
-    return " / ".join(_num(v) for v in values or []) or "?"
+    return " / ".join(format_number(v) for v in values or []) or "-"
 
 
 def key_figures(stage: str, counts: dict, stage_dir: Path) -> str:
@@ -26,35 +22,35 @@ def key_figures(stage: str, counts: dict, stage_dir: Path) -> str:
     c = counts
     if stage == "01_generate_data":
         finish = ", ".join(f"{reason} {n}" for reason, n in (c.get("finish_reasons") or {}).items())
-        return (f"{c.get('samples')} conversations, {c.get('completion_tokens')} answer tokens (finish_reason {finish or '?'}), "
-                f"{_num(c.get('output_tokens_per_s'), 1)} output tok/s")
+        return (f"{c.get('samples')} conversations, {c.get('completion_tokens')} answer tokens (finish_reason {finish or '-'}), "
+                f"{format_number(c.get('output_tokens_per_s'), 1)} output tok/s")
     if stage == "02_extract_hidden":
-        return (f"{c.get('tokens')} tokens, layers {c.get('layer_ids')} + final, {_num(c.get('capture_tokens_per_s'), 1)} tok/s "
-                f"captured, {_num((c.get('bytes_per_token') or 0) / 1e3, 1)} KB/token, {_num((c.get('stored_bytes') or 0) / 1e6, 1)} MB")
+        return (f"{c.get('tokens')} tokens, layers {c.get('layer_ids')} + final, {format_number(c.get('capture_tokens_per_s'), 1)} tok/s "
+                f"captured, {format_number((c.get('bytes_per_token') or 0) / 1e3, 1)} KB/token, {format_number((c.get('stored_bytes') or 0) / 1e6, 1)} MB")
     if stage == "03_build_vocab_map":
         adopted = f", adopted from {c['from_drafter']}" if c.get("from_drafter") else ""
         return (f"draft vocab {c.get('draft_vocab_size')} of {c.get('target_vocab_size')}, "
-                f"coverage {_num(100 * (c.get('coverage') or 0), 1)}% of the answer tokens{adopted}")
+                f"coverage {format_number(100 * (c.get('coverage') or 0), 1)}% of the answer tokens{adopted}")
     if stage == "04_train":
         best, val = c.get("best") or {}, c.get("final_val") or {}
         accuracy = [val.get(f"full_acc_{k}") for k in range(3) if f"full_acc_{k}" in val]
-        return (f"{c.get('epochs_completed')} epochs, best {best.get('checkpoint', '?')} (predicted acceptance length "
-                f"{_num(best.get('predicted_acceptance_length'))}), last validation accuracy {_per_position(accuracy)}, "
-                f"{_num(c.get('train_tokens_per_s'), 0)} train tok/s, peak RSS {_num((c.get('peak_rss_mb') or 0) / 1e3, 1)} GB")
+        return (f"{c.get('epochs_completed')} epochs, best {best.get('checkpoint', '-')} (predicted acceptance length "
+                f"{format_number(best.get('predicted_acceptance_length'))}), last validation accuracy {_per_position(accuracy)}, "
+                f"{format_number(c.get('train_tokens_per_s'), 0)} train tok/s, peak RSS {format_number((c.get('peak_rss_mb') or 0) / 1e3, 1)} GB")
     if stage == "05_convert":
         checks = c.get("checks") or {}
         failed = [name for name, ok in checks.items() if not ok]
         return f"{c.get('checkpoint')} converted; checks {'FAILED: ' + ', '.join(failed) if failed else 'all ok'} ({', '.join(checks)})"
     if stage == "06_serve_test":
-        diagnosis = (c.get("diagnosis") or {}).get("status", "?")
+        diagnosis = (c.get("diagnosis") or {}).get("status", "-")
         try:
             ngram = (read_report(stage_dir / "report.json").get("ngram_acceptance") or {}).get("mean_acceptance_length")
         except BadInput:
             ngram = None
         speed = c.get("tokens_per_s") or {}
-        return (f"acceptance length {_num(c.get('mean_acceptance_length'))} served, {_num(c.get('predicted_mean_acceptance_length'))} "
-                f"predicted ({diagnosis}), n-gram {_num(ngram)}; per position {_per_position(c.get('per_position_acceptance'))}; "
-                f"speed-up {format_speedup(c.get('speedup'))} ({', '.join(f'{mode} {_num(v, 1)}' for mode, v in speed.items())} tok/s); "
+        return (f"acceptance length {format_number(c.get('mean_acceptance_length'))} served, {format_number(c.get('predicted_mean_acceptance_length'))} "
+                f"predicted ({diagnosis}), n-gram {format_number(ngram)}; per position {_per_position(c.get('per_position_acceptance'))}; "
+                f"speed-up {format_speedup(c.get('speedup'))} ({', '.join(f'{mode} {format_number(v, 1)}' for mode, v in speed.items())} tok/s); "
                 f"greedy match {c.get('greedy_match')}")
     return ""
 
@@ -73,7 +69,7 @@ def main() -> int:
         seconds = manifest.get("wall_time_s")
         total += seconds or 0
         figures = key_figures(stage, manifest.get("counts") or {}, stage_dir) if manifest.get("status") == "complete" else ""
-        print(f"| {stage} | {manifest.get('status', 'not run')} | {_num(seconds, 0) if seconds is not None else ''} | {figures} |")
+        print(f"| {stage} | {manifest.get('status', 'not run')} | {format_number(seconds, 0) if seconds is not None else ''} | {figures} |")
     print(f"| total | | {total:.0f} | |")
     return 0
 

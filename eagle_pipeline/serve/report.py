@@ -47,7 +47,8 @@ def write_responses_jsonl(path: str | os.PathLike, prompts: Sequence[list[dict]]
     atomic.write_text(path, "\n".join(lines) + "\n")
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
+def format_number(value: Any, digits: int = 2) -> str:
+    """A figure as the report prints it: rounded to `digits`, "-" when missing or NaN."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -66,17 +67,17 @@ def render_report_md(report: dict) -> str:
         "# Stage 06: speculative decoding with vLLM",
         "",
         f"{report['num_prompts']} prompts, {report['num_speculative_tokens']} speculative tokens, "
-        f"temperature {_fmt(report.get('temperature'))}, max_tokens {_fmt(report.get('max_tokens'))}, "
-        f"concurrency {_fmt(report.get('concurrency'))}.",
+        f"temperature {format_number(report.get('temperature'))}, max_tokens {format_number(report.get('max_tokens'))}, "
+        f"concurrency {format_number(report.get('concurrency'))}.",
         "",
         "## Headline (eagle3)",
         "",
         "| metric | value |",
         "|---|---|",
-        f"| mean acceptance length | {_fmt(report['mean_acceptance_length'])} |",
-        f"| acceptance rate | {_fmt(report['acceptance_rate'], 3)} |",
+        f"| mean acceptance length | {format_number(report['mean_acceptance_length'])} |",
+        f"| acceptance rate | {format_number(report['acceptance_rate'], 3)} |",
         f"| speedup vs no speculation | {format_speedup(report['speedup'])} |",
-        f"| greedy output identical to no speculation | {_fmt(report['greedy_match'])} |",
+        f"| greedy output identical to no speculation | {format_number(report['greedy_match'])} |",
         "",
         "## Per mode",
         "",
@@ -87,9 +88,9 @@ def render_report_md(report: dict) -> str:
     for name, s in modes.items():
         speedup = 1.0 if name == "none" else report.get("speedup_by_mode", {}).get(name)
         lines.append(
-            f"| {name} | {s['output_tokens']} | {_fmt(s['wall_s'])} | {_fmt(s['tokens_per_s'])} | {format_speedup(speedup)} "
-            f"| {_fmt(s['tpot_ms'])} | {_fmt(s['ttft_ms'])} | {_fmt(s.get('acceptance_rate'), 3)} "
-            f"| {_fmt(s.get('mean_acceptance_length'))} | {_fmt(s['server_start_s'], 1)} |"
+            f"| {name} | {s['output_tokens']} | {format_number(s['wall_s'])} | {format_number(s['tokens_per_s'])} | {format_speedup(speedup)} "
+            f"| {format_number(s['tpot_ms'])} | {format_number(s['ttft_ms'])} | {format_number(s.get('acceptance_rate'), 3)} "
+            f"| {format_number(s.get('mean_acceptance_length'))} | {format_number(s['server_start_s'], 1)} |"
         )
     predicted = report.get("predicted_per_position_acceptance")
     served = (modes.get("eagle3") or {}).get("per_position_acceptance")
@@ -100,9 +101,9 @@ def render_report_md(report: dict) -> str:
                   "differently from how it was trained; the diagnosis below says whether it does.", "",
                   "| | mean acceptance length | " + " | ".join(f"position {i}" for i in range(len(served))) + " |",
                   "|---|---|" + "---|" * len(served),
-                  f"| predicted | {_fmt(report.get('predicted_mean_acceptance_length'))} | "
-                  + " | ".join(_fmt(v, 3) for v in predicted) + " |",
-                  f"| served | {_fmt(report.get('mean_acceptance_length'))} | " + " | ".join(_fmt(v, 3) for v in served) + " |"]
+                  f"| predicted | {format_number(report.get('predicted_mean_acceptance_length'))} | "
+                  + " | ".join(format_number(v, 3) for v in predicted) + " |",
+                  f"| served | {format_number(report.get('mean_acceptance_length'))} | " + " | ".join(format_number(v, 3) for v in served) + " |"]
     diagnosis = report.get("diagnosis")
     if diagnosis:
         lines += ["", "## Diagnosis", "", diagnosis["line"]]
@@ -115,9 +116,9 @@ def render_report_md(report: dict) -> str:
                       "the reading the drafter was trained under fits best):", "",
                       "| reading | mean acceptance length | per position | first-draft KL |", "|---|---|---|---|"]
             for name, r in readings.items():
-                per_position = "/".join(_fmt(v, 2) for v in r.get("predicted_per_position_acceptance") or [])
-                lines.append(f"| {name} | {_fmt(r.get('predicted_mean_acceptance_length'))} | {per_position} | "
-                             f"{_fmt(r.get('first_draft_kl'), 4)} |")
+                per_position = "/".join(format_number(v, 2) for v in r.get("predicted_per_position_acceptance") or [])
+                lines.append(f"| {name} | {format_number(r.get('predicted_mean_acceptance_length'))} | {per_position} | "
+                             f"{format_number(r.get('first_draft_kl'), 4)} |")
     spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
     if spec_modes:
         width = max(len(modes[name]["per_position_acceptance"]) for name in spec_modes)
@@ -128,7 +129,7 @@ def render_report_md(report: dict) -> str:
             cells = []
             for name in spec_modes:
                 values = modes[name]["per_position_acceptance"]
-                cells.append(_fmt(values[pos], 3) if pos < len(values) else "-")
+                cells.append(format_number(values[pos], 3) if pos < len(values) else "-")
             lines.append(f"| {pos} | " + " | ".join(cells) + " |")
     mismatches = report.get("greedy_mismatches") or {}
     if mismatches:
@@ -182,7 +183,7 @@ def render_report_png(report: dict) -> bytes:
     bars = right.bar(names, rates, color=["tab:gray" if n == "none" else "tab:blue" for n in names])
     right.bar_label(bars, labels=[f"{r:.1f}" for r in rates])
     right.set_ylabel("output tokens / s")
-    right.set_title(f"Throughput (concurrency {_fmt(report.get('concurrency'))})")
+    right.set_title(f"Throughput (concurrency {format_number(report.get('concurrency'))})")
     fig.tight_layout()
 
     buffer = io.BytesIO()
