@@ -43,7 +43,6 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         checks["shapes"] = check_shapes(drafter_dir, reference_dir)
     except BadInput as problem:
         checks["shapes"] = {"ok": False, "detail": {"problems": [str(problem)]}}
-    log_dir = Path(log_dir) if log_dir is not None else None
     vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s,
                       log_dir=log_dir)
     checks["config"] = check_config(drafter_dir, target_dir, expected, vllm["config"], engine)

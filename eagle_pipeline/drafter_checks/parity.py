@@ -81,7 +81,7 @@ def compare_acceptance(run_a: dict[str, Any], run_b: dict[str, Any], tolerance: 
 def acceptance_parity(target_dir: str | Path, dir_a: str | Path, dir_b: str | Path, prompts: list,
                       num_speculative_tokens: int, max_tokens: int, tolerance: float, *,
                       engine_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                      timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: Path | None = None) -> dict[str, Any]:
+                      timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None) -> dict[str, Any]:
     """Run vLLM greedily with drafter A (e.g. the speculators checkpoint) and B (its conversion) and
     compare accepted tokens per draft position; `prompts` are strings or chat message lists. With `log_dir`,
     each run's output is kept there as parity-a.log and parity-b.log, with the prompts (parity-prompts.json)."""

@@ -146,7 +146,7 @@ def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any
 
 def check_vllm(drafter_dir: str | Path, target_dir: str | Path, *, engine_kwargs: dict[str, Any] | None = None,
                env: dict[str, str] | None = None, timeout_s: float = SUBPROCESS_TIMEOUT_S,
-               log_dir: Path | None = None) -> dict[str, Any]:
+               log_dir: str | Path | None = None) -> dict[str, Any]:
     """vLLM's view of the config and its load_weights result, from a fresh subprocess (its output in
     `log_dir`/vllm-load.log when given)."""
     args = ["inspect", "--target", str(target_dir), "--drafter", str(drafter_dir),
