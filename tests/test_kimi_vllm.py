@@ -21,10 +21,11 @@ vocabulary of a released drafter stand-in in AQ-MedAI's flat layout (tests/relea
 SGLang-convention ids, no norm flags, no embed_tokens), stage 04 fine-tunes from it, and stage 05 converts
 the result, compares every tensor with the released drafter and loads it into vLLM's Eagle3LlamaForCausalLM.
 
-What does not run: EAGLE-3 speculative decoding on an MLA target, i.e. stage 05's parity check and
-stage 06's eagle3 server. With CPU_MLA (named in ENGINE_ARGS, so also on CPUs with AMX) the CPU platform
-forces the KV cache block size to 16 for MLA models (CPU_MLA supports only 16) while the drafter's attention backend, CPU_ATTN, supports only multiples
-of 32, so the engine stops while allocating its KV cache. test_eagle3_on_an_mla_target_... pins that
+What does not run with CPU_MLA: EAGLE-3 speculative decoding on an MLA target, i.e. stage 05's parity check
+and stage 06's eagle3 server (on a CPU with AMX tiles, AMX_MLA runs them: the last test). With CPU_MLA (named
+in ENGINE_ARGS, so also on CPUs with AMX) the CPU platform forces the KV cache block size to 16 for MLA models
+(CPU_MLA supports only 16) while the drafter's attention backend, CPU_ATTN, supports only multiples of 32, so
+the engine stops while allocating its KV cache. test_eagle3_on_an_mla_target_... pins that
 failure: it fails, with a message saying why, the day the pinned vLLM can do it.
 
 The wrapper is Kimi-K2.5's layout: `KimiK25ForConditionalGeneration` with the DeepSeek-V3 text model under
@@ -71,8 +72,10 @@ MEDIA_PROC_CFG = {
 }
 
 
-def make_kimi_k25(folder: Path):
-    """A tiny random Kimi-K2.5 folder (config, weights, Kimi's tokenizer files); returns the HF text model it holds."""
+def make_kimi_k25(folder: Path, head_dim: int = 16):
+    """A tiny random Kimi-K2.5 folder (config, weights, Kimi's tokenizer files); returns the HF text model it holds.
+
+    `head_dim` is qk_nope_head_dim and v_head_dim: 16 keeps the model small; AMX_MLA needs Kimi's own 128."""
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -82,7 +85,7 @@ def make_kimi_k25(folder: Path):
         num_hidden_layers=NUM_LAYERS, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
         # vLLM's CPU MLA decode kernel exists for a 576-wide latent only (CPUMLABackend.get_supported_head_sizes).
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
         max_position_embeddings=2048, rope_theta=50000.0, tie_word_embeddings=False,
         bos_token_id=SPECIAL_TOKENS["[BOS]"], eos_token_id=SPECIAL_TOKENS["<|im_end|>"],
     )
@@ -341,8 +344,8 @@ def test_eagle3_on_an_mla_target_fails_on_vllm_cpu_for_want_of_a_common_block_si
     overriding any block_size given; on a CPU with AMX tiles it stays 128); the EAGLE-3 drafter is a Llama layer on CPU_ATTN, which takes
     multiples of 32 only (cpu_attn.py get_supported_kernel_block_sizes), and both share one KV cache
     group, so vllm/v1/worker/utils.py select_common_block_size raises once target and drafter are loaded.
-    When this test fails, vLLM can run EAGLE-3 on an MLA target on CPU: run stages 03-06 on this verifier
-    here and drop the README's GPU-only note.
+    When this test fails, vLLM can run EAGLE-3 on an MLA target with CPU_MLA: run stages 03-06 on this
+    verifier here and drop the README's GPU-only note. With AMX_MLA it runs (the test below).
     """
     root, _ = kimi
     make_eagle3_drafter(tmp_path / "drafter")
@@ -361,3 +364,40 @@ def test_eagle3_on_an_mla_target_fails_on_vllm_cpu_for_want_of_a_common_block_si
     # CPU_MLA named; vLLM's platform code reads the CPU's flags); either way CPU_MLA's kernel takes 16 only.
     assert re.search(r"No common block size for (16|128) \(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)",
                      output), output[-3000:]
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                    reason="EAGLE-3 on an MLA target starts on vLLM's CPU build only with AMX_MLA, on a CPU with AMX tiles")
+def test_eagle3_on_the_mla_target_serves_as_predicted_with_amx(tmp_path):
+    """On a CPU with AMX tiles the whole pipeline runs on the MLA target, stages 05 (parity) and 06 included.
+
+    vLLM picks AMX_MLA there (nothing named), whose KV blocks are multiples of 32 like the drafter's CPU_ATTN,
+    so the engine the test above cannot start starts. AMX_MLA packs its weights in bf16 and refuses a 16-wide
+    qk_nope_head_dim, so this stand-in has Kimi's own head dimensions (128) and is served in bf16
+    (docs/engines.md, "The CPU MLA limit"). The drafter is trained from scratch long enough to be accepted
+    sometimes, so that served and predicted agreeing is not two zeros agreeing.
+    """
+    make_kimi_k25(tmp_path / "kimi", head_dim=128)
+    shape = KIMI_STANDIN
+    config = write_smoke_config(
+        tmp_path / "amx.yaml", data_root=str(tmp_path / "data"), run_name="amx",
+        verifier={"path": str(tmp_path / "kimi"), "cpu_kvcache_gib": 1, "dtype": "bfloat16", "trust_remote_code": True,
+                  "engine_args": {"enforce_eager": True, "language_model_only": True}},
+        generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
+        vocab={"draft_vocab_size": 512},
+        train={"epochs": 20, "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+               "draft_shape": {"num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_key_value_heads,
+                               "head_dim": shape.head_dim, "intermediate_size": shape.intermediate_size,
+                               "rope_theta": shape.rope_theta}},
+        convert={"parity_prompts": 1, "parity_max_tokens": 4},
+        serve={"ngram_baseline": False},
+    )
+    for script in ("01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py", "04_train.py", "05_convert.py",
+                   "06_serve_test.py"):
+        ok(run_stage(script, config))
+    run_dir = tmp_path / "data" / "amx"
+    checks = json.loads((run_dir / "05_convert" / "verify.json").read_text())["checks"]
+    assert all(check["ok"] for check in checks.values()), checks
+    report = json.loads((run_dir / "06_serve_test" / "report.json").read_text())
+    assert report["mean_acceptance_length"] > 1.1, report["per_position_acceptance"]
+    assert report["diagnosis"]["status"] == "agrees", report["diagnosis"]["line"]
