@@ -341,7 +341,7 @@ def test_eagle3_on_an_mla_target_fails_on_vllm_cpu_for_want_of_a_common_block_si
     """Stages 05 (parity) and 06 (eagle3) need this engine; on vLLM 0.32's CPU build it cannot start.
 
     vllm/platforms/cpu.py sets block_size = 16 for MLA models (the CPU_MLA decode kernel's only size,
-    overriding any block_size given; on a CPU with AMX tiles it stays 128); the EAGLE-3 drafter is a Llama layer on CPU_ATTN, which takes
+    overriding any block_size given); the EAGLE-3 drafter is a Llama layer on CPU_ATTN, which takes
     multiples of 32 only (cpu_attn.py get_supported_kernel_block_sizes), and both share one KV cache
     group, so vllm/v1/worker/utils.py select_common_block_size raises once target and drafter are loaded.
     When this test fails, vLLM can run EAGLE-3 on an MLA target with CPU_MLA: run stages 03-06 on this
@@ -360,8 +360,8 @@ def test_eagle3_on_an_mla_target_fails_on_vllm_cpu_for_want_of_a_common_block_si
     # Both models loaded (the failure is in KV cache allocation, after load_model) ...
     assert "initialize_kv_cache" in output, output[-3000:]
     # ... and the only obstacle is the block size the two attention backends cannot share.
-    # The KV cache block is 16 on a CPU without AMX tiles and stays 128 on one with them (measured with
-    # CPU_MLA named; vLLM's platform code reads the CPU's flags); either way CPU_MLA's kernel takes 16 only.
+    # The block size in the message is 16 on a CPU without AMX tiles and 128 on one with them (measured, with
+    # CPU_MLA named and the drafter loaded); either way CPU_MLA's kernel takes 16 only.
     assert re.search(r"No common block size for (16|128) \(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)",
                      output), output[-3000:]
 
