@@ -63,6 +63,13 @@ HIDDEN = 64
 # another block size; naming it runs the same MLA kernel on every CPU (docs/engines.md, "The CPU MLA limit").
 ENGINE_ARGS = {"attention_backend": "CPU_MLA", "enforce_eager": True, "language_model_only": True}
 ASSISTANT_HEADER = "<|im_assistant|>assistant<|im_middle|>"
+# The released Kimi-K2.5 drafter's flags (SpecForge's, all off) and shape, as train settings.
+KIMI_DRAFTER_TRAIN = {
+    "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+    "draft_shape": {"num_attention_heads": KIMI_STANDIN.num_attention_heads, "num_key_value_heads": KIMI_STANDIN.num_key_value_heads,
+                    "head_dim": KIMI_STANDIN.head_dim, "intermediate_size": KIMI_STANDIN.intermediate_size,
+                    "rope_theta": KIMI_STANDIN.rope_theta},
+}
 # Kimi-K2.5's preprocessor_config.json, which vLLM's Kimi-K2.5 processor reads even for text-only use.
 MEDIA_PROC_CFG = {
     "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384, "patch_limit_on_one_side": 512,
@@ -309,11 +316,7 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
         generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
         vocab={"draft_vocab_size": shape.draft_vocab_size, "from_drafter": str(released)},
         # As configs/kimi-k2.5-10k-finetune.yaml: SpecForge's flags (all off), its convention, its shape.
-        train={"epochs": 1, "init_from": str(released), "init_from_convention": "sglang",
-               "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-               "draft_shape": {"num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_key_value_heads,
-                               "head_dim": shape.head_dim, "intermediate_size": shape.intermediate_size,
-                               "rope_theta": shape.rope_theta}},
+        train={"epochs": 1, "init_from": str(released), "init_from_convention": "sglang", **KIMI_DRAFTER_TRAIN},
         convert={"reference_dir": str(released), "parity_prompts": 1, "parity_max_tokens": 4},
     )
     ok(run_stage("03_build_vocab_map.py", config))
@@ -381,17 +384,13 @@ def test_eagle3_on_the_mla_target_serves_as_predicted_with_amx(tmp_path):
     sometimes, so that served and predicted agreeing is not two zeros agreeing.
     """
     make_kimi_k25(tmp_path / "kimi", head_dim=128)
-    shape = KIMI_STANDIN
     config = write_smoke_config(
         tmp_path / "amx.yaml", data_root=str(tmp_path / "data"), run_name="amx",
         verifier={"path": str(tmp_path / "kimi"), "cpu_kvcache_gib": 1, "dtype": "bfloat16", "trust_remote_code": True,
                   "engine_args": {"enforce_eager": True, "language_model_only": True}},
         generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
         vocab={"draft_vocab_size": 512},
-        train={"epochs": 20, "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-               "draft_shape": {"num_attention_heads": shape.num_attention_heads, "num_key_value_heads": shape.num_key_value_heads,
-                               "head_dim": shape.head_dim, "intermediate_size": shape.intermediate_size,
-                               "rope_theta": shape.rope_theta}},
+        train={"epochs": 20, **KIMI_DRAFTER_TRAIN},
         convert={"parity_prompts": 1, "parity_max_tokens": 4},
         serve={"ngram_baseline": False},
     )
