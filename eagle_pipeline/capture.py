@@ -127,7 +127,7 @@ class HiddenStateCapture:
         return args
 
     def __enter__(self) -> "HiddenStateCapture":
-        from vllm import LLM
+        from eagle_pipeline.engine import offline_engine
 
         if self._requested_storage_path is None:
             self.storage_path = Path(tempfile.mkdtemp(prefix="hs-capture-"))
@@ -140,7 +140,7 @@ class HiddenStateCapture:
         # the engine core and workers import the connector module (patches/, part of the installed
         # package) by name either way.
         try:
-            self._llm = LLM(**args)
+            self._llm = offline_engine(**args)
         except BaseException:
             self._remove_storage()
             raise

@@ -32,13 +32,26 @@ def single_process_engine(cfg: RunConfig) -> bool:
     vLLM and torch again. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` and one worker the offline engine runs in
     the stage's own process and a server's engine core runs its worker itself: measured on 2 cores, an
     offline engine ready in ~6 s instead of ~23 s and a server healthy in ~24 s instead of ~36 s, the same
-    greedy text. Tensor parallelism needs the worker processes, so it stays off there. So does a verifier
-    with remote code: in-process, vLLM 0.32's CPU worker start scans every module the caller has loaded
-    (`triton_utils/dispatcher.py`, `_rebind_kernels`) and fails on one it cannot read (llvmlite's, loaded
-    along with the tiny Kimi-K2.5 verifier of tests/test_kimi_vllm.py). Hidden-state capture follows the
-    same rule (`capture.HiddenStateCapture` steps an in-process engine until its connector has written).
+    greedy text (the tiny Kimi-K2.5 verifier of tests/test_kimi_vllm.py: ~8 s instead of ~20 s). Tensor
+    parallelism needs the worker processes, so it stays off there. An in-process engine is started through
+    `offline_engine`, which patches the CPU worker's kernel scan (patches/vllm_kernel_rebind.py). Hidden-state
+    capture follows the same rule (`capture.HiddenStateCapture` steps an in-process engine until its
+    connector has written). In a stage's own process a variable its caller has set wins (`apply_engine_env`).
     """
-    return cfg.device == "cpu" and cfg.verifier.tensor_parallel_size == 1 and not cfg.verifier.trust_remote_code
+    return cfg.device == "cpu" and cfg.verifier.tensor_parallel_size == 1
+
+
+def offline_engine(**kwargs: Any):
+    """`vllm.LLM(**kwargs)`, in this process or with engine processes as the environment says. In this process
+    the CPU worker's start scans every loaded module, which fails on llvmlite's (loaded with vLLM's Kimi-K2.5
+    model class) unless patched first (patches/vllm_kernel_rebind.py)."""
+    from vllm import LLM
+
+    if os.environ.get(MULTIPROCESSING_VARIABLE) == "0":
+        from patches import vllm_kernel_rebind
+
+        vllm_kernel_rebind.apply()
+    return LLM(**kwargs)
 
 
 def apply_engine_env(cfg: RunConfig) -> None:

@@ -33,8 +33,9 @@ def write_smoke_config(path: Path, **overrides) -> Path:
     return write_config(path, base=SMOKE_CONFIG, **overrides)
 
 
-def run_stage(script: str, config: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def run_stage(script: str, config: Path, *args: str, timeout: int = 900,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(REPO / script), "--config", str(config), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
@@ -103,10 +104,11 @@ def needs_smoke_run(item: pytest.Item) -> bool:
 
 # The files that need the shared smoke run, in the order they are handed out. pytest-xdist gives a worker its
 # next file as soon as two tests of its current one are left: for the fault files (four tests of minutes each)
-# that is minutes ahead, so they go first, where handing out early costs nothing. The two longest files follow,
-# and the files of many short tests come last, where whichever worker frees first takes them and neither ends
-# the session alone (BENCHMARKS.md section 9).
-SMOKE_RUN_FILE_ORDER = ("test_faults_04_06.py", "test_faults_01_03.py", "test_benchmarks.py", "test_diagnosis.py",
+# that is minutes ahead, so they go first, where handing out early costs nothing; the one that needs only stages
+# 01-03 leads, so that a worker which gets there before the build has finished does not wait for it. The two
+# longest files follow, and the files of many short tests come last, where whichever worker frees first takes
+# them and neither ends the session alone (BENCHMARKS.md section 9).
+SMOKE_RUN_FILE_ORDER = ("test_faults_01_03.py", "test_faults_04_06.py", "test_benchmarks.py", "test_diagnosis.py",
                         "test_corruption.py", "test_stages_01_03.py", "test_stages_04_06.py", "test_finetune.py")
 
 

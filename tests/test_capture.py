@@ -2,7 +2,7 @@
 
 The vLLM-marked tests share one engine run (a subprocess through `python -m eagle_pipeline.capture`), with the
 engine in that process as engine.engine_env has it for one CPU worker; the Kimi stand-in's capture
-(tests/test_kimi_vllm.py, remote code) checks the path with engine processes against HF the same way. It
+(tests/test_kimi_vllm.py, given engine processes) checks the path a GPU host takes against HF the same way. It
 runs eagerly (`enforce_eager`): torch.compile adds one to three minutes of start-up on this machine and does
 not change which states are captured.
 """

@@ -1,4 +1,5 @@
-"""patches/speculators_cpu.py: version guard, upstream fingerprints, device pass-through, bf16 argmax, kimi_k2 configs."""
+"""patches/: speculators_cpu.py (version guard, upstream fingerprints, device pass-through, bf16 argmax, kimi_k2
+configs) and vllm_kernel_rebind.py (the CPU worker's kernel scan beside llvmlite)."""
 
 from __future__ import annotations
 
@@ -171,3 +172,51 @@ def test_kimi_k25_nested_config_loads_with_kimi_k2_text_config(tmp_path):
     text_config = get_verifier_config(str(tmp_path))
     assert isinstance(text_config, DeepseekV3Config)
     assert (text_config.hidden_size, text_config.num_hidden_layers) == (7168, 61)
+
+
+# ---------------------------------------------------------------------------------------------------
+# patches/vllm_kernel_rebind.py
+
+
+def test_vllm_kernel_scan_is_the_one_the_patch_was_written_for():
+    from patches import vllm_kernel_rebind
+
+    # Fails when vLLM changes the scan whose use of `vars` the patch relies on.
+    assert vllm_kernel_rebind.upstream_source_sha256() == vllm_kernel_rebind.UPSTREAM_SOURCE_SHA256
+
+
+def test_the_kernel_scan_fails_on_llvmlite_unpatched_and_still_rebinds_every_holder_patched(monkeypatch):
+    import builtins
+    import sys
+    import types
+
+    import llvmlite.binding.ffi  # noqa: F401 - numba's, loaded with vLLM's Kimi-K2.5 model class
+    from vllm.triton_utils import dispatcher
+
+    from patches import vllm_kernel_rebind
+
+    def kernel():
+        pass
+
+    def wrapper():
+        pass
+
+    holder = types.ModuleType("kernel_holder")
+    holder.imported_copy = kernel  # `from module import kernel`
+    holder.launcher = types.SimpleNamespace(kernel=kernel)  # a JIT warm-up owner's instance attribute
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    monkeypatch.setattr(dispatcher, "vars", builtins.vars, raising=False)  # upstream's: the builtin
+    with pytest.raises(AttributeError, match="_lib_fn_wrapper' object has no attribute 'get'"):
+        dispatcher._rebind_kernels([(kernel, wrapper)])
+
+    vllm_kernel_rebind.apply()
+    dispatcher._rebind_kernels([(kernel, wrapper)])
+    assert holder.imported_copy is wrapper and holder.launcher.kernel is wrapper
+
+
+def test_the_kernel_patch_refuses_a_changed_scan(monkeypatch):
+    from patches import vllm_kernel_rebind
+
+    monkeypatch.setattr(vllm_kernel_rebind, "upstream_source_sha256", lambda: "0" * 64)
+    with pytest.raises(RuntimeError, match=r"targets vLLM 0\.32\.0's triton_utils/dispatcher\.py _rebind_kernels"):
+        vllm_kernel_rebind.apply()

@@ -363,7 +363,7 @@ def test_generation_dtype_changes_only_the_answering_engine():
     assert server_kwargs(cfg)["dtype"] == "float32"
 
 
-def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_gpu_or_remote_code_keep_processes(tmp_path):
+def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_or_gpu_keep_processes(tmp_path):
     from conftest import SMOKE_CONFIG
 
     from eagle_pipeline.config import load_config
@@ -374,26 +374,33 @@ def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_gpu_
     assert server_kwargs(cpu)["env"][MULTIPROCESSING_VARIABLE] == "0"
     assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["verifier.tensor_parallel_size=2"]))
     assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["device=cuda"]))
-    assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["verifier.trust_remote_code=true"]))
+    # Remote code too (Kimi-K2.5's tokenizer): its offline engines start patched (patches/vllm_kernel_rebind.py).
+    assert engine_env(load_config(SMOKE_CONFIG, ["verifier.trust_remote_code=true"]))[MULTIPROCESSING_VARIABLE] == "0"
 
 
 @pytest.mark.parametrize("setting", ["0", None])
 def test_capture_builds_its_engine_as_the_environment_says(tmp_path, monkeypatch, setting):
-    """In this process where engine_env asks for it (one CPU worker), with vLLM's processes otherwise."""
+    """In this process where engine_env asks for it (one CPU worker), patched first; with vLLM's processes
+    otherwise, unpatched."""
     import types
 
     from eagle_pipeline import capture
     from eagle_pipeline.capture import HiddenStateCapture
 
-    seen = []
+    seen, patched = [], []
 
     class RecordingLLM:
         def __init__(self, **kwargs):
             seen.append(os.environ.get(MULTIPROCESSING_VARIABLE))
             self.llm_engine = None
 
-    # A stand-in for the package (the real one takes seconds to import): only its LLM is used here.
+    # Stand-ins for the package (the real one takes seconds to import) and for the patch that needs it.
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
+    import patches
+
+    fake_patch = types.SimpleNamespace(apply=lambda: patched.append(1))
+    monkeypatch.setitem(sys.modules, "patches.vllm_kernel_rebind", fake_patch)
+    monkeypatch.setattr(patches, "vllm_kernel_rebind", fake_patch, raising=False)
     monkeypatch.setattr(capture, "_platform_device_type", lambda: "cpu")
     if setting is None:
         monkeypatch.delenv(MULTIPROCESSING_VARIABLE, raising=False)
@@ -402,6 +409,7 @@ def test_capture_builds_its_engine_as_the_environment_says(tmp_path, monkeypatch
     with HiddenStateCapture(tmp_path / "verifier", [2, 15, 27], num_layers=30, storage_path=tmp_path / "scratch"):
         pass
     assert seen == [setting]
+    assert patched == ([1] if setting == "0" else [])
 
 
 class SchedulerHoldingRequests:
