@@ -119,8 +119,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     each file to one worker as a whole, in this order). Files none of whose tests need the shared smoke run go
     first, so that they run while it is being built, and among them the files that start vLLM engines lead, so
     that a long one does not end the session alone; the files that need it follow in SMOKE_RUN_FILE_ORDER.
-    (Fault injection, the longest, is split over two files.) Measured against other orders in BENCHMARKS.md
-    section 9."""
+    (Fault injection, the longest, is split over two files.) Within a file the tests that need the smoke run
+    (the long ones) go first: a worker is handed its next file when two tests of its current one are left, and
+    with a minutes-long test among those two it would claim a file the other worker is about to be free for
+    (the quick benchmark, last in its file, did so). Measured against other orders in BENCHMARKS.md section 9."""
     needs_smoke, starts_engines = set(), set()
     for item in items:
         if needs_smoke_run(item):
@@ -134,7 +136,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return SMOKE_RUN_FILE_ORDER.index(path.name)
         return len(SMOKE_RUN_FILE_ORDER) + (path not in starts_engines)
 
-    items.sort(key=lambda item: (item.path in needs_smoke, rank(item.path)))
+    # pytest collects the files in name order, so sorting by path within a rank keeps each file together.
+    items.sort(key=lambda item: (item.path in needs_smoke, rank(item.path), item.path, not needs_smoke_run(item)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

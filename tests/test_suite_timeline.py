@@ -28,3 +28,22 @@ def test_the_hand_out_order_names_only_test_files_that_exist():
     # A renamed file would silently drop to the end of the order.
     tests = conftest.REPO / "tests"
     assert [name for name in conftest.SMOKE_RUN_FILE_ORDER if not (tests / name).is_file()] == []
+
+
+def test_files_keep_their_hand_out_order_and_each_leads_with_its_smoke_run_tests(tmp_path):
+    def item(path, name, fixtures=(), vllm=False):
+        markers = {"vllm"} if vllm else set()
+        return SimpleNamespace(path=tmp_path / path, name=name, fixturenames=list(fixtures), add_marker=lambda m: None,
+                               get_closest_marker=lambda marker: marker if marker in markers else None)
+
+    items = [
+        item("test_benchmarks.py", "fast_a"), item("test_benchmarks.py", "fast_b"),
+        item("test_benchmarks.py", "quick", ["finished_small_run"], vllm=True),
+        item("test_capture.py", "engine", vllm=True), item("test_config.py", "plain"),
+        item("test_faults_01_03.py", "kill", ["small_run"], vllm=True),
+    ]
+    conftest.pytest_collection_modifyitems(None, None, items)
+    assert [(i.path.name, i.name) for i in items] == [
+        ("test_capture.py", "engine"), ("test_config.py", "plain"),
+        ("test_faults_01_03.py", "kill"),
+        ("test_benchmarks.py", "quick"), ("test_benchmarks.py", "fast_a"), ("test_benchmarks.py", "fast_b")]
