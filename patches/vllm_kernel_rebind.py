@@ -63,7 +63,7 @@ def apply() -> None:
     """Idempotent. Raises if the scan is not the one this was written for."""
     if upstream_source_sha256() != UPSTREAM_SOURCE_SHA256:
         raise RuntimeError(
-            "patches/vllm_kernel_rebind.py targets vLLM 0.32.0's triton_utils/dispatcher.py _rebind_kernels, "
-            "whose source differs here; re-check it and update the patch"
+            f"patches/vllm_kernel_rebind.py targets vLLM {TARGET_VLLM_VERSION}'s triton_utils/dispatcher.py "
+            "_rebind_kernels, whose source differs here; re-check it and update the patch"
         )
     dispatcher.vars = namespace_or_empty

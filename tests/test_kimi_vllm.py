@@ -379,7 +379,8 @@ def test_eagle3_on_an_mla_target_fails_on_vllm_cpu_for_want_of_a_common_block_si
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
                     reason="EAGLE-3 on an MLA target starts on vLLM's CPU build only with AMX_MLA, on a CPU with AMX tiles")
-# All six stages again on a second stand-in take 4-6 minutes, a third of the suite's 15-minute budget: asked for.
+# All six stages again on a second stand-in take 2.5 minutes alone and up to 6 beside the suite's other tests, a
+# share of its 15-minute budget it has no room for: asked for.
 @pytest.mark.skipif(os.environ.get("EAGLE_TEST_MLA_ON_AMX") != "1",
                     reason="asked for with EAGLE_TEST_MLA_ON_AMX=1 (BENCHMARKS.md section 7)")
 def test_eagle3_on_the_mla_target_serves_as_predicted_with_amx(tmp_path):
