@@ -33,6 +33,83 @@ def run(tmp_path):
     return fresh_run(tmp_path)
 
 
+# Longest first: a suite worker is handed its next file while two tests of this one are left (tests/conftest.py).
+
+
+def test_stage_06_killed_while_serving_leaves_no_server_and_reruns_to_a_report(finished_small_run, run, tmp_path):
+    _, reference = finished_small_run
+    config, run_dir = run
+    link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden", "03_build_vocab_map", "04_train",
+                "05_convert")
+    stage = run_dir / "06_serve_test"
+    first_log = stage / "logs" / "server-eagle3.log"
+    # One server instead of three, and no offline replay after it: what a kill leaves behind does not depend
+    # on the mode, the answers without speculation come from the uninterrupted run's kept baseline (the same
+    # settings shaped them), and the replay (its own capture engine) is tested in test_predict.py and
+    # test_diagnosis.py.
+    settings = ["--set", f"serve.baseline={reference / '06_serve_test'}", "--set", "serve.ngram_baseline=false",
+                "--set", "serve.predict=false"]
+    rng = random.Random(SEED + 6)
+
+    # While the server's engine loads the weights: API server, engine core and worker all running.
+    loading = "Loading safetensors checkpoint"
+    kill_at("06_serve_test.py", config, *settings, stage_dir=stage,
+            when=lambda: first_log.exists() and loading in first_log.read_text(errors="replace"),
+            delay=rng.uniform(0.0, 2.0), log_path=tmp_path / "kill-1.log")
+    # Once it serves: during the warm-up request or the measured prompts.
+    kill_at("06_serve_test.py", config, *settings, stage_dir=stage,
+            when=lambda: "[eagle3] server healthy" in (tmp_path / "kill-2.log").read_text(errors="replace"),
+            delay=rng.uniform(0.0, 1.0), log_path=tmp_path / "kill-2.log")
+    assert not (stage / "report.json").exists()
+
+    ok(run_stage("06_serve_test.py", config, *settings, timeout=1800))
+    manifest = assert_complete_and_whole(stage)
+    report = json.loads((stage / "report.json").read_text())
+    expected = json.loads((reference / "06_serve_test" / "report.json").read_text())
+    for field in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
+                  "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match"):
+        assert field in report
+    assert report["tokens_per_s"]["none"] > 0 and report["tokens_per_s"]["eagle3"] > 0
+    assert report["num_prompts"] == expected["num_prompts"] == 3
+    assert report["prompt_ids"] == expected["prompt_ids"]
+    assert report["greedy_match"] is True and manifest["counts"]["passed"] is True
+    responses = [json.loads(line) for line in (stage / "responses.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (reference / "06_serve_test" / "responses.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in responses] == [0, 1, 2]
+    # Greedy decoding in float32: the drafter's answers are the uninterrupted run's, beside the kept answers
+    # without it.
+    for mode in ("none", "eagle3"):
+        assert [r["responses"][mode] for r in responses] == [r["responses"][mode] for r in want], mode
+    assert not [port for port in server_ports(stage) if port_in_use(port)]
+
+
+def test_stage_05_killed_twice_converts_the_same_bytes_and_passes(finished_small_run, run, tmp_path):
+    _, reference = finished_small_run
+    config, run_dir = run
+    link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden", "03_build_vocab_map", "04_train")
+    stage = run_dir / "05_convert"
+    rng = random.Random(SEED + 5)
+
+    # While it converts.
+    kill_at("05_convert.py", config, stage_dir=stage, when=lambda: status(stage) == "running",
+            delay=rng.uniform(0.0, 0.5), log_path=tmp_path / "kill-1.log")
+    # While vLLM verifies the converted folder.
+    kill_at("05_convert.py", config, stage_dir=stage,
+            when=lambda: (stage / "vllm" / "model.safetensors").exists(),
+            delay=rng.uniform(2.0, 10.0), log_path=tmp_path / "kill-2.log")
+    assert not (stage / "verify.json").exists()
+
+    ok(run_stage("05_convert.py", config, timeout=1800))
+    manifest = assert_complete_and_whole(stage)
+    want = reference / "05_convert"
+    for name in ("config.json", "model.safetensors"):
+        assert (stage / "vllm" / name).read_bytes() == (want / "vllm" / name).read_bytes(), name
+    checks = json.loads((stage / "verify.json").read_text())["checks"]
+    assert {name: check["ok"] for name, check in checks.items()} == {
+        "shapes": True, "config": True, "vllm_load": True, "parity": True}
+    assert manifest["output_fingerprint"] == read_manifest(want)["output_fingerprint"]
+
+
 def test_stage_04_killed_while_saving_and_while_training_resumes_to_the_reference_steps(finished_small_run, run,
                                                                                       tmp_path):
     from eagle_pipeline.train import checkpoints as train_checkpoints
@@ -82,76 +159,6 @@ def test_stage_04_killed_while_saving_and_while_training_resumes_to_the_referenc
     last = max(complete)
     want_loss = train_checkpoints.complete_checkpoints(want / "checkpoints")[last]["val_loss"]
     assert complete[last]["val_loss"] == pytest.approx(want_loss, rel=0.02)
-
-
-def test_stage_05_killed_twice_converts_the_same_bytes_and_passes(finished_small_run, run, tmp_path):
-    _, reference = finished_small_run
-    config, run_dir = run
-    link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden", "03_build_vocab_map", "04_train")
-    stage = run_dir / "05_convert"
-    rng = random.Random(SEED + 5)
-
-    # While it converts.
-    kill_at("05_convert.py", config, stage_dir=stage, when=lambda: status(stage) == "running",
-            delay=rng.uniform(0.0, 0.5), log_path=tmp_path / "kill-1.log")
-    # While vLLM verifies the converted folder.
-    kill_at("05_convert.py", config, stage_dir=stage,
-            when=lambda: (stage / "vllm" / "model.safetensors").exists(),
-            delay=rng.uniform(2.0, 10.0), log_path=tmp_path / "kill-2.log")
-    assert not (stage / "verify.json").exists()
-
-    ok(run_stage("05_convert.py", config, timeout=1800))
-    manifest = assert_complete_and_whole(stage)
-    want = reference / "05_convert"
-    for name in ("config.json", "model.safetensors"):
-        assert (stage / "vllm" / name).read_bytes() == (want / "vllm" / name).read_bytes(), name
-    checks = json.loads((stage / "verify.json").read_text())["checks"]
-    assert {name: check["ok"] for name, check in checks.items()} == {
-        "shapes": True, "config": True, "vllm_load": True, "parity": True}
-    assert manifest["output_fingerprint"] == read_manifest(want)["output_fingerprint"]
-
-
-def test_stage_06_killed_while_serving_leaves_no_server_and_reruns_to_a_report(finished_small_run, run, tmp_path):
-    _, reference = finished_small_run
-    config, run_dir = run
-    link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden", "03_build_vocab_map", "04_train",
-                "05_convert")
-    stage = run_dir / "06_serve_test"
-    first_log = stage / "logs" / "server-none.log"
-    # Two servers instead of three, and no offline replay after them: what a kill leaves behind does not
-    # depend on the mode, and the replay (its own capture engine) is tested in test_predict.py and test_diagnosis.py.
-    settings = ["--set", "serve.ngram_baseline=false", "--set", "serve.predict=false"]
-    rng = random.Random(SEED + 6)
-
-    # While the first server's engine loads the weights: API server, engine core and worker all running.
-    loading = "Loading safetensors checkpoint"
-    kill_at("06_serve_test.py", config, *settings, stage_dir=stage,
-            when=lambda: first_log.exists() and loading in first_log.read_text(errors="replace"),
-            delay=rng.uniform(0.0, 2.0), log_path=tmp_path / "kill-1.log")
-    # Once it serves: during the warm-up request or the measured prompts.
-    kill_at("06_serve_test.py", config, *settings, stage_dir=stage,
-            when=lambda: "[none] server healthy" in (tmp_path / "kill-2.log").read_text(errors="replace"),
-            delay=rng.uniform(0.0, 1.0), log_path=tmp_path / "kill-2.log")
-    assert not (stage / "report.json").exists()
-
-    ok(run_stage("06_serve_test.py", config, *settings, timeout=1800))
-    manifest = assert_complete_and_whole(stage)
-    report = json.loads((stage / "report.json").read_text())
-    expected = json.loads((reference / "06_serve_test" / "report.json").read_text())
-    for field in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
-                  "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match"):
-        assert field in report
-    assert report["tokens_per_s"]["none"] > 0 and report["tokens_per_s"]["eagle3"] > 0
-    assert report["num_prompts"] == expected["num_prompts"] == 3
-    assert report["prompt_ids"] == expected["prompt_ids"]
-    assert report["greedy_match"] is True and manifest["counts"]["passed"] is True
-    responses = [json.loads(line) for line in (stage / "responses.jsonl").read_text().splitlines()]
-    want = [json.loads(line) for line in (reference / "06_serve_test" / "responses.jsonl").read_text().splitlines()]
-    assert [r["index"] for r in responses] == [0, 1, 2]
-    # Greedy decoding in float32: the same texts as the uninterrupted run, with and without the drafter.
-    for mode in ("none", "eagle3"):
-        assert [r["responses"][mode] for r in responses] == [r["responses"][mode] for r in want], mode
-    assert not [port for port in server_ports(stage) if port_in_use(port)]
 
 
 def test_stage_04_refuses_a_disk_without_room_for_its_checkpoints(small_run, run):

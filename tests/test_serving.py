@@ -521,13 +521,25 @@ def _stubborn_server() -> subprocess.Popen:
     return server
 
 
-def test_guard_stops_the_server_group_when_its_owner_dies_without_stopping_it(tmp_path):
+@pytest.mark.parametrize("healthy", [False, True], ids=["during-start", "serving"])
+def test_guard_stops_the_server_group_when_its_owner_dies_without_stopping_it(tmp_path, healthy):
     server = _stubborn_server()
+    grace_s = 4.0
     try:
-        guard = _ServerGuard(server.pid, 1.0, tmp_path / "server.log")
+        guard = _ServerGuard(server.pid, grace_s, tmp_path / "server.log")
+        if healthy:
+            guard.healthy()
+        died = time.monotonic()
         os.close(guard._write_end)  # what the kernel does when this process is killed
         assert guard.process.wait(timeout=30) == 0
-        assert server.wait(timeout=10) == -signal.SIGKILL  # SIGTERM ignored: killed after the grace period
+        assert server.wait(timeout=10) == -signal.SIGKILL
+        waited = time.monotonic() - died
+        if healthy:
+            # Asked to stop first (SIGTERM, ignored here), killed after the grace period.
+            assert waited >= grace_s
+        else:
+            # Never healthy: nothing served to drain, and vLLM ignores SIGTERM while its engine starts.
+            assert waited < grace_s
         deadline = time.monotonic() + 10
         while _group_members(server.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -536,6 +548,21 @@ def test_guard_stops_the_server_group_when_its_owner_dies_without_stopping_it(tm
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def test_stop_kills_a_server_that_never_became_healthy_without_a_grace_period(tmp_path):
+    server = VllmServer("/models/target", log_path=tmp_path / "server.log", stop_grace_s=60.0)
+    server.process = _stubborn_server()
+    group = server.process.pid
+    try:
+        server._guard = _ServerGuard(group, server.stop_grace_s, tmp_path / "server.log")
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 15
+        assert server.process is None and _group_members(group) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
 
 
 def test_released_guard_leaves_the_server_alone(tmp_path):

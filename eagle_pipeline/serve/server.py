@@ -59,15 +59,19 @@ def _die_with_parent() -> None:
 
 
 # The guard's program (python -c). Its stdin is a pipe whose write end only the stage holds: the stage
-# writes "stopped" once it has stopped the server itself, so EOF without that word means the stage died
-# (SIGKILL, the OOM killer). The guard then does what VllmServer.stop() would have done: SIGTERM to the
-# API server and, after the grace period, SIGKILL to the server's whole process group.
+# writes "healthy" once the server answers and "stopped" once it has stopped the server itself, so EOF
+# without "stopped" means the stage died (SIGKILL, the OOM killer). The guard then does what
+# VllmServer.stop() would have done: SIGKILL to the server's whole process group at once if it never became
+# healthy, else SIGTERM to the API server and, after the grace period, SIGKILL to the group.
 _GUARD_PROGRAM = """
 import os, signal, sys, time
 
 server, grace_s = int(sys.argv[1]), float(sys.argv[2])
-if sys.stdin.buffer.read() == b"stopped":
+said = sys.stdin.buffer.read()
+if said.endswith(b"stopped"):
     sys.exit(0)
+if b"healthy" not in said:
+    grace_s = 0.0
 
 
 def group_alive():
@@ -78,10 +82,11 @@ def group_alive():
     return True
 
 
-try:
-    os.kill(server, signal.SIGTERM)
-except ProcessLookupError:
-    pass
+if grace_s > 0:
+    try:
+        os.kill(server, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
 deadline = time.monotonic() + grace_s
 while group_alive() and time.monotonic() < deadline:
     time.sleep(0.2)
@@ -115,6 +120,10 @@ class _ServerGuard:
         finally:
             os.close(read_end)
 
+    def healthy(self) -> None:
+        """The server answers: from now on a stop is graceful (SIGTERM first)."""
+        os.write(self._write_end, b"healthy")
+
     def release(self) -> None:
         """The server is stopped: the guard exits without signalling anything."""
         try:
@@ -139,7 +148,7 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 class VllmServer:
     """`with VllmServer(target) as server:` starts vLLM's OpenAI server on 127.0.0.1, waits for /health,
     and on leaving (normally, on an exception or on Ctrl-C) stops the whole process group: SIGTERM, then
-    SIGKILL after `stop_grace_s`.
+    SIGKILL after `stop_grace_s`; a server that never became healthy, SIGKILL at once.
 
     If this process is killed outright, the server still stops: it gets the kernel's parent-death SIGTERM,
     and a guard process stops its group as stop() would (see _ServerGuard). Start it from the main
@@ -216,6 +225,7 @@ class VllmServer:
             check_port_free(self.requested_port)
             self.port = self.requested_port
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.start_seconds = None
         started = time.monotonic()
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.command())}\n".encode())
@@ -234,6 +244,7 @@ class VllmServer:
         try:
             self._guard = _ServerGuard(self.process.pid, self.stop_grace_s, self.log_path)
             self._wait_until_healthy(started)
+            self._guard.healthy()
         except BaseException:
             # Includes KeyboardInterrupt during the (long) start: __exit__ does not run for a failed
             # __enter__, so clean up here.
@@ -272,14 +283,18 @@ class VllmServer:
             return
         group = process.pid  # start_new_session made the server its group's leader
         try:
-            # SIGTERM to the API server alone: it then stops its engine core and workers in order.
-            # Signalling the whole group at once kills the engine under the server's feet (EngineDeadError).
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=self.stop_grace_s)
-                _wait_group_gone(group, timeout=self.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                pass
+            # A server that never became healthy has served nothing, and while its engine starts the API
+            # server does not act on SIGTERM: the whole group is killed at once (below) rather than after
+            # the grace period.
+            if self.start_seconds is not None:
+                # SIGTERM to the API server alone: it then stops its engine core and workers in order.
+                # Signalling the whole group at once kills the engine under the server's feet (EngineDeadError).
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=self.stop_grace_s)
+                    _wait_group_gone(group, timeout=self.stop_grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
             # Whatever happened above (timeout, a second Ctrl-C), nothing of the group survives this.
             try:
