@@ -70,8 +70,6 @@ server, grace_s = int(sys.argv[1]), float(sys.argv[2])
 said = sys.stdin.buffer.read()
 if said.endswith(b"stopped"):
     sys.exit(0)
-if b"healthy" not in said:
-    grace_s = 0.0
 
 
 def group_alive():
@@ -82,14 +80,14 @@ def group_alive():
     return True
 
 
-if grace_s > 0:
+if b"healthy" in said:
     try:
         os.kill(server, signal.SIGTERM)
     except ProcessLookupError:
         pass
-deadline = time.monotonic() + grace_s
-while group_alive() and time.monotonic() < deadline:
-    time.sleep(0.2)
+    deadline = time.monotonic() + grace_s
+    while group_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
 try:
     os.killpg(server, signal.SIGKILL)
 except ProcessLookupError:
