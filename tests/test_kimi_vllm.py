@@ -25,8 +25,8 @@ What does not run with CPU_MLA: EAGLE-3 speculative decoding on an MLA target, i
 and stage 06's eagle3 server (on a CPU with AMX tiles, AMX_MLA runs them: the last test). With CPU_MLA (named
 in ENGINE_ARGS, so also on CPUs with AMX) the CPU platform forces the KV cache block size to 16 for MLA models
 (CPU_MLA supports only 16) while the drafter's attention backend, CPU_ATTN, supports only multiples of 32, so
-the engine stops while allocating its KV cache. test_eagle3_on_an_mla_target_... pins that
-failure: it fails, with a message saying why, the day the pinned vLLM can do it.
+the engine stops while allocating its KV cache. The fine-tune route's stage 05 starts that engine for its parity
+check and pins the failure: the test fails, with a message saying why, the day the pinned vLLM can do it.
 
 The wrapper is Kimi-K2.5's layout: `KimiK25ForConditionalGeneration` with the DeepSeek-V3 text model under
 `text_config` and its weights under `language_model.`, a vision tower and a preprocessor config. The
@@ -42,8 +42,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -117,44 +115,6 @@ def make_kimi_k25(folder: Path, head_dim: int = 16):
     (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}))
     write_tokenizer(folder)
     return model
-
-
-def make_eagle3_drafter(folder: Path) -> None:
-    """A random one-layer drafter in vLLM's flat EAGLE-3 format (docs/formats.md, "The flat drafter folder") for the tiny target."""
-    from safetensors.torch import save_file
-
-    heads, head_dim, inter, draft_vocab = 4, 128, 96, 512
-    generator = torch.Generator().manual_seed(1)
-
-    def weight(*shape):
-        return torch.randn(*shape, generator=generator) * 0.02
-
-    token_ids = torch.arange(0, VOCAB, VOCAB // draft_vocab)
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[token_ids] = True
-    tensors = {
-        "fc.weight": weight(HIDDEN, len(LAYER_IDS) * HIDDEN), "norm.weight": torch.ones(HIDDEN),
-        "lm_head.weight": weight(draft_vocab, HIDDEN), "d2t": token_ids - torch.arange(draft_vocab), "t2d": t2d,
-        "midlayer.input_layernorm.weight": torch.ones(HIDDEN), "midlayer.hidden_norm.weight": torch.ones(HIDDEN),
-        "midlayer.post_attention_layernorm.weight": torch.ones(HIDDEN),
-        **{f"midlayer.self_attn.{p}_proj.weight": weight(heads * head_dim, 2 * HIDDEN) for p in "qkv"},
-        "midlayer.self_attn.o_proj.weight": weight(HIDDEN, heads * head_dim),
-        "midlayer.mlp.gate_proj.weight": weight(inter, HIDDEN), "midlayer.mlp.up_proj.weight": weight(inter, HIDDEN),
-        "midlayer.mlp.down_proj.weight": weight(HIDDEN, inter),
-    }
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "model.safetensors"))
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
-        "head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": heads, "intermediate_size": inter,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 1e6,
-        "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": draft_vocab, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": LAYER_IDS, "use_aux_hidden_state": True},
-        "eagle_aux_hidden_state_layer_ids": LAYER_IDS, "num_aux_hidden_states": len(LAYER_IDS),
-        "target_hidden_size": HIDDEN, "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
-        "norm_output": False, "torch_dtype": "float32",
-    }
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -293,20 +253,18 @@ def test_stage_02_captures_the_states_hf_computes_for_the_mla_verifier(kimi, kim
             assert error < 0.02, f"hs_{index}, layer {layer}: relative error {error:.4f} against HF transformers"
 
 
-EAGLE3_ATTEMPT = """
-import json, sys
-if __name__ == "__main__":
-    from eagle_pipeline.engine import offline_engine
-    target, drafter, engine_args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    offline_engine(model=target, dtype="float32", max_model_len=256, seed=0, trust_remote_code=True, **engine_args,
-        speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": 3})
-    print("EAGLE3 ENGINE STARTED")
-"""
-
-
 def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run, tmp_path):
     """01 -> 02 (above) -> 03 with the released drafter's vocabulary -> 04 fine-tuned from it -> 05 converted,
-    shape-checked against it and loaded by vLLM; only 05's parity check needs EAGLE-3 on the MLA target."""
+    shape-checked against it and loaded by vLLM; only 05's parity check needs EAGLE-3 on the MLA target.
+
+    That check's engine cannot start on vLLM 0.32's CPU build with CPU_MLA, and this test pins why (stage 06's
+    eagle3 server needs the same engine). vllm/platforms/cpu.py sets block_size = 16 for MLA models (the
+    CPU_MLA decode kernel's only size, overriding any block_size given); the EAGLE-3 drafter is a Llama layer
+    on CPU_ATTN, which takes multiples of 32 only (cpu_attn.py get_supported_kernel_block_sizes), and both
+    share one KV cache group, so vllm/v1/worker/utils.py select_common_block_size raises once target and
+    drafter are loaded. When this test fails there, vLLM can run EAGLE-3 on an MLA target with CPU_MLA: run
+    stages 03-06 on this verifier here and drop the README's GPU-only note. With AMX_MLA it runs (the last test).
+    """
     from safetensors.torch import load_file
 
     root, _ = kimi
@@ -341,40 +299,20 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
     assert checks["config"]["ok"] and checks["vllm_load"]["ok"], (checks["config"], checks["vllm_load"])
     flat = load_file(str(run_dir / "05_convert" / "vllm" / "model.safetensors"))
     assert {k: v.shape for k, v in flat.items()} == {k: v.shape for k, v in source.items()}
-    # Parity serves EAGLE-3 on the MLA target, which vLLM's CPU build cannot start (the test below).
-    assert result.returncode == 1 and not checks["parity"]["ok"], result.stdout[-2000:] + result.stderr[-2000:]
+    # Parity serves EAGLE-3 on the MLA target, which vLLM's CPU build cannot start (the docstring above).
+    assert result.returncode == 1 and not checks["parity"]["ok"], (
+        "vLLM's CPU build now starts EAGLE-3 on an MLA target: extend this module to stages 03-06\n"
+        + result.stdout[-2000:] + result.stderr[-2000:])
     assert "No common block size" in json.dumps(checks["parity"]), checks["parity"]
-
-
-def test_eagle3_on_an_mla_target_fails_on_vllm_cpu_for_want_of_a_common_block_size(kimi, tmp_path):
-    """Stages 05 (parity) and 06 (eagle3) need this engine; on vLLM 0.32's CPU build it cannot start.
-
-    vllm/platforms/cpu.py sets block_size = 16 for MLA models (the CPU_MLA decode kernel's only size,
-    overriding any block_size given); the EAGLE-3 drafter is a Llama layer on CPU_ATTN, which takes
-    multiples of 32 only (cpu_attn.py get_supported_kernel_block_sizes), and both share one KV cache
-    group, so vllm/v1/worker/utils.py select_common_block_size raises once target and drafter are loaded.
-    When this test fails, vLLM can run EAGLE-3 on an MLA target with CPU_MLA: run stages 03-06 on this
-    verifier here and drop the README's GPU-only note. With AMX_MLA it runs (the test below).
-    """
-    root, _ = kimi
-    make_eagle3_drafter(tmp_path / "drafter")
-    script = tmp_path / "eagle3_attempt.py"
-    script.write_text(EAGLE3_ATTEMPT)
-    # In the script's process, as stage 05's parity job starts it (engine.engine_env).
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-           MULTIPROCESSING_VARIABLE: "0"}
-    result = subprocess.run([sys.executable, str(script), str(root / "kimi"), str(tmp_path / "drafter"),
-                             json.dumps(ENGINE_ARGS)], env=env, capture_output=True, text=True, timeout=600)
-    output = result.stdout + result.stderr
-    assert "EAGLE3 ENGINE STARTED" not in output and result.returncode != 0, (
-        "vLLM's CPU build now starts EAGLE-3 on an MLA target: extend this module to stages 03-06")
-    # Both models loaded (the failure is in KV cache allocation, after load_model) ...
-    assert "initialize_kv_cache" in output, output[-3000:]
-    # ... and the only obstacle is the block size the two attention backends cannot share.
-    # The block size in the message is 16 on a CPU without AMX tiles and 128 on one with them (measured, with
-    # CPU_MLA named and the drafter loaded); either way CPU_MLA's kernel takes 16 only.
+    # The job's whole output (the first drafter's engine; the check stops there): both models loaded, the
+    # failure is in KV cache allocation, after load_model ...
+    job_log = (run_dir / "05_convert" / "logs" / "parity-a.log").read_text()
+    assert "initialize_kv_cache" in job_log, job_log[-3000:]
+    # ... and the only obstacle is the block size the two attention backends cannot share. The block size in
+    # the message is 16 on a CPU without AMX tiles and 128 on one with them (measured, with CPU_MLA named and
+    # the drafter loaded); either way CPU_MLA's kernel takes 16 only.
     assert re.search(r"No common block size for (16|128) \(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)",
-                     output), output[-3000:]
+                     job_log), job_log[-3000:]
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
@@ -387,7 +325,7 @@ def test_eagle3_on_the_mla_target_serves_as_predicted_with_amx(tmp_path):
     """On a CPU with AMX tiles the whole pipeline runs on the MLA target, stages 05 (parity) and 06 included.
 
     vLLM picks AMX_MLA there (nothing named), whose KV blocks are multiples of 32 like the drafter's CPU_ATTN,
-    so the engine the test above cannot start starts. AMX_MLA packs its weights in bf16 and refuses a 16-wide
+    so the engine that the fine-tune route's parity check cannot start with CPU_MLA starts. AMX_MLA packs its weights in bf16 and refuses a 16-wide
     qk_nope_head_dim, so this stand-in has Kimi's own head dimensions (128) and is served in bf16
     (docs/engines.md, "The CPU MLA limit"). The drafter is trained from scratch long enough to be accepted
     sometimes, so that served and predicted agreeing is not two zeros agreeing.

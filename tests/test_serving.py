@@ -15,7 +15,6 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
@@ -702,40 +701,3 @@ def test_none_and_ngram_served_for_real(tmp_path, target_dir):
     assert report["greedy_mismatches"] == {"ngram": []}
     assert report["greedy_match"] is True
     assert report["texts"]["none"] == report["texts"]["ngram"]
-
-
-def _random_eagle3_drafter(target_dir: Path, out: Path) -> Path:
-    """An untrained speculators-format Eagle3 drafter (1 layer, 4096-token draft vocab) for plumbing tests."""
-    vocab, draft_vocab = 49152, 4096
-    ids = np.arange(draft_vocab)
-    np.save(out / "d2t.npy", (ids - np.arange(draft_vocab)).astype(np.int64))
-    t2d = np.zeros(vocab, dtype=bool)
-    t2d[ids] = True
-    np.save(out / "t2d.npy", t2d)
-    subprocess.run(
-        [sys.executable, "-m", "speculators", "train", "--dry-run", "--speculator-type", "eagle3",
-         "--verifier-name-or-path", str(target_dir), "--num-layers", "1", "--draft-vocab-size", str(draft_vocab),
-         "--d2t-path", str(out / "d2t.npy"), "--t2d-path", str(out / "t2d.npy"),
-         "--save-path", str(out / "drafter"), "--data-path", str(out / "unused")],
-        check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600,
-    )
-    return out / "drafter"
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_eagle3_random_drafter_served_for_real(tmp_path, target_dir):
-    drafter = _random_eagle3_drafter(target_dir, tmp_path)
-    marker = uuid.uuid4().hex
-    report = measure_modes(
-        target_dir, drafter, PROMPTS[:2], num_speculative_tokens=3, modes=("eagle3",), max_tokens=16,
-        max_model_len=1024, log_dir=tmp_path, env=_server_env(marker), extra_args=["--enforce-eager"],
-    )
-    assert _wait_until_gone(marker) == []
-    eagle = report["modes"]["eagle3"]
-    assert eagle["speculative_config"] == {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3}
-    assert eagle["num_drafts"] > 0 and eagle["num_draft_tokens"] == 3 * eagle["num_drafts"]
-    assert len(report["per_position_acceptance"]) == 3
-    assert report["mean_acceptance_length"] == pytest.approx(1 + eagle["num_accepted_tokens"] / eagle["num_drafts"])
-    assert report["tokens_per_s"]["eagle3"] > 0
-    assert eagle["server_generation_tokens"] == eagle["output_tokens"]

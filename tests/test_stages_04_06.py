@@ -73,6 +73,16 @@ def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
     assert set(report["tokens_per_s"]) == {"eagle3", "none", "ngram"} and all(v > 0 for v in report["tokens_per_s"].values())
     assert report["mean_acceptance_length"] >= 1.0
     assert report["greedy_match"] is True
+    # The converted drafter was served as stage 05 wrote it, and its counters add up: three draft tokens per
+    # draft, the headline acceptance length from them, and the server counted exactly the tokens the responses
+    # report (the warm-up request excluded).
+    eagle = report["modes"]["eagle3"]
+    assert eagle["speculative_config"] == {"method": "eagle3", "model": str(run_dir / "05_convert" / "vllm"),
+                                           "num_speculative_tokens": 3}
+    assert eagle["num_drafts"] > 0 and eagle["num_draft_tokens"] == 3 * eagle["num_drafts"]
+    assert report["mean_acceptance_length"] == pytest.approx(1 + eagle["num_accepted_tokens"] / eagle["num_drafts"])
+    for mode in ("none", "ngram", "eagle3"):
+        assert report["modes"][mode]["server_generation_tokens"] == report["modes"][mode]["output_tokens"] > 0
     assert (run_dir / "06_serve_test" / "report.png").stat().st_size > 1000
     assert "acceptance" in (run_dir / "06_serve_test" / "report.md").read_text().lower()
 
