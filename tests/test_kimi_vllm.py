@@ -262,8 +262,9 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
     CPU_MLA decode kernel's only size, overriding any block_size given); the EAGLE-3 drafter is a Llama layer
     on CPU_ATTN, which takes multiples of 32 only (cpu_attn.py get_supported_kernel_block_sizes), and both
     share one KV cache group, so vllm/v1/worker/utils.py select_common_block_size raises once target and
-    drafter are loaded. When this test fails there, vLLM can run EAGLE-3 on an MLA target with CPU_MLA: run
-    stages 03-06 on this verifier here and drop the README's GPU-only note. With AMX_MLA it runs (the last test).
+    drafter are loaded. When the parity assertions below fail, vLLM can run EAGLE-3 on an MLA target with
+    CPU_MLA: run stages 03-06 on this verifier here and drop the README's GPU-only note. With AMX_MLA it runs
+    (the last test).
     """
     from safetensors.torch import load_file
 
