@@ -25,42 +25,36 @@ or relies on; tests/test_capture.py fails when it changes.
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import inspect
 import os
 from functools import partial
 
 import torch
 import vllm
 
+from patches.upstream import require_version
+
 TARGET_VLLM_VERSION = "0.32.0"
 
-if vllm.__version__ != TARGET_VLLM_VERSION:
-    raise RuntimeError(
-        f"patches/cpu_hidden_states_connector.py targets vLLM {TARGET_VLLM_VERSION} but vLLM "
-        f"{vllm.__version__} is installed; re-check upstream's ExampleHiddenStatesConnector and update the patch"
-    )
+require_version("patches/cpu_hidden_states_connector.py", "vLLM", vllm.__version__, TARGET_VLLM_VERSION,
+                "re-check upstream's ExampleHiddenStatesConnector and update the patch")
 
-from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as upstream  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (  # noqa: E402
     ExampleHiddenStatesConnector,
     PendingSave,
     extract_from_kv_cache,
 )
 
-# sha256 of the upstream source this override mirrors (_submit_async_write) or relies on unchanged
-# (_write_tensors, get_finished, extract_from_kv_cache), in vLLM 0.32.0.
-UPSTREAM_SOURCE_SHA256 = "789d192813e24713cae3c447c6db33e04174bcd960eb94e8c6a0d8038182b226"
-
-
-def upstream_source_sha256() -> str:
-    parts = [
-        inspect.getsource(upstream.extract_from_kv_cache),
-        inspect.getsource(ExampleHiddenStatesConnector._submit_async_write),
-        inspect.getsource(ExampleHiddenStatesConnector._write_tensors),
-        inspect.getsource(ExampleHiddenStatesConnector.get_finished),
-    ]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+_UPSTREAM = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+# The upstream source this override mirrors (_submit_async_write) or relies on unchanged (the rest), in vLLM 0.32.0.
+UPSTREAM_SOURCE_SHA256: dict[str, str] = {
+    f"{_UPSTREAM}:ExampleHiddenStatesConnector._submit_async_write":
+        "c78aab32eff848cba501928c496174b513f25ddb239558022607beb69320d550",
+    f"{_UPSTREAM}:ExampleHiddenStatesConnector._write_tensors":
+        "7877e27c5cc077a2372dff8c96976c2ab6b2320ad656cf756034d71fb9cb7df3",
+    f"{_UPSTREAM}:ExampleHiddenStatesConnector.get_finished":
+        "0680a81026cc32888be29b23146a1715717c7477a5262327c11f4f8f767418d5",
+    f"{_UPSTREAM}:extract_from_kv_cache": "c6f0730362d095fb6637a68b64f7ab11a141f22f70c4496a01e06ce0e69449f2",
+}
 
 
 class _CompletedCopy:

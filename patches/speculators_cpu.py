@@ -40,10 +40,7 @@ tests/test_patches.py fails on the same condition, so an upgrade forces a re-che
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
 import importlib.metadata
-import inspect
 import os
 import time
 import types
@@ -51,6 +48,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from patches import upstream
+from patches.upstream import changed_sources, require_version, source_sha256
 
 TARGET_VERSION = "0.9.0"
 
@@ -104,31 +104,8 @@ def installed_version() -> str:
 
 def check_version() -> None:
     """Raise unless the installed speculators is the version these patches were written against."""
-    found = installed_version()
-    if found != TARGET_VERSION:
-        raise RuntimeError(
-            f"patches/speculators_cpu.py targets speculators {TARGET_VERSION} but {found} is installed; "
-            f"re-check each patch against the new sources, then update TARGET_VERSION and "
-            f"UPSTREAM_SOURCE_SHA256"
-        )
-
-
-def _lookup(qualified: str) -> Any:
-    module_name, _, attr_path = qualified.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr_path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def source_sha256(qualified: str) -> str:
-    """Fingerprint of an upstream function's source (wrappers made with functools.wraps are unwrapped)."""
-    return hashlib.sha256(inspect.getsource(_lookup(qualified)).encode()).hexdigest()
-
-
-def changed_sources(fingerprints: dict[str, str], sha256: Callable[[str], str] = source_sha256) -> list[str]:
-    """Names of the fingerprinted upstream functions whose source differs from the one fingerprinted."""
-    return [name for name, digest in fingerprints.items() if sha256(name) != digest]
+    require_version("patches/speculators_cpu.py", "speculators", installed_version(), TARGET_VERSION,
+                    "re-check each patch against the new sources, then update TARGET_VERSION and UPSTREAM_SOURCE_SHA256")
 
 
 def changed_upstream_sources() -> list[str]:
@@ -140,12 +117,7 @@ def require_unchanged_sources(fingerprints: dict[str, str], patch_file: str,
                               sha256: Callable[[str], str] = source_sha256) -> None:
     """Raise unless every upstream function a patch module fingerprints still has the source it was written
     against (the check of every module in patches/ that patches speculators)."""
-    changed = changed_sources(fingerprints, sha256)
-    if changed:
-        raise RuntimeError(
-            f"{patch_file} targets speculators {TARGET_VERSION}, but these functions differ "
-            f"from that release: {', '.join(changed)}; re-check the patches that depend on them"
-        )
+    upstream.require_unchanged_sources(fingerprints, patch_file, f"speculators {TARGET_VERSION}", sha256)
 
 
 def _no_accelerator() -> bool:

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import bisect
 import functools
-import hashlib
-import inspect
 
 import numpy as np
 import torch
 
-from patches.speculators_cpu import check_version, require_unchanged_sources, source_sha256
+from patches.speculators_cpu import check_version, require_unchanged_sources
+from patches.upstream import object_source_sha256, source_sha256
 
 # The function replaced, and its caller whose use of it (shuffled lengths in, per-rank index arrays
 # relative to that shuffle out) the replacement keeps.
@@ -118,7 +117,7 @@ def shipped_packing():
 def upstream_sha256(qualified: str) -> str:
     """Fingerprint of the shipped function, also once `apply` has replaced it in its module."""
     if qualified == REPLACED and _upstream is not None:
-        return hashlib.sha256(inspect.getsource(_upstream).encode()).hexdigest()
+        return object_source_sha256(_upstream)
     return source_sha256(qualified)
 
 

@@ -28,29 +28,24 @@ scan whose use of `vars` this relies on; tests/test_patches.py fails when it cha
 from __future__ import annotations
 
 import builtins
-import hashlib
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import vllm
 
+from patches.upstream import require_unchanged_sources, require_version
+
 TARGET_VLLM_VERSION = "0.32.0"
 
-if vllm.__version__ != TARGET_VLLM_VERSION:
-    raise RuntimeError(
-        f"patches/vllm_kernel_rebind.py targets vLLM {TARGET_VLLM_VERSION} but vLLM {vllm.__version__} is "
-        f"installed; re-check triton_utils/dispatcher.py _rebind_kernels and update the patch"
-    )
+require_version("patches/vllm_kernel_rebind.py", "vLLM", vllm.__version__, TARGET_VLLM_VERSION,
+                "re-check triton_utils/dispatcher.py _rebind_kernels and update the patch")
 
 from vllm.triton_utils import dispatcher  # noqa: E402
 
-# sha256 of vLLM 0.32.0's `_rebind_kernels`, the only user of `vars` in its module.
-UPSTREAM_SOURCE_SHA256 = "68f705141997c1e39cf146242eaa0947ed059462017ac96461944d2329b74f64"
-
-
-def upstream_source_sha256() -> str:
-    return hashlib.sha256(inspect.getsource(dispatcher._rebind_kernels).encode()).hexdigest()
+# The scan in vLLM 0.32.0, the only user of `vars` in its module.
+UPSTREAM_SOURCE_SHA256: dict[str, str] = {
+    "vllm.triton_utils.dispatcher:_rebind_kernels": "68f705141997c1e39cf146242eaa0947ed059462017ac96461944d2329b74f64",
+}
 
 
 def namespace_or_empty(value: Any) -> Mapping[str, Any]:
@@ -61,9 +56,5 @@ def namespace_or_empty(value: Any) -> Mapping[str, Any]:
 
 def apply() -> None:
     """Idempotent. Raises if the scan is not the one this was written for."""
-    if upstream_source_sha256() != UPSTREAM_SOURCE_SHA256:
-        raise RuntimeError(
-            f"patches/vllm_kernel_rebind.py targets vLLM {TARGET_VLLM_VERSION}'s triton_utils/dispatcher.py "
-            "_rebind_kernels, whose source differs here; re-check it and update the patch"
-        )
+    require_unchanged_sources(UPSTREAM_SOURCE_SHA256, "patches/vllm_kernel_rebind.py", f"vLLM {TARGET_VLLM_VERSION}")
     dispatcher.vars = namespace_or_empty

@@ -144,8 +144,9 @@ def test_checker_rejects_stored_files_that_are_torn_or_poisoned(tmp_path):
 def test_patch_matches_installed_upstream():
     """Fails when upstream's connector code that the patch copies or relies on changes: re-check the patch."""
     from patches import cpu_hidden_states_connector as patch
+    from patches.upstream import changed_sources
 
-    assert patch.upstream_source_sha256() == patch.UPSTREAM_SOURCE_SHA256
+    assert changed_sources(patch.UPSTREAM_SOURCE_SHA256) == []
 
 
 def test_patch_refuses_other_vllm_versions(monkeypatch):
@@ -154,7 +155,7 @@ def test_patch_refuses_other_vllm_versions(monkeypatch):
     from patches import cpu_hidden_states_connector as patch
 
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(RuntimeError, match="targets vLLM 0.32.0 but vLLM 0.33.0"):
+    with pytest.raises(RuntimeError, match=r"patches/cpu_hidden_states_connector\.py targets vLLM 0\.32\.0 but 0\.33\.0 is installed"):
         importlib.reload(patch)
     monkeypatch.undo()
     importlib.reload(patch)

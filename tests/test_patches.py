@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from patches import speculators_cpu
+from patches.upstream import changed_sources, source_sha256
 
 
 def test_refuses_another_speculators_version(monkeypatch):
@@ -20,7 +21,7 @@ def test_refuses_another_speculators_version(monkeypatch):
 @pytest.mark.parametrize("qualified_name", sorted(speculators_cpu.UPSTREAM_SOURCE_SHA256))
 def test_upstream_source_is_the_one_the_patches_were_written_for(qualified_name):
     # Fails when speculators changes a function that a patch replaces, wraps or relies on.
-    assert speculators_cpu.source_sha256(qualified_name) == speculators_cpu.UPSTREAM_SOURCE_SHA256[qualified_name]
+    assert source_sha256(qualified_name) == speculators_cpu.UPSTREAM_SOURCE_SHA256[qualified_name]
 
 
 def test_fingerprints_see_through_the_installed_wrappers():
@@ -33,7 +34,7 @@ def test_fingerprints_see_through_the_installed_wrappers():
 
 def test_a_changed_upstream_source_is_refused_by_name():
     name = "speculators.train.cli:build_draft_model"
-    speculators_cpu.require_unchanged_sources({name: speculators_cpu.source_sha256(name)}, "patches/x.py")
+    speculators_cpu.require_unchanged_sources({name: source_sha256(name)}, "patches/x.py")
     with pytest.raises(RuntimeError, match=r"patches/x\.py targets speculators 0\.9\.0, but these functions differ "
                        r"from that release: speculators\.train\.cli:build_draft_model;"):
         speculators_cpu.require_unchanged_sources({name: "0" * 64}, "patches/x.py")
@@ -182,7 +183,7 @@ def test_vllm_kernel_scan_is_the_one_the_patch_was_written_for():
     from patches import vllm_kernel_rebind
 
     # Fails when vLLM changes the scan whose use of `vars` the patch relies on.
-    assert vllm_kernel_rebind.upstream_source_sha256() == vllm_kernel_rebind.UPSTREAM_SOURCE_SHA256
+    assert changed_sources(vllm_kernel_rebind.UPSTREAM_SOURCE_SHA256) == []
 
 
 def test_the_kernel_scan_fails_on_llvmlite_unpatched_and_still_rebinds_every_holder_patched(monkeypatch):
@@ -217,6 +218,8 @@ def test_the_kernel_scan_fails_on_llvmlite_unpatched_and_still_rebinds_every_hol
 def test_the_kernel_patch_refuses_a_changed_scan(monkeypatch):
     from patches import vllm_kernel_rebind
 
-    monkeypatch.setattr(vllm_kernel_rebind, "upstream_source_sha256", lambda: "0" * 64)
-    with pytest.raises(RuntimeError, match=r"targets vLLM 0\.32\.0's triton_utils/dispatcher\.py _rebind_kernels"):
+    name = "vllm.triton_utils.dispatcher:_rebind_kernels"
+    monkeypatch.setitem(vllm_kernel_rebind.UPSTREAM_SOURCE_SHA256, name, "0" * 64)
+    with pytest.raises(RuntimeError, match=r"patches/vllm_kernel_rebind\.py targets vLLM 0\.32\.0, but these functions "
+                       r"differ from that release: vllm\.triton_utils\.dispatcher:_rebind_kernels;"):
         vllm_kernel_rebind.apply()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from patches import speculators_ttt_attention
-from patches.speculators_cpu import source_sha256
+from patches.upstream import source_sha256
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's shape: grouped-query attention, 3 heads per key
 
