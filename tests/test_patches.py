@@ -223,3 +223,18 @@ def test_the_kernel_patch_refuses_a_changed_scan(monkeypatch):
     with pytest.raises(RuntimeError, match=r"patches/vllm_kernel_rebind\.py targets vLLM 0\.32\.0, but these functions "
                        r"differ from that release: vllm\.triton_utils\.dispatcher:_rebind_kernels;"):
         vllm_kernel_rebind.apply()
+
+
+def test_the_kernel_patch_refuses_other_vllm_versions(monkeypatch):
+    import importlib
+
+    import vllm
+
+    from patches import vllm_kernel_rebind
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"patches/vllm_kernel_rebind\.py targets vLLM 0\.32\.0 but 0\.33\.0 is installed; "
+                       r"re-check triton_utils/dispatcher\.py _rebind_kernels"):
+        importlib.reload(vllm_kernel_rebind)
+    monkeypatch.undo()
+    importlib.reload(vllm_kernel_rebind)
