@@ -10,7 +10,8 @@ starts a fresh interpreter and imports vLLM and torch again before it loads anyt
 bind OpenMP threads to cores, which a process that has already run OpenMP work cannot safely hand on to a
 forked child. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` and one worker (`eagle_pipeline.engine.
 single_process_engine`) there are no worker processes: the engine core runs its worker itself and is the
-API server's only child, and the API server has computed nothing with torch when it starts it.
+API server's only child. The API server has run no model computation when it starts the engine core, and a
+forked engine core was measured binding its OpenMP threads and decoding as a spawned one does.
 
 `apply()` wraps `check_and_update_config`: where `VLLM_ENABLE_V1_MULTIPROCESSING` is "0", the method it
 leaves is fork; otherwise (tensor parallelism, worker processes) spawn stays. The server entry point
