@@ -217,31 +217,6 @@ def test_the_kernel_scan_fails_on_llvmlite_unpatched_and_still_rebinds_every_hol
     assert holder.imported_copy is wrapper and holder.launcher.kernel is wrapper
 
 
-def test_the_kernel_patch_refuses_a_changed_scan(monkeypatch):
-    from patches import vllm_kernel_rebind
-
-    name = "vllm.triton_utils.dispatcher:_rebind_kernels"
-    monkeypatch.setitem(vllm_kernel_rebind.UPSTREAM_SOURCE_SHA256, name, "0" * 64)
-    with pytest.raises(RuntimeError, match=r"patches/vllm_kernel_rebind\.py targets vLLM 0\.32\.0, but these functions "
-                       r"differ from that release: vllm\.triton_utils\.dispatcher:_rebind_kernels;"):
-        vllm_kernel_rebind.apply()
-
-
-def test_the_kernel_patch_refuses_other_vllm_versions(monkeypatch):
-    import importlib
-
-    import vllm
-
-    from patches import vllm_kernel_rebind
-
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(RuntimeError, match=r"patches/vllm_kernel_rebind\.py targets vLLM 0\.32\.0 but 0\.33\.0 is installed; "
-                       r"re-check triton_utils/dispatcher\.py _rebind_kernels"):
-        importlib.reload(vllm_kernel_rebind)
-    monkeypatch.undo()
-    importlib.reload(vllm_kernel_rebind)
-
-
 # ---------------------------------------------------------------------------------------------------
 # patches/vllm_server_fork.py
 
@@ -288,26 +263,43 @@ def test_the_fork_patch_wraps_the_platform_once_and_keeps_its_work(monkeypatch):
     assert os.environ[vllm_server_fork.METHOD_VARIABLE] == "fork"
 
 
-def test_the_fork_patch_refuses_a_changed_platform(monkeypatch):
-    from patches import vllm_server_fork
+# ---------------------------------------------------------------------------------------------------
+# Both vLLM patches: what each one relies on changed, or another vLLM is installed
 
-    name = "vllm.platforms.cpu:CpuPlatform.check_and_update_config"
-    monkeypatch.setitem(vllm_server_fork.UPSTREAM_SOURCE_SHA256, name, "0" * 64)
-    with pytest.raises(RuntimeError, match=r"patches/vllm_server_fork\.py targets vLLM 0\.32\.0, but these functions "
-                       r"differ from that release: vllm\.platforms\.cpu:CpuPlatform\.check_and_update_config;"):
-        vllm_server_fork.apply()
+VLLM_PATCHES = {
+    # module: (an upstream function it fingerprints, what its refusal says to re-check)
+    "vllm_kernel_rebind": ("vllm.triton_utils.dispatcher:_rebind_kernels",
+                           "re-check triton_utils/dispatcher.py _rebind_kernels"),
+    "vllm_server_fork": ("vllm.platforms.cpu:CpuPlatform.check_and_update_config",
+                         "re-check CpuPlatform.check_and_update_config and get_mp_context"),
+}
 
 
-def test_the_fork_patch_refuses_other_vllm_versions(monkeypatch):
+@pytest.mark.parametrize("module_name", sorted(VLLM_PATCHES))
+def test_a_vllm_patch_refuses_a_changed_upstream_function(monkeypatch, module_name):
     import importlib
+    import re
+
+    patch = importlib.import_module(f"patches.{module_name}")
+    function, _ = VLLM_PATCHES[module_name]
+    monkeypatch.setitem(patch.UPSTREAM_SOURCE_SHA256, function, "0" * 64)
+    with pytest.raises(RuntimeError, match=re.escape(f"patches/{module_name}.py targets vLLM 0.32.0, but these functions "
+                                                     f"differ from that release: {function};")):
+        patch.apply()
+
+
+@pytest.mark.parametrize("module_name", sorted(VLLM_PATCHES))
+def test_a_vllm_patch_refuses_other_vllm_versions(monkeypatch, module_name):
+    import importlib
+    import re
 
     import vllm
 
-    from patches import vllm_server_fork
-
+    patch = importlib.import_module(f"patches.{module_name}")
+    _, recheck = VLLM_PATCHES[module_name]
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(RuntimeError, match=r"patches/vllm_server_fork\.py targets vLLM 0\.32\.0 but 0\.33\.0 is installed; "
-                       r"re-check CpuPlatform\.check_and_update_config and get_mp_context"):
-        importlib.reload(vllm_server_fork)
+    with pytest.raises(RuntimeError, match=re.escape(f"patches/{module_name}.py targets vLLM 0.32.0 but 0.33.0 is "
+                                                     f"installed; {recheck}")):
+        importlib.reload(patch)
     monkeypatch.undo()
-    importlib.reload(vllm_server_fork)
+    importlib.reload(patch)
