@@ -43,6 +43,8 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     "vllm.utils.system_utils:_maybe_force_spawn": "83206725ffc3e61396512841f1ac519c1153f36c8eb3d9f43098bc206b4f49e4",
 }
 
+# vLLM's variables: the start method of its processes, and its switch between an engine in the calling process
+# and engine processes (the one eagle_pipeline.engine.MULTIPROCESSING_VARIABLE names).
 METHOD_VARIABLE = "VLLM_WORKER_MULTIPROC_METHOD"
 MULTIPROCESSING_VARIABLE = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Printed into the server's log once the engine core will be forked, so that a run shows which start it had.
@@ -71,6 +73,5 @@ def apply() -> None:
             check_and_update_config.noticed = True
 
     check_and_update_config.noticed = False
-
     check_and_update_config.forks_the_engine_core = True
     CpuPlatform.check_and_update_config = staticmethod(check_and_update_config)
