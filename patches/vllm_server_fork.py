@@ -28,6 +28,7 @@ import os
 
 import vllm
 
+from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from patches.upstream import require_unchanged_sources, require_version
 
 TARGET_VLLM_VERSION = "0.32.0"
@@ -43,10 +44,9 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     "vllm.utils.system_utils:_maybe_force_spawn": "83206725ffc3e61396512841f1ac519c1153f36c8eb3d9f43098bc206b4f49e4",
 }
 
-# vLLM's variables: the start method of its processes, and its switch between an engine in the calling process
-# and engine processes (the one eagle_pipeline.engine.MULTIPROCESSING_VARIABLE names).
+# vLLM's variable for the start method of its processes (its switch between an engine in the calling process and
+# engine processes is eagle_pipeline.engine's MULTIPROCESSING_VARIABLE).
 METHOD_VARIABLE = "VLLM_WORKER_MULTIPROC_METHOD"
-MULTIPROCESSING_VARIABLE = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Printed into the server's log once the engine core will be forked, so that a run shows which start it had.
 FORK_NOTICE = "patches/vllm_server_fork.py: the engine core is started by fork (no worker processes)"
 

@@ -468,16 +468,16 @@ def test_server_command_carries_the_speculative_config(tmp_path, monkeypatch):
     server.port = 12345
     cmd = server.command()
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    # Where the engine runs its one worker itself, through the entry point that forks the engine core.
-    single = VllmServer("/models/target", log_path=tmp_path / "log", env={MULTIPROCESSING_VARIABLE: "0"})
-    single.port = 1
-    assert single.command()[:3] == [sys.executable, "-m", "eagle_pipeline.serve.api_server"]
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == config
     assert cmd[cmd.index("--port") + 1] == "12345" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[-1] == "--enforce-eager"
     plain = VllmServer("/models/target", log_path=tmp_path / "log")
     plain.port = 1
     assert "--speculative-config" not in plain.command()
+    # Where the engine runs its one worker itself, through the entry point that forks the engine core.
+    single = VllmServer("/models/target", log_path=tmp_path / "log", env={MULTIPROCESSING_VARIABLE: "0"})
+    single.port = 1
+    assert single.command()[:3] == [sys.executable, "-m", "eagle_pipeline.serve.api_server"]
 
 
 def test_busy_port_is_bad_input_naming_the_port_and_field(tmp_path):
