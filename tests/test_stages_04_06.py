@@ -1,6 +1,7 @@
 """Stages 04-06 for real on the small run of stages 01-03: train, convert + verify, serve and measure."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,13 @@ def test_converted_drafter_passes_all_four_checks(finished):
     assert " inspect " in first_lines["vllm-load.log"]
     assert " acceptance " in first_lines["parity-b.log"] and str(run_dir / "05_convert" / "vllm") in first_lines["parity-b.log"]
     assert f"--prompts {logs / 'parity-prompts.json'}" in first_lines["parity-a.log"]
+    # The engine runs in the job's process here, so the three jobs were forked from one host that imported
+    # vLLM once (drafter_checks/job_host.py), each noted under its command.
+    from eagle_pipeline.drafter_checks.job_host import FORK_NOTE
+
+    notes = {name: (logs / name).read_text().splitlines()[1] for name in first_lines}
+    hosts = {re.fullmatch(re.escape(FORK_NOTE).replace(r"\{pid\}", r"(\d+)"), note).group(1) for note in notes.values()}
+    assert len(hosts) == 1, notes
 
 
 def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
