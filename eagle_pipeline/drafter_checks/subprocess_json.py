@@ -79,7 +79,7 @@ def run_forked(command: list[str], log: Path, settings: dict[str, str], env: dic
     except RuntimeError:  # a fresh process fails the same way, and shows why in the job's log
         return run_logged(command, log, env, timeout)
     log.write_text(f"$ {shlex.join(command)}\n{FORK_NOTE.format(pid=host.pid)}\n")
-    return host.run(command[3:], log, timeout, env)
+    return host.run(command[3:], log, timeout, env)  # the cli's own arguments, after `python -m MODULE`
 
 
 def run_logged(command: list[str], log: Path, env: dict[str, str], timeout: float) -> int | None:
