@@ -68,6 +68,15 @@ def skip_without_bf16_matmul() -> None:
         pytest.skip(f"a bf16 vLLM engine cannot run here: torch matmul {missing['torch']}")
 
 
+def process_alive(pid: int) -> bool:
+    """True while the process runs; a zombie (exited, its parent not yet reaping it) counts as ended."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:  # gone
+        return False
+    return state not in ("Z", "X")
+
+
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

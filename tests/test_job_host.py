@@ -10,9 +10,9 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import process_alive
 
 from eagle_pipeline.drafter_checks.job_host import JobHost
 
@@ -31,13 +31,6 @@ def main(argv):
         open(argv[1], "w").write(f"{os.getpid()} {child.pid}")
         time.sleep(600)
 '''
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -83,7 +76,7 @@ def test_a_job_past_its_timeout_is_killed_with_its_children_and_the_host_runs_th
     assert host.run(["hang", str(pids)], tmp_path / "hang.log", timeout=3) is None
     assert time.monotonic() - started < 30
     job, child = (int(p) for p in pids.read_text().split())
-    assert not alive(job) and not alive(child)
+    assert not process_alive(job) and not process_alive(child)
     assert host.alive() and host.run(["ok"], tmp_path / "next.log", timeout=60) == 0
 
 
@@ -131,6 +124,6 @@ def test_a_killed_owner_leaves_neither_its_host_nor_a_running_job(tmp_path):
     owner.kill()
     owner.wait()
     deadline = time.monotonic() + 10
-    while (alive(host) or alive(job)) and time.monotonic() < deadline:
+    while (process_alive(host) or process_alive(job)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not alive(host) and not alive(job)
+    assert not process_alive(host) and not process_alive(job)

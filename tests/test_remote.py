@@ -6,7 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import REPO, write_config
+from conftest import REPO, process_alive, write_config
 
 
 def remote(tmp_path, *args, timeout=120):
@@ -39,15 +39,6 @@ def synced_host(tmp_path):
 
 def lock_fields(lock):
     return dict(line.split("=", 1) for line in lock.read_text().splitlines() if "=" in line)
-
-
-def alive(pid):
-    """True while the process runs; a zombie (exited, its parent not yet reaping it) counts as ended."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def running_in_group(pgid):
@@ -149,18 +140,18 @@ def test_second_run_and_sync_are_refused_while_a_job_runs_and_stop_ends_it(tmp_p
     assert result.returncode == 0 and "started 01_generate_data" in result.stdout, result.stderr
     lock = lock_fields(logs / "run.lock")
     pid = int(lock["pid"])
-    assert alive(pid) and lock["stages"] == "01_generate_data" and lock["config"] == str(config)
+    assert process_alive(pid) and lock["stages"] == "01_generate_data" and lock["config"] == str(config)
     assert f"(pid {pid})" in result.stdout
 
     for args in (("run", "1", str(config)), ("run", "--no-sync", "2", str(config)), ("sync",)):
         line = one_error_line(remote(tmp_path, *args))
         assert f"pid {pid}" in line and f"scripts/remote.sh stop {config}" in line, line
-    assert alive(pid) and not (logs / "02_extract_hidden.pid").exists()
+    assert process_alive(pid) and not (logs / "02_extract_hidden.pid").exists()
 
     result = remote(tmp_path, "stop", str(config))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stopped 01_generate_data of run r with SIGTERM" in result.stdout, result.stdout
-    assert not alive(pid) and not (logs / "run.lock").exists() and not (logs / "01_generate_data.pid").exists()
+    assert not process_alive(pid) and not (logs / "run.lock").exists() and not (logs / "01_generate_data.pid").exists()
     assert (logs / "01_generate_data.exit").read_text().strip() != "0"
     assert not running_in_group(int(lock["pgid"]))  # nothing of the job's process group is left
     result = remote(tmp_path, "stop", str(config))

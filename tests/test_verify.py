@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import process_alive
 from test_convert import (  # shared checkpoint builders
     TINY,
     TINY_DRAFT_VOCAB,
@@ -388,11 +389,4 @@ def test_killing_a_job_kills_everything_it_started(tmp_path):
     started = [int(line) for line in pids.read_text().split()]
     assert len(started) == 3
     kill_tree(process)
-
-    def alive(pid):
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except OSError:
-            return False
-
-    assert [pid for pid in started if alive(pid)] == []
+    assert [pid for pid in started if process_alive(pid)] == []

@@ -30,6 +30,8 @@ import time
 import traceback
 from pathlib import Path
 
+from eagle_pipeline.drafter_checks.subprocess_json import kill_pid_tree
+
 JOBS_MODULE = "eagle_pipeline.drafter_checks.cli"
 # What a job imports before its engine starts (`from vllm import LLM` pulls in vLLM's config, engine and
 # model loader), imported by the host instead.
@@ -75,8 +77,6 @@ class JobHost:
         """Fork `jobs_module.main(argv)` with its output appended to `log` and `env` as its environment (the
         host's when None); its exit code, or None when it ran past `timeout` and was killed together with
         every process below it."""
-        from eagle_pipeline.drafter_checks.subprocess_json import kill_pid_tree
-
         request = {"argv": argv, "log": str(log), "env": env}
         self.process.stdin.write((json.dumps(request) + "\n").encode())
         self.process.stdin.flush()
@@ -196,9 +196,12 @@ def run_job(jobs_module: str, argv: list[str], log: str, env: dict[str, str] | N
         sys.argv = [jobs.__file__, *argv]  # as `python -m` would have it (argparse names its program by it)
         jobs.main(argv)
         code = 0
-    except SystemExit as exit_:  # argparse's refusal, as a fresh process would exit
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        if not isinstance(exit_.code, (int, type(None))):
+    except SystemExit as exit_:  # argparse's refusal: the exit a fresh process would make
+        if exit_.code is None:
+            code = 0
+        elif isinstance(exit_.code, int):
+            code = exit_.code
+        else:  # a message: printed, and exit status 1
             print(exit_.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,7 @@ def kill_tree(process: subprocess.Popen) -> None:
     kill_pid_tree(process.pid, reap=process.wait)
 
 
-def kill_pid_tree(pid: int, reap=None) -> None:
+def kill_pid_tree(pid: int, reap: Callable[[], object] | None = None) -> None:
     """SIGKILL a process and all its descendants. Each is stopped first, until no new one appears, so none
     can start another or be orphaned (and so lost from the tree) while the others are killed. `reap` waits
     for the process itself where this one is its parent."""
