@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import ctypes
 import importlib
 import json
 import os
@@ -31,6 +30,7 @@ import traceback
 from pathlib import Path
 
 from eagle_pipeline.drafter_checks.subprocess_json import kill_pid_tree
+from eagle_pipeline.parent_death import signal_on_parent_death
 
 JOBS_MODULE = "eagle_pipeline.drafter_checks.cli"
 # What a job imports before its engine starts (`from vllm import LLM` pulls in vLLM's config, engine and
@@ -149,8 +149,10 @@ def _close_hosts() -> None:
 
 
 def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG), or now if it already has."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    """SIGKILL this process when its parent dies, or now if it already has. Where the kernel cannot promise
+    that, the host does not start, and its jobs run as fresh processes."""
+    if not signal_on_parent_death(signal.SIGKILL):
+        raise OSError("no parent-death signal on this platform: a job host could outlive its owner")
     if os.getppid() != parent:
         os._exit(1)
 

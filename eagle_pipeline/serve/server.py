@@ -3,7 +3,6 @@ group, and a guard process that stops it if this process dies first."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import signal
@@ -18,6 +17,7 @@ from typing import Sequence
 
 from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE, serve_flags
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.parent_death import signal_on_parent_death
 from eagle_pipeline.serve.api_server import VLLM_ENTRY_POINT
 
 HOST = "127.0.0.1"
@@ -52,11 +52,7 @@ def check_port_free(port: int) -> None:
 def _die_with_parent() -> None:
     """Runs in the child before exec: if our Python process is killed outright, the server gets SIGTERM
     at once. Linux only; elsewhere a no-op. Not enough on its own: see _ServerGuard."""
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+    signal_on_parent_death(signal.SIGTERM)
 
 
 # The guard's program (python -c). Its stdin is a pipe whose write end only the stage holds: the stage
