@@ -10,48 +10,11 @@ from eagle_pipeline.config import RunConfig
 
 
 def engine_env(cfg: RunConfig) -> dict[str, str]:
-    """Environment for a vLLM process: no hub access, CPU KV cache size on the CPU backend, and on a
-    single CPU worker the engine in-process (see `single_process_engine`)."""
+    """Environment for a vLLM process: no hub access, and the CPU KV cache size on the CPU backend."""
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.verifier.cpu_kvcache_gib)
-    if single_process_engine(cfg):
-        env[MULTIPROCESSING_VARIABLE] = "0"
     return env
-
-
-# vLLM's switch between an engine in the calling process ("0") and engine-core/worker processes ("1").
-MULTIPROCESSING_VARIABLE = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-
-def single_process_engine(cfg: RunConfig) -> bool:
-    """Whether vLLM runs its engine core (offline engine) and its one worker in the calling process.
-
-    By default vLLM's CPU build spawns an engine-core process and, since its platform forces the
-    multiprocessing executor while V1 multiprocessing is on, a worker process below it, each importing
-    vLLM and torch again. With `VLLM_ENABLE_V1_MULTIPROCESSING=0` and one worker the offline engine runs in
-    the stage's own process and a server's engine core runs its worker itself: measured on 2 cores, an
-    offline engine ready in ~6 s instead of ~23 s and a server healthy in ~24 s instead of ~36 s, the same
-    greedy text (the tiny Kimi-K2.5 verifier of tests/test_kimi_vllm.py: ~8 s instead of ~20 s). Tensor
-    parallelism needs the worker processes, so it stays off there. An in-process engine is started through
-    `offline_engine`, which patches the CPU worker's kernel scan (patches/vllm_kernel_rebind.py). Hidden-state
-    capture follows the same rule (`capture.HiddenStateCapture` steps an in-process engine until its
-    connector has written). In a stage's own process a variable its caller has set wins (`apply_engine_env`).
-    """
-    return cfg.device == "cpu" and cfg.verifier.tensor_parallel_size == 1
-
-
-def offline_engine(**kwargs: Any):
-    """`vllm.LLM(**kwargs)`, in this process or with engine processes as the environment says. In this process
-    the CPU worker's start scans every loaded module, which fails on llvmlite's (loaded with vLLM's Kimi-K2.5
-    model class) unless patched first (patches/vllm_kernel_rebind.py)."""
-    from vllm import LLM
-
-    if os.environ.get(MULTIPROCESSING_VARIABLE) == "0":
-        from patches import vllm_kernel_rebind
-
-        vllm_kernel_rebind.apply()
-    return LLM(**kwargs)
 
 
 def apply_engine_env(cfg: RunConfig) -> None:

@@ -1,6 +1,6 @@
 """Linux's parent-death signal: a child asks the kernel (prctl PR_SET_PDEATHSIG) for a signal when the thread
 that started it exits, so that a process killed outright does not leave the processes below it running. Asked
-for by vLLM servers (serve/server.py) and by the drafter checks' job host and its jobs (drafter_checks/job_host.py).
+for by vLLM servers (serve/server.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from conftest import skip_without_bf16_matmul
 from safetensors.torch import save_file
 
 from eagle_pipeline.capture import kv_transfer_config, speculative_config
-from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids as vllm_layer_ids
 from eagle_pipeline.samples import BadSample, read_sample, sample_filename, verify_sample_file, write_sample
@@ -199,7 +198,7 @@ def captured(tmp_path_factory, verifier_dir, prompts) -> Path:
     work = tmp_path_factory.mktemp("capture")
     (work / "prompts.json").write_text(json.dumps(prompts))
     scratch = work / "connector-scratch"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", **{MULTIPROCESSING_VARIABLE: "0"})
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
     result = subprocess.run(
         [
             sys.executable, "-m", "eagle_pipeline.capture",

@@ -51,8 +51,6 @@ from conftest import SMOKE, ok, run_stage, write_smoke_config
 from kimi_standin import SPECIAL_TOKENS, VOCAB, kimi_k25_config, write_tokenizer
 from released_drafter_standin import KIMI_STANDIN, sglang_ids, write_released_standin
 
-from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
-
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LAYER_IDS = [1, 2, 3]
@@ -134,15 +132,11 @@ def kimi_config(root: Path, run_name: str, **overrides) -> Path:
 
 @pytest.fixture(scope="module")
 def kimi_run(kimi) -> Path:
-    """Stages 01 and 02 for real on the tiny Kimi-K2.5 verifier, reasoning off; returns the run folder.
-
-    Stage 01's engine runs in the stage's process, as engine.engine_env has it for one CPU worker (patched:
-    vLLM's Kimi-K2.5 model class loads llvmlite, patches/vllm_kernel_rebind.py). Stage 02 is given engine
-    processes instead, the capture path of a GPU host, which the smoke run's in-process capture leaves out."""
+    """Stages 01 and 02 for real on the tiny Kimi-K2.5 verifier, reasoning off; returns the run folder."""
     root, _ = kimi
     config = kimi_config(root, "k", generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3})
     ok(run_stage("01_generate_data.py", config))
-    ok(run_stage("02_extract_hidden.py", config, env={MULTIPROCESSING_VARIABLE: "1"}))
+    ok(run_stage("02_extract_hidden.py", config))
     return root / "data" / "k"
 
 

@@ -1,17 +1,15 @@
-"""patches/: speculators_cpu.py (version guard, upstream fingerprints, device pass-through, bf16 argmax, kimi_k2
-configs), vllm_kernel_rebind.py (the CPU worker's kernel scan beside llvmlite) and vllm_server_fork.py (a CPU
-server's engine core forked)."""
+"""patches/speculators_cpu.py: version guard, upstream fingerprints, device pass-through, bf16 argmax, kimi_k2
+configs."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
 from patches import speculators_cpu
-from patches.upstream import changed_sources, source_sha256
+from patches.upstream import source_sha256
 
 
 def test_refuses_another_speculators_version(monkeypatch):
@@ -175,131 +173,3 @@ def test_kimi_k25_nested_config_loads_with_kimi_k2_text_config(tmp_path):
     text_config = get_verifier_config(str(tmp_path))
     assert isinstance(text_config, DeepseekV3Config)
     assert (text_config.hidden_size, text_config.num_hidden_layers) == (7168, 61)
-
-
-# ---------------------------------------------------------------------------------------------------
-# patches/vllm_kernel_rebind.py
-
-
-def test_vllm_kernel_scan_is_the_one_the_patch_was_written_for():
-    from patches import vllm_kernel_rebind
-
-    # Fails when vLLM changes the scan whose use of `vars` the patch relies on.
-    assert changed_sources(vllm_kernel_rebind.UPSTREAM_SOURCE_SHA256) == []
-
-
-def test_the_kernel_scan_fails_on_llvmlite_unpatched_and_still_rebinds_every_holder_patched(monkeypatch):
-    import builtins
-    import sys
-    import types
-
-    import llvmlite.binding.ffi  # noqa: F401 - numba's, loaded with vLLM's Kimi-K2.5 model class
-    from vllm.triton_utils import dispatcher
-
-    from patches import vllm_kernel_rebind
-
-    def kernel():
-        pass
-
-    def wrapper():
-        pass
-
-    holder = types.ModuleType("kernel_holder")
-    holder.imported_copy = kernel  # `from module import kernel`
-    holder.launcher = types.SimpleNamespace(kernel=kernel)  # a JIT warm-up owner's instance attribute
-    monkeypatch.setitem(sys.modules, holder.__name__, holder)
-    monkeypatch.setattr(dispatcher, "vars", builtins.vars, raising=False)  # upstream's: the builtin
-    with pytest.raises(AttributeError, match="_lib_fn_wrapper' object has no attribute 'get'"):
-        dispatcher._rebind_kernels([(kernel, wrapper)])
-
-    vllm_kernel_rebind.apply()
-    dispatcher._rebind_kernels([(kernel, wrapper)])
-    assert holder.imported_copy is wrapper and holder.launcher.kernel is wrapper
-
-
-# ---------------------------------------------------------------------------------------------------
-# patches/vllm_server_fork.py
-
-
-def test_the_fork_patch_relies_on_the_functions_it_was_written_for():
-    from patches import vllm_server_fork
-
-    # Fails when vLLM changes the platform's override or how the engine core's start method is chosen.
-    assert changed_sources(vllm_server_fork.UPSTREAM_SOURCE_SHA256) == []
-
-
-@pytest.mark.parametrize(("multiprocessing", "method"), [("0", "fork"), ("1", "spawn"), (None, "spawn")])
-def test_the_engine_core_is_forked_only_where_it_is_the_one_process_below_the_server(monkeypatch, multiprocessing, method):
-    from patches import vllm_server_fork
-
-    # What the CPU platform leaves: spawn, whatever was asked for.
-    monkeypatch.setenv(vllm_server_fork.METHOD_VARIABLE, "spawn")
-    if multiprocessing is None:
-        monkeypatch.delenv(vllm_server_fork.MULTIPROCESSING_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(vllm_server_fork.MULTIPROCESSING_VARIABLE, multiprocessing)
-    assert vllm_server_fork.method_after_platform_config() == method
-    # get_mp_context, which starts the engine core, reads the variable at each call.
-    from vllm.utils.system_utils import get_mp_context
-
-    assert get_mp_context().get_start_method() == method
-
-
-def test_the_fork_patch_wraps_the_platform_once_and_keeps_its_work(monkeypatch):
-    from vllm.platforms.cpu import CpuPlatform
-
-    from patches import vllm_server_fork
-
-    calls = []
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(lambda cls, config: calls.append(config)))
-    # The stand-in above is not vLLM's source: only the fingerprint check is taken out of this test.
-    monkeypatch.setattr(vllm_server_fork, "require_unchanged_sources", lambda *args: None)
-    monkeypatch.setenv(vllm_server_fork.METHOD_VARIABLE, "spawn")
-    monkeypatch.setenv(vllm_server_fork.MULTIPROCESSING_VARIABLE, "0")
-    vllm_server_fork.apply()
-    vllm_server_fork.apply()
-    CpuPlatform.check_and_update_config("config")
-    assert calls == ["config"]
-    assert os.environ[vllm_server_fork.METHOD_VARIABLE] == "fork"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Both vLLM patches: what each one relies on changed, or another vLLM is installed
-
-VLLM_PATCHES = {
-    # module: (an upstream function it fingerprints, what its refusal says to re-check)
-    "vllm_kernel_rebind": ("vllm.triton_utils.dispatcher:_rebind_kernels",
-                           "re-check triton_utils/dispatcher.py _rebind_kernels"),
-    "vllm_server_fork": ("vllm.platforms.cpu:CpuPlatform.check_and_update_config",
-                         "re-check CpuPlatform.check_and_update_config and get_mp_context"),
-}
-
-
-@pytest.mark.parametrize("module_name", sorted(VLLM_PATCHES))
-def test_a_vllm_patch_refuses_a_changed_upstream_function(monkeypatch, module_name):
-    import importlib
-    import re
-
-    patch = importlib.import_module(f"patches.{module_name}")
-    function, _ = VLLM_PATCHES[module_name]
-    monkeypatch.setitem(patch.UPSTREAM_SOURCE_SHA256, function, "0" * 64)
-    with pytest.raises(RuntimeError, match=re.escape(f"patches/{module_name}.py targets vLLM 0.32.0, but these functions "
-                                                     f"differ from that release: {function};")):
-        patch.apply()
-
-
-@pytest.mark.parametrize("module_name", sorted(VLLM_PATCHES))
-def test_a_vllm_patch_refuses_other_vllm_versions(monkeypatch, module_name):
-    import importlib
-    import re
-
-    import vllm
-
-    patch = importlib.import_module(f"patches.{module_name}")
-    _, recheck = VLLM_PATCHES[module_name]
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(RuntimeError, match=re.escape(f"patches/{module_name}.py targets vLLM 0.32.0 but 0.33.0 is "
-                                                     f"installed; {recheck}")):
-        importlib.reload(patch)
-    monkeypatch.undo()
-    importlib.reload(patch)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
 from eagle_pipeline.serve.measure import ModeMeasurement, measure_modes, speculative_config_for, summarize
@@ -362,106 +361,7 @@ def test_generation_dtype_changes_only_the_answering_engine():
     assert server_kwargs(cfg)["dtype"] == "float32"
 
 
-def test_a_single_cpu_worker_runs_its_engine_in_process_and_tensor_parallel_or_gpu_keep_processes(tmp_path):
-    from conftest import SMOKE_CONFIG
-
-    from eagle_pipeline.config import load_config
-    from eagle_pipeline.engine import engine_env, server_kwargs
-
-    cpu = load_config(SMOKE_CONFIG)
-    assert engine_env(cpu)[MULTIPROCESSING_VARIABLE] == "0"
-    assert server_kwargs(cpu)["env"][MULTIPROCESSING_VARIABLE] == "0"
-    assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["verifier.tensor_parallel_size=2"]))
-    assert MULTIPROCESSING_VARIABLE not in engine_env(load_config(SMOKE_CONFIG, ["device=cuda"]))
-    # Remote code too (Kimi-K2.5's tokenizer): its offline engines start patched (patches/vllm_kernel_rebind.py).
-    assert engine_env(load_config(SMOKE_CONFIG, ["verifier.trust_remote_code=true"]))[MULTIPROCESSING_VARIABLE] == "0"
-
-
-@pytest.mark.parametrize("setting", ["0", None])
-def test_capture_builds_its_engine_as_the_environment_says(tmp_path, monkeypatch, setting):
-    """In this process where engine_env asks for it (one CPU worker), patched first; with vLLM's processes
-    otherwise, unpatched."""
-    import types
-
-    from eagle_pipeline import capture
-    from eagle_pipeline.capture import HiddenStateCapture
-
-    seen, patched = [], []
-
-    class RecordingLLM:
-        def __init__(self, **kwargs):
-            seen.append(os.environ.get(MULTIPROCESSING_VARIABLE))
-            self.llm_engine = None
-
-    # Stand-ins for the package (the real one takes seconds to import) and for the patch that needs it.
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
-    import patches
-
-    fake_patch = types.SimpleNamespace(apply=lambda: patched.append(1))
-    monkeypatch.setitem(sys.modules, "patches.vllm_kernel_rebind", fake_patch)
-    monkeypatch.setattr(patches, "vllm_kernel_rebind", fake_patch, raising=False)
-    monkeypatch.setattr(capture, "_platform_device_type", lambda: "cpu")
-    if setting is None:
-        monkeypatch.delenv(MULTIPROCESSING_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(MULTIPROCESSING_VARIABLE, setting)
-    with HiddenStateCapture(tmp_path / "verifier", [2, 15, 27], num_layers=30, storage_path=tmp_path / "scratch"):
-        pass
-    assert seen == [setting]
-    assert patched == ([1] if setting == "0" else [])
-
-
-class SchedulerHoldingRequests:
-    """A scheduler that keeps finished requests for `steps` engine steps (the connector's pending writes)."""
-
-    def __init__(self, steps: int):
-        self.steps_left = steps
-
-    def has_requests(self) -> bool:
-        return self.steps_left > 0
-
-
-def _capture_with_engine_core(core, tmp_path):
-    import types
-
-    from eagle_pipeline.capture import HiddenStateCapture
-
-    cap = HiddenStateCapture(tmp_path / "verifier", [2, 15, 27], num_layers=30)
-    steps = []
-
-    def step():
-        steps.append(1)
-        core.engine_core.scheduler.steps_left -= 1
-
-    cap._llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core, step=step))
-    return cap, steps
-
-
-def test_capture_steps_an_in_process_engine_until_its_connector_has_written(tmp_path):
-    import types
-
-    from eagle_pipeline import capture
-
-    in_process = types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=SchedulerHoldingRequests(2)))
-    cap, steps = _capture_with_engine_core(in_process, tmp_path)
-    cap._let_the_connector_write()
-    assert len(steps) == 2 and not in_process.engine_core.scheduler.has_requests()
-
-    # Engine processes step by themselves: nothing to do from here.
-    cap, steps = _capture_with_engine_core(types.SimpleNamespace(), tmp_path)
-    cap._let_the_connector_write()
-    assert steps == []
-
-    # A scheduler that never lets go is an error, not a hang.
-    stuck = types.SimpleNamespace(engine_core=types.SimpleNamespace(scheduler=SchedulerHoldingRequests(10**9)))
-    cap, steps = _capture_with_engine_core(stuck, tmp_path)
-    with pytest.raises(RuntimeError, match="never written"):
-        cap._let_the_connector_write()
-    assert len(steps) == capture.MAX_STEPS_TO_WRITE
-
-
-def test_server_command_carries_the_speculative_config(tmp_path, monkeypatch):
-    monkeypatch.delenv(MULTIPROCESSING_VARIABLE, raising=False)  # an in-process engine of an earlier test sets it
+def test_server_command_carries_the_speculative_config(tmp_path):
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     server = VllmServer("/models/target", speculative_config=config, max_model_len=512, dtype="bfloat16",
                         extra_args=["--enforce-eager"], log_path=tmp_path / "log")
@@ -474,10 +374,6 @@ def test_server_command_carries_the_speculative_config(tmp_path, monkeypatch):
     plain = VllmServer("/models/target", log_path=tmp_path / "log")
     plain.port = 1
     assert "--speculative-config" not in plain.command()
-    # Where the engine runs its one worker itself, through the entry point that forks the engine core.
-    single = VllmServer("/models/target", log_path=tmp_path / "log", env={MULTIPROCESSING_VARIABLE: "0"})
-    single.port = 1
-    assert single.command()[:3] == [sys.executable, "-m", "eagle_pipeline.serve.api_server"]
 
 
 def test_busy_port_is_bad_input_naming_the_port_and_field(tmp_path):
@@ -603,8 +499,7 @@ def _marked_processes(marker: str) -> list[int]:
 
 
 def _server_env(marker: str) -> dict[str, str]:
-    # The engine core runs its worker itself, as engine_env has it for a single CPU worker.
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE_TEST_SERVER_MARKER": marker, MULTIPROCESSING_VARIABLE: "0"}
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "EAGLE_TEST_SERVER_MARKER": marker}
 
 
 def _wait_until_gone(marker: str, timeout_s: float = 15.0) -> list[int]:
@@ -648,7 +543,7 @@ def test_ctrl_c_while_starting_stops_the_server(tmp_path, target_dir):
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGINT)
 
-    # A user's Ctrl-C reaches a fresh stage process; this one has run other tests' in-process engines, so
+    # A user's Ctrl-C reaches a fresh stage process; this one has run other tests first, so
     # make sure SIGINT is neither blocked nor handled elsewhere here (threads inherit the mask at creation).
     previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

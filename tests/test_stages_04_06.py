@@ -1,7 +1,6 @@
 """Stages 04-06 for real on the small run of stages 01-03: train, convert + verify, serve and measure."""
 
 import json
-import re
 import subprocess
 import sys
 
@@ -61,13 +60,6 @@ def test_converted_drafter_passes_all_four_checks(finished):
     assert " inspect " in first_lines["vllm-load.log"]
     assert " acceptance " in first_lines["parity-b.log"] and str(run_dir / "05_convert" / "vllm") in first_lines["parity-b.log"]
     assert f"--prompts {logs / 'parity-prompts.json'}" in first_lines["parity-a.log"]
-    # The engine runs in the job's process here, so the three jobs were forked from one host that imported
-    # vLLM once (drafter_checks/job_host.py), each noted under its command.
-    from eagle_pipeline.drafter_checks.job_host import FORK_NOTE
-
-    notes = {name: (logs / name).read_text().splitlines()[1] for name in first_lines}
-    hosts = {re.fullmatch(re.escape(FORK_NOTE).replace(r"\{pid\}", r"(\d+)"), note).group(1) for note in notes.values()}
-    assert len(hosts) == 1, notes
 
 
 def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
@@ -91,15 +83,6 @@ def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
     assert report["mean_acceptance_length"] == pytest.approx(1 + eagle["num_accepted_tokens"] / eagle["num_drafts"])
     for mode in ("none", "ngram", "eagle3"):
         assert report["modes"][mode]["server_generation_tokens"] == report["modes"][mode]["output_tokens"] > 0
-    # Every server started its engine core by fork, not spawn (patches/vllm_server_fork.py): the answers
-    # and counters checked above are a forked engine's.
-    from patches.vllm_server_fork import FORK_NOTICE
-
-    for mode in ("none", "ngram", "eagle3"):
-        log = (run_dir / "06_serve_test" / "logs" / f"server-{mode}.log").read_text()
-        starts = [line for line in log.splitlines() if line.startswith("$ ")]
-        assert starts and all(" -m eagle_pipeline.serve.api_server " in line for line in starts), mode
-        assert log.count(FORK_NOTICE) == len(starts), mode
     assert (run_dir / "06_serve_test" / "report.png").stat().st_size > 1000
     assert "acceptance" in (run_dir / "06_serve_test" / "report.md").read_text().lower()
 

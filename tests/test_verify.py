@@ -322,7 +322,6 @@ def test_acceptance_parity_between_speculators_and_converted_formats(tmp_path):
     """Embedded verifier, random drafter with a zeroed lm_head: it always proposes target token 32 ('0'),
     which the verifier repeats after a run of dots, so acceptance is high and depends on d2t surviving."""
     from eagle_pipeline.embedded import materialize
-    from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 
     target = materialize("smollm2-135m-instruct")
     speculators = make_speculators_drafter(target, tmp_path / "speculators", draft_vocab_size=1024,
@@ -331,9 +330,7 @@ def test_acceptance_parity_between_speculators_and_converted_formats(tmp_path):
     convert_for_vllm(speculators, tmp_path / "flat")
     prompts = ["................................", "0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0", "The capital of France is"]
     result = acceptance_parity(target, speculators, tmp_path / "flat", prompts, num_speculative_tokens=3,
-                               max_tokens=24, tolerance=0.0,
-                               # in-process, as stage 05's engine_env has it for a single CPU worker
-                               env={MULTIPROCESSING_VARIABLE: "0"})
+                               max_tokens=24, tolerance=0.0)
     detail = result["detail"]
     assert result["ok"], detail["problems"]
     assert detail["a"]["accepted_per_position"] == detail["b"]["accepted_per_position"]
@@ -373,7 +370,7 @@ def test_killing_a_job_kills_everything_it_started(tmp_path):
     import sys
     import time
 
-    from eagle_pipeline.drafter_checks.subprocess_json import kill_tree
+    from eagle_pipeline.process_tree import kill_tree
 
     pids, job = tmp_path / "pids", tmp_path / "job.py"
     job.write_text(

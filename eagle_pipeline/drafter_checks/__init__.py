@@ -9,10 +9,8 @@ One module per job:
 - config_checks: the `config` check, against the target, transformers' parse and vLLM's view.
 - vllm_load: vLLM's config view and its real `load_weights` (the `vllm_load` check).
 - parity: the `parity` check, accepted tokens per draft position with two drafter folders.
-- subprocess_json, cli: vLLM work runs in subprocesses (`python -m eagle_pipeline.drafter_checks.cli`),
-  because vLLM spawns workers and keeps process-global state that must not leak into the caller.
-- job_host: where the engine runs in the job's process, those subprocesses are forked from one process
-  that imported vLLM once.
+- subprocess_json, cli: vLLM work runs in fresh subprocesses (`python -m eagle_pipeline.drafter_checks.cli`),
+  because vLLM starts engine processes and keeps process-global state that must not leak into the caller.
 - all_checks: the four in order; table: the results for the terminal.
 """
 

@@ -10,18 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S, run_json_subprocess
-from eagle_pipeline.engine import eagle3_engine_kwargs, offline_engine
+from eagle_pipeline.engine import eagle3_engine_kwargs
 
 
 def acceptance_run(target_dir: str, drafter_dir: str, prompts: list, num_speculative_tokens: int,
                    max_tokens: int, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Greedy generation with a drafter in vLLM; spec-decode counters from llm.get_metrics()."""
-    from vllm import SamplingParams
+    from vllm import LLM, SamplingParams
 
     kwargs = eagle3_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens=num_speculative_tokens,
                                   engine_kwargs=engine_kwargs,
                                   defaults={"max_model_len": 1024, "enforce_eager": True, "seed": 0})
-    llm = offline_engine(disable_log_stats=False, **kwargs)
+    llm = LLM(disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     if all(isinstance(p, str) for p in prompts):
         outputs = llm.generate(prompts, params, use_tqdm=False)

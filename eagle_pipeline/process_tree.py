@@ -1,0 +1,76 @@
+"""Killing a process together with every process below it (Linux, read from /proc).
+
+vLLM's engine core and its workers do not exit when the process that started them dies (they were seen
+running on as orphans), and on a GPU host they would keep the GPUs' memory from the next engine; so a job
+that must end is killed with its whole tree.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a process that this one started, and all its descendants."""
+    kill_pid_tree(process.pid, reap=process.wait)
+
+
+def kill_pid_tree(pid: int, reap: Callable[[], object] | None = None) -> None:
+    """SIGKILL a process and all its descendants. Each is stopped first, until no new one appears, so none
+    can start another or be orphaned (and so lost from the tree) while the others are killed. `reap` waits
+    for the process itself where this one is its parent."""
+    stopped: list[int] = []
+    while True:
+        found = [p for p in [pid, *descendants(pid)] if p not in stopped]
+        if not found:
+            break
+        for p in found:
+            _signal(p, signal.SIGSTOP)
+        stopped += found
+    for p in stopped:
+        _signal(p, signal.SIGKILL)
+    if reap is not None:
+        reap()
+    # The others are reaped by whoever inherits them, not by us: wait until each is dead (gone or a zombie).
+    deadline = time.monotonic() + 10
+    while any(process_state(p) not in ("Z", "X", None) for p in stopped) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid`."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter (R, S, Z, ...), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
