@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from eagle_pipeline import atomic, plots
+from eagle_pipeline.engine import target_engine_settings
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.samples import SAMPLES_DIR, estimate_bytes, sample_files, sample_matches, sample_path
@@ -125,7 +126,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "conversations": upstream_fingerprint(upstream),
         **verifier.fingerprints(),
         "layer_ids": layer_ids,
-        "engine": value_fingerprint([cfg.verifier.dtype, cfg.verifier.engine_args]),
+        "engine": value_fingerprint([cfg.verifier.dtype, target_engine_settings(cfg), cfg.verifier.engine_args]),
         "storage_dtype": hs_cfg.storage_dtype,
         "max_seq_len": hs_cfg.max_seq_len,
     }

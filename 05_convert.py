@@ -94,7 +94,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     print(f"converted {checkpoint} -> {vllm_dir}")
 
     # -- verify with vLLM's own code --------------------------------------------------------------
-    from eagle_pipeline.engine import engine_env, llm_kwargs
+    from eagle_pipeline.engine import drafter_engine_settings, engine_env, llm_kwargs
 
     expected = {
         "vocab_size": verifier.vocab_size,
@@ -108,6 +108,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         max_tokens=c.parity_max_tokens, tolerance=c.parity_tolerance,
         engine_kwargs={k: v for k, v in llm_kwargs(cfg, str(verifier.path)).items() if k != "model"},
         env=engine_env(cfg), timeout_s=c.engine_timeout_s, log_dir=stage.dir / "logs",
+        drafter_settings=drafter_engine_settings(cfg),
     )
     atomic.write_json(stage.dir / "verify.json", result)
     drafter_checks.print_table(result)

@@ -114,13 +114,14 @@ def run(stage: Stage, dry_run: bool) -> None:
             sys.exit(1)
         return
 
-    from eagle_pipeline.engine import server_kwargs
+    from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
 
     report = measure_modes(
         verifier.path, drafter_dir, [p["messages"] for p in prompts],
         num_speculative_tokens=s.num_speculative_tokens, modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
         concurrency=s.concurrency, seed=cfg.seed, port=s.port, log_dir=stage.dir / "logs", **server_kwargs(cfg),
         startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
+        drafter_settings=drafter_engine_settings(cfg),
     )
     if baseline is not None:
         report = merge_baseline(report, baseline)
@@ -162,7 +163,8 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
     scratch = stage.dir / "prediction_scratch"
     num_layers = verifier.num_layers
     if foreign:
-        plan = folder_plan(drafter_dir, verifier.path, num_layers, verifier.vocab_size, cfg.device, scratch)
+        plan = folder_plan(drafter_dir, verifier.path, num_layers, verifier.vocab_size, cfg.device, scratch,
+                           s.num_speculative_tokens)
     else:
         _, layout = require_sample_layout(cfg)
         from eagle_pipeline.predict.diagnose import config_findings

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import re
 import types
 import typing
 from pathlib import Path
@@ -83,11 +84,36 @@ class VerifierConfig(Section):
     max_model_len: int = Field(2048, ge=16, le=MAX_TOKENS)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kvcache_gib: int = Field(4, ge=1, le=65536, description="VLLM_CPU_KVCACHE_SPACE for the CPU backend")
-    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM engine arguments")
+    # How vLLM computes the target, for every stage that starts it (01, 02, 05, 06). The same keys for the
+    # drafter are serve.drafter_*; stage 06's report records both, so a known-good serving command can be
+    # read off it (docs/engines.md, "Engine settings").
+    attention_backend: Optional[str] = Field(None, description="vLLM attention backend of the target, e.g. TRITON_MLA; None: vLLM picks")
+    kv_cache_dtype: str = Field("auto", description="KV-cache dtype of the target: auto, fp8, fp8_e4m3, ...")
+    enforce_eager: bool = Field(False, description="no CUDA graphs or torch.compile (on the CPU build: no graph recompiles at each start)")
+    model_runner: Literal["auto", "v1", "v2"] = Field("auto", description="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); auto: vLLM's choice")
+    log_level: Optional[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field(
+        None, description="vLLM's log level; None: INFO on cuda (a cold start's load time, KV memory and backends), WARNING on cpu")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM engine arguments (not those a key above owns)")
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _known_attention_backend(cls, name):
+        return check_attention_backend(name)
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_cache_dtype(cls, dtype):
+        return check_kv_cache_dtype(dtype)
 
     @field_validator("engine_args")
     @classmethod
     def _known_engine_args(cls, args):
+        for key in args:
+            owner = ENGINE_ARGS_OWNED_BY_KEYS.get(str(key))
+            if owner:
+                # A first-class key is fingerprinted, range-checked and used by every stage alike; the same
+                # setting here would bypass all of that (engine_args.model would serve another target).
+                raise cross_field(str(key), f"is set by {owner}, not by engine_args; move it there")
         # A misspelt engine argument would otherwise surface as a TypeError after minutes of model loading.
         names = vllm_engine_arg_names()
         if names is None:  # no vLLM here: nothing can start an engine, so there is nothing to check against
@@ -98,6 +124,19 @@ class VerifierConfig(Section):
                 hint = f"did you mean {close[0]!r}?" if close else "see vllm.engine.arg_utils.EngineArgs for the valid names"
                 raise cross_field(str(key), f"not a vLLM engine argument; {hint}")
         return args
+
+
+# vLLM engine arguments that a config key owns (engine.py passes them), with the key to use instead.
+ENGINE_ARGS_OWNED_BY_KEYS = {
+    "model": "verifier.path", "tokenizer": "verifier.path", "served_model_name": "verifier.path",
+    "seed": "seed", "dtype": "verifier.dtype (generation.dtype for stage 01)",
+    "max_model_len": "verifier.max_model_len", "tensor_parallel_size": "verifier.tensor_parallel_size",
+    "enable_expert_parallel": "verifier.enable_expert_parallel",
+    "gpu_memory_utilization": "verifier.gpu_memory_utilization", "trust_remote_code": "verifier.trust_remote_code",
+    "attention_backend": "verifier.attention_backend", "kv_cache_dtype": "verifier.kv_cache_dtype",
+    "enforce_eager": "verifier.enforce_eager",
+    "speculative_config": "serve.* (stage 06) and the drafter folder", "kv_transfer_config": "hidden_states.*",
+}
 
 
 class SelfWrittenPrompts(Section):
@@ -290,6 +329,19 @@ class ServeConfig(Section):
     baseline: Optional[str] = None
     # A cold start of a ~600 GB target (weights from disk, graph capture on 8 GPUs) takes tens of minutes.
     startup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds a vLLM server may take to become healthy")
+    # How vLLM computes the drafter (stage 05's parity and stage 06), beside verifier.attention_backend etc.
+    drafter_attention_backend: Optional[str] = Field(None, description="vLLM attention backend of the drafter; None: vLLM picks")
+    drafter_kv_cache_dtype: Optional[str] = Field(None, description="KV-cache dtype of the drafter; None: the target's")
+
+    @field_validator("drafter_attention_backend")
+    @classmethod
+    def _known_drafter_attention_backend(cls, name):
+        return check_attention_backend(name)
+
+    @field_validator("drafter_kv_cache_dtype")
+    @classmethod
+    def _known_drafter_kv_cache_dtype(cls, dtype):
+        return None if dtype is None else check_kv_cache_dtype(dtype)
 
     @model_validator(mode="after")
     def _reachable_acceptance(self):
@@ -307,6 +359,9 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["cpu", "cuda"] = "cpu"
     disk_budget_gb: Optional[float] = Field(None, gt=0, le=1e7, description="disk this run is expected to need on data_root")
+    # Extra environment for every process the run starts: vLLM engines and servers, the training launcher
+    # and its ranks, the detached runner (NCCL settings, CUDA_VISIBLE_DEVICES, VLLM_* switches).
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables for every process the run starts")
     verifier: VerifierConfig
     data: DataConfig
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -375,13 +430,12 @@ def vllm_engine_arg_names() -> frozenset[str] | None:
     Read from the module's source rather than by importing it: importing vLLM takes seconds and writes
     platform notices to stderr, which every config load (dry runs included) would pay for.
     """
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
+    if importlib.util.find_spec("vllm") is None:
         return None
-    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    source = _vllm_source("engine/arg_utils.py")
     try:
-        tree = ast.parse(source.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
+        tree = ast.parse(source) if source is not None else None
+    except SyntaxError:
         tree = None
     for node in tree.body if tree else ():
         if isinstance(node, ast.ClassDef) and node.name == "EngineArgs" and not node.bases:
@@ -395,6 +449,49 @@ def vllm_engine_arg_names() -> frozenset[str] | None:
     from vllm.engine.arg_utils import EngineArgs
 
     return frozenset(f.name for f in dataclasses.fields(EngineArgs) if f.init)
+
+
+def _vllm_source(relative: str) -> str | None:
+    """One of vLLM's source files as text, None where vLLM is not installed. Read, not imported: importing
+    vLLM takes seconds, which every config load (dry runs included) would pay for."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        return (Path(next(iter(spec.submodule_search_locations))) / relative).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_attention_backends() -> frozenset[str] | None:
+    """The members of vLLM's AttentionBackendEnum (v1/attention/backends/registry.py)."""
+    text = _vllm_source("v1/attention/backends/registry.py")
+    body = re.search(r"^class AttentionBackendEnum\b.*?(?=^class |\Z)", text or "", flags=re.MULTILINE | re.DOTALL)
+    return frozenset(re.findall(r"^    ([A-Z][A-Z0-9_]*) = ", body.group(0), flags=re.MULTILINE)) or None if body else None
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_cache_dtypes() -> frozenset[str] | None:
+    """The values of vLLM's CacheDType (config/cache.py)."""
+    block = re.search(r"^CacheDType = Literal\[(.*?)\]", _vllm_source("config/cache.py") or "", flags=re.MULTILINE | re.DOTALL)
+    return frozenset(re.findall(r'"([^"]+)"', block.group(1))) or None if block else None
+
+
+def _check_name(value: str, known: frozenset[str] | None, what: str) -> str:
+    if known is not None and value not in known:
+        close = difflib.get_close_matches(value, sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"one of {', '.join(sorted(known))}"
+        raise ValueError(f"{value!r} is not {what}; {hint}")
+    return value
+
+
+def check_attention_backend(name: str | None) -> str | None:
+    return None if name is None else _check_name(name, vllm_attention_backends(), "a vLLM attention backend")
+
+
+def check_kv_cache_dtype(dtype: str) -> str:
+    return _check_name(dtype, vllm_cache_dtypes(), "a vLLM KV-cache dtype")
 
 
 # -- loading ---------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Arguments for vLLM's offline engine and server, from the run config (CPU or GPU alike)."""
+"""The one place that turns the run config into vLLM's arguments and environment (offline engine, server,
+EAGLE-3 drafter, hidden-state capture), the same on CPU and GPU hosts."""
 
 from __future__ import annotations
 
@@ -8,18 +9,56 @@ from typing import Any
 
 from eagle_pipeline.config import RunConfig
 
+# vLLM's switch between its model runners; unset leaves vLLM's own choice (V2 on GPUs with Triton).
+MODEL_RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def log_level(cfg: RunConfig) -> str:
+    """vLLM's log level: the config's, else INFO on a GPU host, where a cold start of tens of minutes should
+    say what it does (load time, KV-cache memory, the model runner and attention backends it chose)."""
+    return cfg.verifier.log_level or ("INFO" if cfg.device == "cuda" else "WARNING")
+
 
 def engine_env(cfg: RunConfig) -> dict[str, str]:
-    """Environment for a vLLM process: no hub access, and the CPU KV cache size on the CPU backend."""
-    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    """Environment for every vLLM process of the run: no hub access, the CPU KV cache size on the CPU backend,
+    the model runner and log level the config asks for, and the config's own `env` last (it wins)."""
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": log_level(cfg)}
     if cfg.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.verifier.cpu_kvcache_gib)
-    return env
+    if cfg.verifier.model_runner != "auto":
+        env[MODEL_RUNNER_VARIABLE] = "1" if cfg.verifier.model_runner == "v2" else "0"
+    return {**env, **cfg.env}
 
 
 def apply_engine_env(cfg: RunConfig) -> None:
+    """`engine_env` in this process, for an offline engine it starts; a variable the caller set wins, except
+    the config's own `env`, which is the run's."""
     for key, value in engine_env(cfg).items():
-        os.environ.setdefault(key, value)
+        if key in cfg.env:
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
+
+
+def target_engine_settings(cfg: RunConfig) -> dict[str, Any]:
+    """How vLLM computes the target: the config's engine keys as engine arguments (unset ones left out)."""
+    v = cfg.verifier
+    settings: dict[str, Any] = {"kv_cache_dtype": v.kv_cache_dtype, "enforce_eager": v.enforce_eager}
+    if v.attention_backend is not None:
+        settings["attention_backend"] = v.attention_backend
+    return settings
+
+
+def drafter_engine_settings(cfg: RunConfig) -> dict[str, Any]:
+    """How vLLM computes the drafter: `speculative_config` fields from serve.drafter_* (unset ones left out,
+    so vLLM applies its own defaults, the target's KV-cache dtype among them)."""
+    s = cfg.serve
+    settings: dict[str, Any] = {}
+    if s.drafter_attention_backend is not None:
+        settings["attention_backend"] = s.drafter_attention_backend
+    if s.drafter_kv_cache_dtype is not None:
+        settings["kv_cache_dtype"] = s.drafter_kv_cache_dtype
+    return settings
 
 
 def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None, dtype: str | None = None) -> dict[str, Any]:
@@ -33,6 +72,7 @@ def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None, dty
         "tensor_parallel_size": v.tensor_parallel_size,
         "trust_remote_code": v.trust_remote_code,
         "seed": cfg.seed,
+        **target_engine_settings(cfg),
     }
     if cfg.device == "cuda":
         kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
@@ -41,23 +81,27 @@ def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None, dty
     return kwargs
 
 
-def server_args(cfg: RunConfig) -> list[str]:
-    """The same engine settings as `llm_kwargs`, as `vllm serve` flags (dtype and max_model_len aside)."""
-    v = cfg.verifier
-    args = ["--tensor-parallel-size", str(v.tensor_parallel_size), "--seed", str(cfg.seed)]
-    if v.trust_remote_code:
-        args.append("--trust-remote-code")
-    if cfg.device == "cuda":
-        args += ["--gpu-memory-utilization", str(v.gpu_memory_utilization)]
-        if v.enable_expert_parallel:
-            args.append("--enable-expert-parallel")
-    for key, value in v.engine_args.items():
+def as_server_flags(kwargs: dict[str, Any]) -> list[str]:
+    """Engine arguments as `vllm serve` flags: `key_name: value` -> `--key-name value`, a true flag alone."""
+    args: list[str] = []
+    for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             args.append(flag)
         elif value is not False and value is not None:
             args += [flag, value if isinstance(value, str) else json.dumps(value)]
     return args
+
+
+def server_args(cfg: RunConfig) -> list[str]:
+    """The same engine settings as `llm_kwargs`, as `vllm serve` flags (dtype and max_model_len aside)."""
+    v = cfg.verifier
+    kwargs: dict[str, Any] = {"tensor_parallel_size": v.tensor_parallel_size, "seed": cfg.seed,
+                              "trust_remote_code": v.trust_remote_code, **target_engine_settings(cfg)}
+    if cfg.device == "cuda":
+        kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
+        kwargs["enable_expert_parallel"] = v.enable_expert_parallel
+    return as_server_flags({**kwargs, **v.engine_args})
 
 
 def server_kwargs(cfg: RunConfig) -> dict[str, Any]:
@@ -83,15 +127,19 @@ def serve_flags(model: str, *, host: str, port: int, max_model_len: int, dtype: 
     return flags
 
 
-def eagle3_speculative_config(drafter_dir: str | os.PathLike, num_speculative_tokens: int) -> dict[str, Any]:
+def eagle3_speculative_config(drafter_dir: str | os.PathLike, num_speculative_tokens: int,
+                              drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's `speculative_config` for speculating with the EAGLE-3 drafter folder `drafter_dir`, the same
-    dict for the offline engine (`LLM`, `EngineArgs`) and for `vllm serve --speculative-config`."""
-    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens}
+    dict for the offline engine (`LLM`, `EngineArgs`) and for `vllm serve --speculative-config`;
+    `drafter_settings` (`drafter_engine_settings`) say how vLLM computes the drafter."""
+    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens,
+            **(drafter_settings or {})}
 
 
 def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: int,
                          engine_kwargs: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None,
-                         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                         overrides: dict[str, Any] | None = None,
+                         drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Keyword arguments of vLLM's `LLM` or `EngineArgs` for `target` speculating with the EAGLE-3 drafter
     folder `drafter`: `defaults`, then `engine_kwargs` (the run's `llm_kwargs` less the model), then
     `overrides` (settings a caller cannot do without)."""
@@ -100,15 +148,15 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
         **(engine_kwargs or {}),
         **(overrides or {}),
         "model": target,
-        "speculative_config": eagle3_speculative_config(drafter, num_speculative_tokens),
+        "speculative_config": eagle3_speculative_config(drafter, num_speculative_tokens, drafter_settings),
     }
 
 
 def capture_engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """`HiddenStateCapture` arguments (beyond model, layers and length) for the verifier in this config."""
     v = cfg.verifier
-    extra = {"enable_expert_parallel": True} if v.enable_expert_parallel else {}
+    extra: dict[str, Any] = {"enable_expert_parallel": True} if v.enable_expert_parallel else {}
     if cfg.device == "cuda":
         extra["gpu_memory_utilization"] = v.gpu_memory_utilization
     return {"tensor_parallel_size": v.tensor_parallel_size, "dtype": v.dtype, "trust_remote_code": v.trust_remote_code,
-            "extra_engine_args": {**extra, **v.engine_args}}
+            "extra_engine_args": {**extra, **target_engine_settings(cfg), **v.engine_args}}

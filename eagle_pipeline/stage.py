@@ -19,6 +19,7 @@ import enum
 import importlib.metadata
 import json
 import logging
+import os
 import platform
 import shutil
 import socket
@@ -338,6 +339,9 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
     with _exit_codes(log_path_holder):
         args = parse_args(description, argv)
         cfg = load_config(args.config, args.overrides)
+        # The run's own environment reaches every process the stage starts (engines, servers, training ranks),
+        # whatever shell, tmux server or detached runner started the stage.
+        os.environ.update(cfg.env)
         stage = Stage(number, cfg, force=args.force)
         if not args.force:  # a damaged manifest of this stage is refused before any model loads, dry run too
             read_manifest(stage.dir)

@@ -1,5 +1,6 @@
 """The config schema: every shipped config validates; bad keys and values get one-line errors."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,27 @@ def test_unknown_engine_arg_is_named_with_the_closest_valid_one(tmp_path):
     with pytest.raises(BadInput, match=r"verifier\.engine_args\.enforce_eagr: not a vLLM engine argument; did you mean 'enforce_eager'\?"):
         load_config(write_config(tmp_path / "c.yaml"), ["verifier.engine_args.enforce_eagr=true"])
     assert load_config(write_config(tmp_path / "c.yaml"), ["verifier.engine_args.max_num_seqs=4"])
+
+
+@pytest.mark.parametrize(("key", "owner"), [("model", "verifier.path"), ("seed", "seed"), ("max_model_len", "verifier.max_model_len"),
+                                            ("tensor_parallel_size", "verifier.tensor_parallel_size"),
+                                            ("kv_cache_dtype", "verifier.kv_cache_dtype"), ("enforce_eager", "verifier.enforce_eager")])
+def test_engine_args_cannot_set_what_a_config_key_owns(tmp_path, key, owner):
+    with pytest.raises(BadInput, match=rf"verifier\.engine_args\.{key}: is set by {re.escape(owner)}"):
+        load_config(write_config(tmp_path / "c.yaml"), [f"verifier.engine_args.{key}=1"])
+
+
+def test_engine_settings_are_checked_against_vllm(tmp_path):
+    from eagle_pipeline.config import vllm_attention_backends
+
+    if vllm_attention_backends() is None:
+        pytest.skip("vLLM is not installed: attention backends cannot be checked")
+    config = write_config(tmp_path / "c.yaml")
+    with pytest.raises(BadInput, match=r"verifier\.attention_backend: 'TRITON_MLAA' is not a vLLM attention backend; did you mean 'TRITON_MLA'\?"):
+        load_config(config, ["verifier.attention_backend=TRITON_MLAA"])
+    with pytest.raises(BadInput, match=r"serve\.drafter_kv_cache_dtype: 'fp9' is not a vLLM KV-cache dtype"):
+        load_config(config, ["serve.drafter_kv_cache_dtype=fp9"])
+    cfg = load_config(config, ["verifier.attention_backend=TRITON_MLA", "verifier.kv_cache_dtype=fp8",
+                               "serve.drafter_attention_backend=TRITON_MLA"])
+    assert (cfg.verifier.attention_backend, cfg.verifier.kv_cache_dtype, cfg.serve.drafter_attention_backend) == (
+        "TRITON_MLA", "fp8", "TRITON_MLA")

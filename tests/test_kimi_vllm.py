@@ -23,7 +23,7 @@ the result, compares every tensor with the released drafter and loads it into vL
 
 What does not run with CPU_MLA: EAGLE-3 speculative decoding on an MLA target, i.e. stage 05's parity check
 and stage 06's eagle3 server (on a CPU with AMX tiles, AMX_MLA runs them: the last test). With CPU_MLA (named
-in ENGINE_ARGS, so also on CPUs with AMX) the CPU platform forces the KV cache block size to 16 for MLA models
+in ENGINE_KEYS, so also on CPUs with AMX) the CPU platform forces the KV cache block size to 16 for MLA models
 (CPU_MLA supports only 16) while the drafter's attention backend, CPU_ATTN, supports only multiples of 32, so
 the engine stops while allocating its KV cache. The fine-tune route's stage 05 starts that engine for its parity
 check and pins the failure: the test fails, with a message saying why, the day the pinned vLLM can do it.
@@ -59,7 +59,9 @@ HIDDEN = 64
 # CPU_MLA named, not left to vLLM: on a CPU with AMX tiles vLLM 0.32 picks AMX_MLA instead, whose weight
 # packing refuses the stand-in's small qk_nope_head_dim ("invalid weight input features 16") and which has
 # another block size; naming it runs the same MLA kernel on every CPU (docs/engines.md, "The CPU MLA limit").
-ENGINE_ARGS = {"attention_backend": "CPU_MLA", "enforce_eager": True, "language_model_only": True}
+ENGINE_ARGS = {"language_model_only": True}
+# vLLM's CPU MLA kernel, named: a CPU with AMX tiles would otherwise get AMX_MLA (docs/engines.md).
+ENGINE_KEYS = {"attention_backend": "CPU_MLA", "enforce_eager": True}
 ASSISTANT_HEADER = "<|im_assistant|>assistant<|im_middle|>"
 # The released Kimi-K2.5 drafter's flags (SpecForge's, all off) and shape, as train settings.
 KIMI_DRAFTER_TRAIN = {
@@ -125,7 +127,7 @@ def kimi_config(root: Path, run_name: str, **overrides) -> Path:
     return write_smoke_config(
         root / f"{run_name}.yaml", data_root=str(root / "data"), run_name=run_name,
         # Kimi-K2.5's tokenizer is remote code (tokenization_kimi.py, named by auto_map).
-        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS, "trust_remote_code": True},
+        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS, **ENGINE_KEYS, "trust_remote_code": True},
         **overrides,
     )
 
@@ -271,7 +273,7 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
     shape = KIMI_STANDIN
     config = write_smoke_config(
         tmp_path / "k.yaml", data_root=str(tmp_path / "data"), run_name="k",
-        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS, "trust_remote_code": True},
+        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS, **ENGINE_KEYS, "trust_remote_code": True},
         generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
         vocab={"draft_vocab_size": shape.draft_vocab_size, "from_drafter": str(released)},
         # As configs/kimi-k2.5-10k-finetune.yaml: SpecForge's flags (all off), its convention, its shape.
@@ -329,7 +331,7 @@ def test_eagle3_on_the_mla_target_serves_as_predicted_with_amx(tmp_path):
     config = write_smoke_config(
         tmp_path / "amx.yaml", data_root=str(tmp_path / "data"), run_name="amx",
         verifier={"path": str(tmp_path / "kimi"), "cpu_kvcache_gib": 1, "dtype": "bfloat16", "trust_remote_code": True,
-                  "engine_args": {"enforce_eager": True, "language_model_only": True}},
+                  "enforce_eager": True, "engine_args": {"language_model_only": True}},
         generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
         vocab={"draft_vocab_size": 512},
         train={"epochs": 20, **KIMI_DRAFTER_TRAIN},

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from eagle_pipeline.config import MAX_TOKENS, RunConfig, load_config
 from eagle_pipeline.errors import BadInput
 
+
 def _unwrap(annotation):
     """(type, optional) for int | float | Optional[...]; a BaseModel subclass for a nested section."""
     args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)

@@ -601,3 +601,35 @@ def test_none_and_ngram_served_for_real(tmp_path, target_dir):
     assert report["greedy_mismatches"] == {"ngram": []}
     assert report["greedy_match"] is True
     assert report["texts"]["none"] == report["texts"]["ngram"]
+
+
+def test_engine_settings_reach_every_engine_and_the_environment_reaches_every_process():
+    from conftest import SMOKE_CONFIG
+
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.engine import (
+        MODEL_RUNNER_VARIABLE,
+        capture_engine_kwargs,
+        drafter_engine_settings,
+        eagle3_speculative_config,
+        engine_env,
+        llm_kwargs,
+        server_args,
+    )
+
+    cfg = load_config(SMOKE_CONFIG, ["device=cuda", "verifier.attention_backend=TRITON_MLA", "verifier.kv_cache_dtype=fp8",
+                                     "verifier.model_runner=v1", "serve.drafter_attention_backend=TRITON_MLA",
+                                     "env={NCCL_P2P_DISABLE: '1', VLLM_LOGGING_LEVEL: DEBUG}"])
+    for kwargs in (llm_kwargs(cfg, "m"), capture_engine_kwargs(cfg)["extra_engine_args"]):
+        assert kwargs["attention_backend"] == "TRITON_MLA" and kwargs["kv_cache_dtype"] == "fp8"
+    flags = server_args(cfg)
+    assert flags[flags.index("--attention-backend") + 1] == "TRITON_MLA" and flags[flags.index("--kv-cache-dtype") + 1] == "fp8"
+    assert eagle3_speculative_config("/d", 3, drafter_engine_settings(cfg)) == {
+        "method": "eagle3", "model": "/d", "num_speculative_tokens": 3, "attention_backend": "TRITON_MLA"}
+    env = engine_env(cfg)
+    # The config's env wins over the pipeline's own defaults (log level INFO on cuda).
+    assert env[MODEL_RUNNER_VARIABLE] == "0" and env["NCCL_P2P_DISABLE"] == "1" and env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    plain = load_config(SMOKE_CONFIG)
+    assert MODEL_RUNNER_VARIABLE not in engine_env(plain) and engine_env(plain)["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert engine_env(load_config(SMOKE_CONFIG, ["device=cuda"]))["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert drafter_engine_settings(plain) == {}

@@ -20,7 +20,8 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
                    parity_prompts: list | None = None, num_speculative_tokens: int = 3, max_tokens: int = 32,
                    tolerance: float = 0.05, engine_kwargs: dict[str, Any] | None = None,
                    env: dict[str, str] | None = None, engine: str = "vllm",
-                   timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None) -> dict[str, Any]:
+                   timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None,
+                   drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run all four checks on a drafter folder; `expected` maps (dotted) config keys to required values.
     The vLLM jobs' whole output is kept in `log_dir` when given (vllm-load.log, parity-a.log, parity-b.log).
 
@@ -55,7 +56,7 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         checks["parity"] = acceptance_parity(target_dir, parity_source_dir, drafter_dir, parity_prompts,
                                              num_speculative_tokens, max_tokens, tolerance,
                                              engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s,
-                                             log_dir=log_dir)
+                                             log_dir=log_dir, drafter_settings=drafter_settings)
     else:
         checks["parity"] = {"ok": False, "skipped": True,
                             "detail": "not run: no parity_source_dir and parity_prompts given"}

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     accept.add_argument("--prompts", required=True)
     accept.add_argument("--num-speculative-tokens", type=int, required=True)
     accept.add_argument("--max-tokens", type=int, required=True)
+    accept.add_argument("--drafter-settings", default="{}", help="speculative_config fields: how vLLM computes the drafter")
     args = parser.parse_args(argv)
     engine_kwargs = json.loads(args.engine_kwargs)
     if args.command == "inspect":
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         prompts = json.loads(Path(args.prompts).read_text())
         result = acceptance_run(args.target, args.drafter, prompts, args.num_speculative_tokens,
-                                args.max_tokens, engine_kwargs)
+                                args.max_tokens, engine_kwargs, json.loads(args.drafter_settings))
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

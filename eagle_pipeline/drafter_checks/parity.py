@@ -14,12 +14,13 @@ from eagle_pipeline.engine import eagle3_engine_kwargs
 
 
 def acceptance_run(target_dir: str, drafter_dir: str, prompts: list, num_speculative_tokens: int,
-                   max_tokens: int, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                   max_tokens: int, engine_kwargs: dict[str, Any] | None = None,
+                   drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Greedy generation with a drafter in vLLM; spec-decode counters from llm.get_metrics()."""
     from vllm import LLM, SamplingParams
 
     kwargs = eagle3_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens=num_speculative_tokens,
-                                  engine_kwargs=engine_kwargs,
+                                  engine_kwargs=engine_kwargs, drafter_settings=drafter_settings,
                                   defaults={"max_model_len": 1024, "enforce_eager": True, "seed": 0})
     llm = LLM(disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -81,7 +82,8 @@ def compare_acceptance(run_a: dict[str, Any], run_b: dict[str, Any], tolerance: 
 def acceptance_parity(target_dir: str | Path, dir_a: str | Path, dir_b: str | Path, prompts: list,
                       num_speculative_tokens: int, max_tokens: int, tolerance: float, *,
                       engine_kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                      timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None) -> dict[str, Any]:
+                      timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None,
+                      drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run vLLM greedily with drafter A (e.g. the speculators checkpoint) and B (its conversion) and
     compare accepted tokens per draft position; `prompts` are strings or chat message lists. With `log_dir`,
     each run's output is kept there as parity-a.log and parity-b.log, with the prompts (parity-prompts.json)."""
@@ -94,7 +96,8 @@ def acceptance_parity(target_dir: str | Path, dir_a: str | Path, dir_b: str | Pa
         for drafter, log_name in ((dir_a, "parity-a.log"), (dir_b, "parity-b.log")):
             args = ["acceptance", "--target", str(target_dir), "--drafter", str(drafter),
                     "--prompts", str(prompts_file), "--num-speculative-tokens", str(num_speculative_tokens),
-                    "--max-tokens", str(max_tokens), "--engine-kwargs", json.dumps(engine_kwargs or {})]
+                    "--max-tokens", str(max_tokens), "--engine-kwargs", json.dumps(engine_kwargs or {}),
+                    "--drafter-settings", json.dumps(drafter_settings or {})]
             try:
                 log_path = Path(log_dir) / log_name if log_dir is not None else None
                 runs.append(run_json_subprocess(args, env, timeout=timeout_s, log_path=log_path))

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from eagle_pipeline.convert import VERIFIER_ONLY_KEYS, flat_key, weight_files
 from eagle_pipeline.drafter_checks.tensors import (
     TensorSpec,
     draft_dims,
@@ -16,15 +15,11 @@ from eagle_pipeline.drafter_checks.tensors import (
     optional_tensor_specs,
     read_tensor_specs,
 )
+from eagle_pipeline.drafter_format import VERIFIER_ONLY_KEYS, flat_name, weight_files
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
 
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
-
-
-def canonical_name(name: str) -> str:
-    """A name comparable across formats: speculators' `layers.0.` is the flat format's `midlayer.`."""
-    return flat_key(name)
 
 
 def _fmt(shape: tuple[int, ...]) -> str:
@@ -43,8 +38,9 @@ def _unprefixed_match(name: str, expected: Iterable[str]) -> str | None:
 
 def compare_with_reference(specs: dict[str, TensorSpec], reference: dict[str, TensorSpec]) -> list[str]:
     """Tensor-by-tensor differences from a reference drafter (either format; verifier copies ignored)."""
-    mine = {canonical_name(n): s for n, s in specs.items() if n not in VERIFIER_ONLY_KEYS}
-    theirs = {canonical_name(n): s for n, s in reference.items() if n not in VERIFIER_ONLY_KEYS}
+    # Compared under their flat names, so that a speculators checkpoint and a flat folder line up.
+    mine = {flat_name(n): s for n, s in specs.items() if n not in VERIFIER_ONLY_KEYS}
+    theirs = {flat_name(n): s for n, s in reference.items() if n not in VERIFIER_ONLY_KEYS}
     problems = []
     for name in sorted(theirs.keys() | mine.keys()):
         if name not in mine:

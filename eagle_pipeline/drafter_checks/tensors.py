@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.convert import NORM_FLAGS, SPECULATORS_FLAG_DEFAULTS, weight_files
+from eagle_pipeline.drafter_format import FLAT, SPECULATORS, flat_norm_flags, layer_prefix, speculators_norm_flags, weight_files
 from eagle_pipeline.errors import BadInput
 
 
@@ -24,7 +24,7 @@ class TensorSpec:
 class DraftDims:
     """The numbers that fix every tensor shape of an EAGLE-3 drafter, from either config format."""
 
-    format: str  # "flat" (LlamaForCausalLMEagle3) or "speculators"
+    format: str  # drafter_format.FLAT (LlamaForCausalLMEagle3) or drafter_format.SPECULATORS
     hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -51,14 +51,14 @@ def draft_dims(config: dict[str, Any]) -> DraftDims:
         top = config
         ids = config.get("eagle_aux_hidden_state_layer_ids")
         num_aux = len(ids) if ids else 3
-        flags = {name: bool(config.get(name, default)) for name, default in SPECULATORS_FLAG_DEFAULTS.items()}
-        fmt = "speculators"
+        flags = speculators_norm_flags(config)
+        fmt = SPECULATORS
     else:
         layer = top = config
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         num_aux = int(config.get("num_aux_hidden_states") or (len(ids) if ids else 3))
-        flags = {name: bool(config.get(name, False)) for name in NORM_FLAGS}
-        fmt = "flat"
+        flags = flat_norm_flags(config)
+        fmt = FLAT
     try:
         hidden = int(layer["hidden_size"])
         heads = int(layer["num_attention_heads"])
@@ -85,12 +85,6 @@ def draft_dims(config: dict[str, Any]) -> DraftDims:
     )
 
 
-def layer_prefix(dims: DraftDims, index: int) -> str:
-    if index == 0 and dims.format == "flat":
-        return "midlayer."
-    return f"layers.{index}."
-
-
 def expected_tensor_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:
     """Every tensor the config implies, with its shape; float tensors carry the config's dtype."""
     dims = draft_dims(config)
@@ -100,7 +94,7 @@ def expected_tensor_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:
     kv_out = dims.num_key_value_heads * dims.head_dim
     shapes: dict[str, tuple[int, ...]] = {}
     for index in range(dims.num_layers):
-        p = layer_prefix(dims, index)
+        p = layer_prefix(index, dims.format)
         # The first layer attends over cat(embeds, hidden), the others over hidden only.
         attn_in = 2 * H if index == 0 else H
         shapes |= {

@@ -137,6 +137,7 @@ def speculative_config_for(
     drafter_dir: str | os.PathLike | None = None,
     prompt_lookup_max: int = 4,
     prompt_lookup_min: int = 2,
+    drafter_settings: dict | None = None,
 ) -> dict | None:
     if mode == "none":
         return None
@@ -149,7 +150,7 @@ def speculative_config_for(
         drafter_dir = Path(drafter_dir)
         if not (drafter_dir / "config.json").is_file():
             raise BadInput(f"{drafter_dir}: no config.json; point to a converted drafter (stage 05 output)")
-        return eagle3_speculative_config(drafter_dir, num_speculative_tokens)
+        return eagle3_speculative_config(drafter_dir, num_speculative_tokens, drafter_settings)
     raise BadInput(f"serve.modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 
@@ -171,6 +172,7 @@ def measure_modes(
     port: int | None = None,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    drafter_settings: dict | None = None,
     log_dir: str | os.PathLike,
     startup_timeout_s: float = 1200.0,
     chat_template_kwargs: dict | None = None,
@@ -185,7 +187,8 @@ def measure_modes(
         raise BadInput("prompts: no prompts to measure with; give at least one")
     configs = {
         mode: speculative_config_for(mode, num_speculative_tokens=num_speculative_tokens, drafter_dir=drafter_dir,
-                                     prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
+                                     prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min,
+                                     drafter_settings=drafter_settings)
         for mode in modes
     }
     warmup_prompt = [{"role": "user", "content": "Say hello."}]
