@@ -5,7 +5,8 @@ speculators saves its own nested format: a config with `speculators_config` and 
 `d2t`, `t2d` (plus the verifier's `verifier_lm_head`/`verifier_norm` in some checkpoints).
 vLLM reads that format natively, but SGLang and most tooling expect the flat layout of the
 released EAGLE-3 drafters: one Llama-shaped config.json with architecture `LlamaForCausalLMEagle3`
-and weights `midlayer.*`, `fc.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`.
+and weights `midlayer.*`, `fc.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`. Every name goes through the one table
+of drafter_format.py; flat_to_speculators.py writes the other way.
 
 Layer ids are given once, in the vLLM/speculators convention (id k = the residual stream entering
 target layer k = HF `hidden_states[k]`), and written per engine: as they are for vLLM, minus one for
@@ -16,7 +17,6 @@ SGLang, whose target models add one to every explicit id (`set_eagle3_layers_to_
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,22 +24,27 @@ from typing import Any
 import torch
 
 from eagle_pipeline.atomic import atomic_dir
+from eagle_pipeline.drafter_format import (
+    FLAT,
+    FLAT_ARCHITECTURE,
+    NORM_FLAGS,
+    SGLANG,
+    SPECULATORS,
+    VERIFIER_ONLY_KEYS,
+    WEIGHTS_NAME,
+    layer_index,
+    speculators_norm_flags,
+    weight_files,
+    weight_name,
+    weight_row,
+)
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import to_convention
 from eagle_pipeline.vocab_map import check_vocab_map
 
-FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-# Tensors that belong to the verifier: the engines take them from the served target model.
-VERIFIER_ONLY_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-# speculators' own default when a config leaves the flag out (Eagle3SpeculatorConfig).
-SPECULATORS_FLAG_DEFAULTS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
-                             "norm_output": False}
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-
-_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+# The layout each engine's folder is written in (drafter_format.WEIGHT_NAMES).
+ENGINE_LAYOUTS = {"vllm": FLAT, "sglang": SGLANG}
 
 
 @dataclass
@@ -87,21 +92,6 @@ class SpeculatorsCheckpoint:
             return f.get_tensor(name)
 
 
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor name to its safetensors file (single file or sharded with an index)."""
-    from safetensors import safe_open
-
-    index = model_dir / WEIGHTS_INDEX_NAME
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / shard for name, shard in weight_map.items()}
-    single = model_dir / WEIGHTS_NAME
-    if not single.exists():
-        raise BadInput(f"{model_dir}: no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}; point at a saved drafter folder")
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
-
-
 def read_config_json(path: Path, fix: str) -> dict[str, Any]:
     """A model folder's config.json as a dict; every way it can be wrong is a BadInput naming it and `fix`."""
     return read_json_object(path, fix)
@@ -130,8 +120,7 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
         # speculators builds the layer with False, vLLM serves a speculators config with True.
         raise BadInput(f"{config_path}: norm_before_residual is not written; speculators reads a missing flag as "
                        "false and vLLM as true, so write the value the drafter was trained with")
-    flags = {name: bool(config.get(name, default)) for name, default in SPECULATORS_FLAG_DEFAULTS.items()}
-    return SpeculatorsCheckpoint(ckpt_dir, config, layer, weight_files(ckpt_dir), flags)
+    return SpeculatorsCheckpoint(ckpt_dir, config, layer, weight_files(ckpt_dir), speculators_norm_flags(config))
 
 
 def resolve_layer_ids(ckpt: SpeculatorsCheckpoint, layer_ids: list[int] | tuple[int, ...] | None) -> list[int]:
@@ -203,28 +192,17 @@ def flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_i
     return config
 
 
-def flat_key(name: str) -> str:
-    """speculators weight name -> flat name (layer 0 is the `midlayer`, the EAGLE-3 repository's name)."""
-    match = _LAYER_KEY.match(name)
-    if match and match.group(1) == "0":
-        return "midlayer." + match.group(2)
-    return name
-
-
 def allowed_drafter_key(name: str, ckpt: SpeculatorsCheckpoint) -> bool:
-    if layer := _LAYER_KEY.match(name):
-        return int(layer.group(1)) < ckpt.num_layers
-    if name in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"):
-        return True
-    if name == "input_norm.weight":
-        return ckpt.flags["norm_before_fc"]
-    if re.fullmatch(r"fc_norm\.\d+\.weight", name):
-        return ckpt.flags["fc_norm"]
-    return False
+    """Whether a speculators checkpoint with this config's layer count and norm flags can hold `name`."""
+    if (index := layer_index(name)) is not None:
+        return index < ckpt.num_layers
+    row = weight_row(name, SPECULATORS)
+    return row is not None and row.flat is not None and (row.flag is None or ckpt.flags[row.flag])
 
 
-def drafter_tensors(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, num_aux: int) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Load the drafter's own tensors under flat names; returns (tensors, dropped verifier-only names)."""
+def drafter_tensors(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, num_aux: int,
+                    layout: str = FLAT) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Load the drafter's own tensors under their names in `layout`; returns (tensors, dropped verifier-only names)."""
     names = set(ckpt.tensor_files)
     unknown = sorted(n for n in names if n not in VERIFIER_ONLY_KEYS and not allowed_drafter_key(n, ckpt))
     if unknown:
@@ -252,7 +230,10 @@ def drafter_tensors(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, num_aux: in
         tensor = ckpt.tensor(name).contiguous()
         if name == "fc.weight":
             fc_shape = tuple(tensor.shape)
-        tensors[flat_key(name)] = tensor
+        written = weight_name(name, source=SPECULATORS, target=layout)
+        if written is None:  # sglang_refusal names the setting first; this is the table's own guard
+            raise BadInput(f"{ckpt.path}: {name} has no counterpart in the {layout} layout")
+        tensors[written] = tensor
     expected_fc = (ckpt.hidden_size, num_aux * ckpt.target_hidden_size)
     if fc_shape != expected_fc:
         raise BadInput(
@@ -293,7 +274,7 @@ def write_flat_dir(out_dir: str | Path, config: dict[str, Any], tensors: dict[st
 
 def _convert(ckpt: SpeculatorsCheckpoint, out_dir: str | Path, *, engine: str, vocab_size: int,
              layer_ids: list[int], written_layer_ids: list[int]) -> dict[str, Any]:
-    tensors, dropped = drafter_tensors(ckpt, vocab_size=vocab_size, num_aux=len(layer_ids))
+    tensors, dropped = drafter_tensors(ckpt, vocab_size=vocab_size, num_aux=len(layer_ids), layout=ENGINE_LAYOUTS[engine])
     config = flat_config(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids,
                          dtype=float_dtype_name(tensors), engine=engine)
     write_flat_dir(out_dir, config, tensors)

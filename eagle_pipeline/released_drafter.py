@@ -1,7 +1,7 @@
 """Released EAGLE-3 drafters: read a flat `LlamaForCausalLMEagle3` folder (AQ-MedAI's Kimi-K2.5 drafter,
 SpecForge's output, this pipeline's own stage 05 `vllm/`), check it against the target, and write it in
-the speculators layout that speculators' trainer fine-tunes from (`--from-pretrained`): the inverse of
-convert.py (docs/released_drafters.md).
+the speculators layout that speculators' trainer fine-tunes from (`--from-pretrained`), through
+flat_to_speculators.py (docs/released_drafters.md).
 
 A flat folder says less than a speculators one, and each gap is closed explicitly:
 - its aux layer ids are usually only in `eagle_config`, where SGLang reads id k as the output of layer k and
@@ -26,16 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from eagle_pipeline.atomic import atomic_dir
-from eagle_pipeline.convert import FLAT_ARCHITECTURE, NORM_FLAGS, WEIGHTS_NAME, flat_key, weight_files
 from eagle_pipeline.drafter_checks.shapes import shape_problems
 from eagle_pipeline.drafter_checks.tensors import draft_dims, read_tensor_specs
+from eagle_pipeline.drafter_format import EMBED_KEY, FLAT_ARCHITECTURE, flat_name, flat_norm_flags, weight_files
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import from_convention
 from eagle_pipeline.verifier import target_embedding
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
-
-EMBED_KEY = "embed_tokens.weight"
 
 
 @dataclass
@@ -70,8 +67,8 @@ class FlatDrafter:
 
     @property
     def flags(self) -> dict[str, bool]:
-        # vLLM reads a flag a flat config leaves out as false; the drafter was served (and trained) so.
-        return {name: bool(self.config.get(name, False)) for name in NORM_FLAGS}
+        # As vLLM reads them (a flag left out is false); the drafter was served (and trained) so.
+        return flat_norm_flags(self.config)
 
     @property
     def written_layer_ids(self) -> list[int] | None:
@@ -114,9 +111,9 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
     # `layers.0.*` (some exports) and `midlayer.*` (SpecForge, stage 05) name the same layer.
     specs = {}
     for name, spec in read_tensor_specs(path).items():
-        if flat_key(name) in specs:
+        if flat_name(name) in specs:
             raise drafter.fail(drafter.weights_path, f"{name}: holds layer 0 twice (midlayer.* and layers.0.*); keep one")
-        specs[flat_key(name)] = spec
+        specs[flat_name(name)] = spec
     embed = specs.pop(EMBED_KEY, None)
     problems = shape_problems(specs, config)
     if problems:
@@ -217,77 +214,21 @@ def hf_layer_ids(drafter: FlatDrafter, convention: str) -> list[int]:
     return from_convention(drafter.written_layer_ids or [], convention)
 
 
-def decoder_config(drafter: FlatDrafter) -> dict[str, Any]:
-    """The draft decoder as a LlamaConfig dict (speculators' transformer_layer_config)."""
-    c = drafter.config
-    dims = draft_dims(c)
-    params = dict(c.get("rope_parameters") or {})
-    if not params:  # transformers 4 spelling (SpecForge): rope_theta + rope_scaling
-        params = {"rope_type": "default", **(c.get("rope_scaling") or {})}
-        params["rope_theta"] = float(c.get("rope_theta", 10000.0))
-    return {
-        "model_type": "llama",
-        "vocab_size": dims.vocab_size,
-        "hidden_size": dims.hidden_size,
-        "intermediate_size": dims.intermediate_size,
-        "num_hidden_layers": dims.num_layers,
-        "num_attention_heads": dims.num_attention_heads,
-        "num_key_value_heads": dims.num_key_value_heads,
-        "head_dim": dims.head_dim,
-        "hidden_act": c.get("hidden_act", "silu"),
-        "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(c.get("max_position_embeddings", 2048)),
-        "rope_parameters": params,
-        "attention_bias": dims.attention_bias,
-        "mlp_bias": dims.mlp_bias,
-        "tie_word_embeddings": False,
-        # vLLM serves EAGLE-3 drafters with full attention.
-        "layer_types": ["full_attention"] * dims.num_layers,
-    }
-
-
 def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_dir: Path, layer_ids: list[int],
                              ttt_steps: int) -> dict[str, Any]:
-    """The drafter in speculators' layout (config.json + model.safetensors with `layers.0.*`), written
-    atomically; `layer_ids` are HF indices. Returns what was written, for the manifest."""
+    """The drafter in speculators' layout for fine-tuning, written atomically; `layer_ids` are HF indices.
+    Returns what was written, for the manifest."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
 
-    config = Eagle3SpeculatorConfig(
-        architectures=["Eagle3DraftModel"],  # what speculators' own checkpoints say
-        transformer_layer_config=LlamaConfig(**decoder_config(drafter)),
-        draft_vocab_size=drafter.draft_vocab_size,
-        target_hidden_size=int(drafter.config.get("target_hidden_size") or drafter.hidden_size),
-        eagle_aux_hidden_state_layer_ids=list(layer_ids),
-        **drafter.flags,
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig.from_pretrained(str(verifier_dir)),
-        ),
-    )
-    # transformers loads weights in the dtype a config names (speculators' checkpoints name theirs): without
-    # one, bf16 weights would be upcast and the drafter would train and validate in another precision than a
-    # speculators checkpoint of the same weights.
-    dtype = drafter.config.get("torch_dtype") or drafter.config.get("dtype")
-    if dtype:
-        config.dtype = dtype
+    from eagle_pipeline.flat_to_speculators import write_speculators_folder as write_folder
+
     tensors = {}
     for name, path in sorted(drafter.tensor_files.items()):
-        flat = flat_key(name)
-        if flat == EMBED_KEY:
+        if flat_name(name) == EMBED_KEY:
             continue  # the target's embedding is used (module docstring)
         with safe_open(path, framework="pt") as f:
-            tensor = f.get_tensor(name).contiguous()
-        tensors["layers.0." + flat.removeprefix("midlayer.") if flat.startswith("midlayer.") else flat] = tensor
-    # In the drafter's own precision, as speculators' checkpoints store it.
-    tensors[EMBED_KEY] = target_embedding(verifier_dir).to(tensors["fc.weight"].dtype).contiguous()
-    with atomic_dir(out_dir) as tmp:
-        config.save_pretrained(str(tmp))
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    return {"dir": str(out_dir), "tensors": len(tensors), "embed_tokens": "the target's, copied"}
+            tensors[name] = f.get_tensor(name)
+    written = write_folder(out_dir, drafter.config, tensors, embedding=target_embedding(verifier_dir),
+                           verifier_dir=verifier_dir, layer_ids=layer_ids, flags=drafter.flags,
+                           speculative_tokens=ttt_steps)
+    return written | {"embed_tokens": "the target's, copied"}

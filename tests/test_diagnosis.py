@@ -393,7 +393,7 @@ def test_a_flat_folder_replays_exactly_as_the_checkpoint_it_was_converted_from(t
         drafter.t2d[ids] = True
     drafter.save_pretrained(tmp_path / "ckpt")
     convert_for_vllm(tmp_path / "ckpt", tmp_path / "flat")
-    back = write_speculators_checkpoint(tmp_path / "flat", tmp_path / "verifier", tmp_path / "back")
+    back = write_speculators_checkpoint(tmp_path / "flat", tmp_path / "verifier", tmp_path / "back", speculative_tokens=3)
     tokens, aux = torch.randint(0, 512, (40,)), torch.randn(40, 3, 64)
     expected = draft_table(SpeculatorsDrafter(load_drafter(tmp_path / "ckpt")), tokens, aux, 3)
     assert torch.equal(draft_table(SpeculatorsDrafter(load_drafter(back)), tokens, aux, 3), expected)

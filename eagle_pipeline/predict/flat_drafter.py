@@ -6,28 +6,23 @@ The inverse of `eagle_pipeline.convert.convert_for_vllm`: the flat config's llam
 `embed_tokens` and final norm are loaded from there, as vLLM shares the target's embedding when the folder
 has none). Which modules the speculators model is built with follows the weights, not the flags: a folder
 whose `norm_before_fc` says false but that holds `input_norm.weight` keeps that weight, so a prediction can
-read the folder both as declared and as it was probably trained (`declared_flags` vs the modules).
+read the folder both as declared and as it was probably trained (`drafter_format.flat_norm_flags` vs the
+modules). The speculators folder is written by flat_to_speculators.py, the writer fine-tuning uses too.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline import atomic
+from eagle_pipeline.drafter_format import EMBED_KEY, FLAT_ARCHITECTURE, flat_name, flat_norm_flags
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.predict.speculators_drafter import NORM_FLAGS
 from eagle_pipeline.verifier import target_embedding
 
-FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
-_LAYER_FIELDS = ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                 "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_theta",
-                 "rope_scaling", "attention_bias", "mlp_bias", "num_hidden_layers", "vocab_size")
-# vLLM reads a flag missing from a flat config as false (llama_eagle3.py getattr(..., False)); norm_before_fc
-# is read from eagle_config first.
-_FLAT_FLAG_DEFAULT = False
+# Some exports prefix every decoder key with `model.`; the replay reads them as the unprefixed names (the
+# shapes check reports them as a slip).
+EXPORT_PREFIX = "model."
 
 
 def read_flat_config(drafter_dir: str | Path) -> dict[str, Any]:
@@ -39,14 +34,6 @@ def read_flat_config(drafter_dir: str | Path) -> dict[str, Any]:
         raise BadInput(f"serve.drafter: {path} has architectures {config.get('architectures')}, expected "
                        f"[{FLAT_ARCHITECTURE!r}]; convert a speculators checkpoint with 05_convert.py first")
     return config
-
-
-def declared_flags(config: dict[str, Any]) -> dict[str, bool]:
-    """The norm flags as vLLM's llama_eagle3 reads them from a flat config."""
-    eagle = config.get("eagle_config") or {}
-    flags = {name: bool(config.get(name, _FLAT_FLAG_DEFAULT)) for name in NORM_FLAGS}
-    flags["norm_before_fc"] = bool(eagle.get("norm_before_fc", flags["norm_before_fc"]))
-    return flags
 
 
 def flat_tensor_names(drafter_dir: str | Path) -> list[str]:
@@ -62,65 +49,46 @@ def flat_tensor_names(drafter_dir: str | Path) -> list[str]:
     return names
 
 
-def speculators_key(name: str) -> str:
-    return re.sub(r"^midlayer\.", "layers.0.", re.sub(r"^model\.", "", name))
-
-
-def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write `drafter_dir` as a speculators EAGLE-3 checkpoint in `out_dir`; returns `out_dir`."""
+def read_flat_tensors(drafter_dir: str | Path) -> dict:
+    """Every tensor of every .safetensors file in the folder (as vLLM reads a folder), under its flat name."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    config = read_flat_config(drafter_dir)
     tensors = {}
     for file in sorted(Path(drafter_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            tensors.update({speculators_key(name): tensor.float() if tensor.is_floating_point() else tensor
-                            for name in f.keys() for tensor in [f.get_tensor(name)]})
-    if "embed_tokens.weight" not in tensors:
-        # vLLM shares the target's embedding with a drafter that has none; so does the replay, explicitly
-        # (speculators would otherwise keep the uninitialised tensor it allocated).
-        tensors["embed_tokens.weight"] = target_embedding(verifier_dir)
+            tensors.update({flat_name(name.removeprefix(EXPORT_PREFIX)): f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Path, out_dir: str | Path, *,
+                                 speculative_tokens: int) -> Path:
+    """Write `drafter_dir` as a speculators EAGLE-3 checkpoint in `out_dir`; returns `out_dir`."""
+    import torch
+
+    from eagle_pipeline.flat_to_speculators import write_speculators_folder
+
+    config = read_flat_config(drafter_dir)
+    tensors = read_flat_tensors(drafter_dir)
+    # vLLM shares the target's embedding with a drafter that has none; so does the replay, explicitly
+    # (speculators would otherwise keep the uninitialised tensor it allocated).
+    embedding = tensors.pop(EMBED_KEY, None)
+    if embedding is None:
+        embedding = target_embedding(verifier_dir)
     draft_vocab, vocab = int(config.get("draft_vocab_size") or config["vocab_size"]), int(config["vocab_size"])
     if draft_vocab != vocab and "d2t" not in tensors:
         # What vLLM does without a map (its zero-initialised d2t): draft id k is target id k. speculators needs
         # the matching t2d to build the verifier's pruned head.
-        import torch
-
         tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
         tensors["t2d"] = torch.arange(vocab) < draft_vocab
     if "fc.weight" not in tensors:
         raise BadInput(f"serve.drafter: {drafter_dir} has no fc.weight; it is not an EAGLE-3 drafter")
-    flags = declared_flags(config)
+    flags = flat_norm_flags(config)
     # Modules follow the weights (see the module docstring).
     flags["norm_before_fc"] = "input_norm.weight" in tensors
     flags["fc_norm"] = any(name.startswith("fc_norm.") for name in tensors)
-    layer = {key: config[key] for key in _LAYER_FIELDS if config.get(key) is not None}
-    layer.setdefault("rope_parameters", {"rope_theta": config.get("rope_theta", 10000.0), "rope_type": "default"})
-    layer.update(model_type="llama", tie_word_embeddings=False)
     num_aux = tensors["fc.weight"].shape[1] // int(config.get("target_hidden_size") or config["hidden_size"])
     ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids") or list(range(num_aux))
-    spec_config = {
-        "architectures": ["Eagle3DraftModel"],
-        "speculators_model_type": "eagle3",
-        "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
-        "eagle_aux_hidden_state_layer_ids": [int(k) for k in ids],
-        **flags,
-        "target_hidden_size": config.get("target_hidden_size"),
-        "tie_word_embeddings": False,
-        "embed_requires_grad": False,
-        "transformer_layer_config": layer,
-        "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "accept_tolerance": 0.0,
-                                  "verifier_accept_k": 1}],
-            "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": str(verifier_dir)},
-        },
-    }
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out_dir / "config.json", spec_config)
-    atomic.write_with(out_dir / "model.safetensors",
-                      lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
-    return out_dir
+    write_speculators_folder(out_dir, config, tensors, embedding=embedding, verifier_dir=verifier_dir,
+                             layer_ids=[int(k) for k in ids], flags=flags, speculative_tokens=speculative_tokens)
+    return Path(out_dir)

@@ -44,30 +44,29 @@ class ReplayPlan:
 def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, findings: list[dict]) -> ReplayPlan:
     import json
 
+    from eagle_pipeline.drafter_format import speculators_norm_flags
+
     config = json.loads((Path(checkpoint) / "config.json").read_text())
-    flags = {name: bool(config.get(name, False)) for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    flags = speculators_norm_flags(config)
     has_d2t = int(config.get("draft_vocab_size") or 0) != int(config["transformer_layer_config"]["vocab_size"])
     return ReplayPlan(Path(checkpoint), dx.readings(layer_ids, num_layers, flags, has_d2t=has_d2t), "as_trained",
                       "checkpoint", findings)
 
 
 def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_size: int, device: str,
-                scratch_dir: Path) -> ReplayPlan:
+                scratch_dir: Path, num_speculative_tokens: int) -> ReplayPlan:
     """A flat folder read as vLLM reads it: the ids the runner of `device` takes, the declared flags."""
+    from eagle_pipeline.drafter_format import flat_norm_flags
     from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
-    from eagle_pipeline.predict.flat_drafter import (
-        declared_flags,
-        flat_tensor_names,
-        read_flat_config,
-        write_speculators_checkpoint,
-    )
+    from eagle_pipeline.predict.flat_drafter import flat_tensor_names, read_flat_config, write_speculators_checkpoint
 
     config = read_flat_config(drafter_dir)
     has_d2t = "d2t" in flat_tensor_names(drafter_dir)
     read = vllm_read_aux_ids(config)["v1" if device == "cpu" else "v2"] or default_layer_ids(num_layers)
     findings = dx.config_findings(config, num_layers=num_layers, target_vocab_size=vocab_size, has_d2t=has_d2t)
-    checkpoint = write_speculators_checkpoint(drafter_dir, verifier_dir, scratch_dir / "drafter")
-    return ReplayPlan(checkpoint, dx.readings(read, num_layers, declared_flags(config), has_d2t=has_d2t, reference="as_declared"),
+    checkpoint = write_speculators_checkpoint(drafter_dir, verifier_dir, scratch_dir / "drafter",
+                                              speculative_tokens=num_speculative_tokens)
+    return ReplayPlan(checkpoint, dx.readings(read, num_layers, flat_norm_flags(config), has_d2t=has_d2t, reference="as_declared"),
                       "as_declared", "checkpoint" if has_d2t else None, findings)
 
 

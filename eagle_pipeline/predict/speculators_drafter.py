@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+from eagle_pipeline.drafter_format import NORM_FLAGS
 
 
 def load_drafter(drafter_dir: str | os.PathLike, *, load_verifier: bool = True,

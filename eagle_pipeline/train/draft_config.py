@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from eagle_pipeline.config import TrainConfig, resolve_path
+from eagle_pipeline.drafter_format import NORM_FLAGS
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.train.settings import TrainRun
 
@@ -29,7 +30,6 @@ COMPARED_SHAPE_KEYS = (
     "rope_theta",
     "layer_types",
 )
-NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: Any) -> dict[str, Any]:

@@ -1,0 +1,103 @@
+"""A flat `LlamaForCausalLMEagle3` drafter written as a speculators EAGLE-3 checkpoint: the inverse of convert.py.
+
+speculators reads only its own layout, both its trainer (`--from-pretrained`, for fine-tuning a flat folder:
+released_drafter.py) and its `Eagle3DraftModel` (for replaying one offline: predict/flat_drafter.py). The
+config is built with speculators' own classes from the flat config's fields (the decoder as a LlamaConfig,
+rope in either spelling), the tensors are renamed by drafter_format's table, and the folder always carries an
+embedding: speculators' `load_verifier_weights` fills only an embedding that loaded as NaN, and one missing
+from a folder loads as zeros. Which embedding, which aux layer ids and which norm flags are the caller's to
+decide, since fine-tuning and the replay read a flat folder differently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eagle_pipeline.atomic import atomic_dir
+from eagle_pipeline.drafter_checks.tensors import draft_dims
+from eagle_pipeline.drafter_format import EMBED_KEY, NORM_FLAGS, SPECULATORS_ARCHITECTURE, WEIGHTS_NAME, speculators_name
+
+if TYPE_CHECKING:
+    import torch
+
+
+def decoder_config(flat_config: dict[str, Any]) -> dict[str, Any]:
+    """The draft decoder of a flat config as a LlamaConfig dict (speculators' transformer_layer_config)."""
+    c = flat_config
+    dims = draft_dims(c)
+    params = dict(c.get("rope_parameters") or {})
+    if not params:  # transformers 4 spelling (SpecForge): rope_theta + rope_scaling
+        params = {"rope_type": "default", **(c.get("rope_scaling") or {})}
+        params["rope_theta"] = float(c.get("rope_theta", 10000.0))
+    return {
+        "model_type": "llama",
+        "vocab_size": dims.vocab_size,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_hidden_layers": dims.num_layers,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        "head_dim": dims.head_dim,
+        "hidden_act": c.get("hidden_act", "silu"),
+        "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(c.get("max_position_embeddings", 2048)),
+        "rope_parameters": params,
+        "attention_bias": dims.attention_bias,
+        "mlp_bias": dims.mlp_bias,
+        "tie_word_embeddings": False,
+        # vLLM serves EAGLE-3 drafters with full attention.
+        "layer_types": ["full_attention"] * dims.num_layers,
+    }
+
+
+def speculators_config(flat_config: dict[str, Any], *, verifier_dir: Path, layer_ids: list[int],
+                       flags: dict[str, bool], speculative_tokens: int):
+    """speculators' `Eagle3SpeculatorConfig` for the drafter a flat config describes; `layer_ids` are HF indices."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    dims = draft_dims(flat_config)
+    config = Eagle3SpeculatorConfig(
+        architectures=[SPECULATORS_ARCHITECTURE],
+        transformer_layer_config=LlamaConfig(**decoder_config(flat_config)),
+        draft_vocab_size=dims.draft_vocab_size,
+        target_hidden_size=dims.target_hidden_size,
+        eagle_aux_hidden_state_layer_ids=[int(k) for k in layer_ids],
+        **{name: bool(flags[name]) for name in NORM_FLAGS},
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=speculative_tokens)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig.from_pretrained(str(verifier_dir)),
+        ),
+    )
+    # transformers loads weights in the dtype a config names (speculators' checkpoints name theirs): without
+    # one, bf16 weights would be upcast and the drafter would train and validate in another precision than a
+    # speculators checkpoint of the same weights.
+    dtype = flat_config.get("torch_dtype") or flat_config.get("dtype")
+    if dtype:
+        config.dtype = dtype
+    return config
+
+
+def write_speculators_folder(out_dir: str | Path, flat_config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
+                             embedding: torch.Tensor, verifier_dir: str | Path, layer_ids: list[int],
+                             flags: dict[str, bool], speculative_tokens: int) -> dict[str, Any]:
+    """Write the drafter of `flat_config` and `tensors` (flat names, without `embed_tokens`) in speculators'
+    layout, atomically: config.json + model.safetensors. `embedding` is stored in the drafter's precision.
+    Returns what was written."""
+    from safetensors.torch import save_file
+
+    config = speculators_config(flat_config, verifier_dir=Path(verifier_dir), layer_ids=layer_ids, flags=flags,
+                                speculative_tokens=speculative_tokens)
+    written = {speculators_name(name): tensor.contiguous() for name, tensor in sorted(tensors.items())}
+    if EMBED_KEY in written:
+        raise ValueError(f"pass the embedding as `embedding`, not among the drafter's tensors ({EMBED_KEY})")
+    written[EMBED_KEY] = embedding.to(written["fc.weight"].dtype).contiguous()
+    with atomic_dir(out_dir) as tmp:
+        config.save_pretrained(str(tmp))
+        save_file(written, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    return {"dir": str(out_dir), "tensors": len(written)}
