@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Drive the pipeline on a GPU host over SSH from a laptop (or on this machine with EAGLE_HOST=local).
-#   EAGLE_HOST=user@gpu-host scripts/remote.sh setup [cpu|gpu] [--follow]  # sync, build .venv detached (log in logs/)
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh setup [cpu|gpu] [--config CONFIG] [--follow]  # sync, check, build .venv detached
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh sync [--configs]   # copy the code; configs only where the host has none
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh run all CONFIG     # sync, then all stages detached (tmux or nohup)
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh run 2 CONFIG [--set k=v]   # one stage (--no-sync: skip the sync)
@@ -50,12 +50,20 @@ case "$cmd" in
     echo "synced $here -> $host:$dir" ;;
 
   setup)
-    kind=""; follow=0
-    for arg in "$@"; do
-      case "$arg" in --follow) follow=1 ;; cpu|gpu) kind="$arg" ;; *) echo "usage: remote.sh setup [cpu|gpu] [--follow]" >&2; exit 2 ;; esac
+    kind=""; follow=0; config=""
+    while [ $# -gt 0 ]; do
+      case "$1" in
+        --follow) follow=1 ;;
+        cpu|gpu) kind="$1" ;;
+        # The GPU preflight checks that torch sees the GPUs this config (a path on the host) uses.
+        --config) [ $# -ge 2 ] || { echo "usage: remote.sh setup [cpu|gpu] [--config CONFIG] [--follow]" >&2; exit 2; }
+                  config=" --config $(quote "$2")"; shift ;;
+        *) echo "usage: remote.sh setup [cpu|gpu] [--config CONFIG] [--follow]" >&2; exit 2 ;;
+      esac
+      shift
     done
     "$0" sync
-    on_host "scripts/jobs.sh setup ${kind:-gpu}"
+    on_host "scripts/jobs.sh setup ${kind:-gpu}$config"
     if [ "$follow" = 1 ]; then on_host "scripts/jobs.sh follow-setup"; else echo "follow it with: scripts/remote.sh log setup"; fi ;;
 
   run)
