@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -38,6 +39,8 @@ from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import resolve_layer_ids
 from eagle_pipeline.samples import SampleLayout
 
+# The one list of the stages: folder `<run>/<name>/`, script `<name>.py`. scripts/launch.sh and
+# scripts/run_pipeline.sh read it from here.
 STAGES = {
     1: "01_generate_data",
     2: "02_extract_hidden",
@@ -86,6 +89,45 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
         if problem:
             raise BadInput(f"{path}: manifest {problem}; {fix}")
     return manifest
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """A stage folder as its manifest describes it, for the scripts that report on a run."""
+
+    name: str
+    folder: Path
+    manifest: dict[str, Any] | None  # None: not run yet, or damaged
+    damage: str = ""  # one line naming what is wrong with a manifest that cannot be read, and the fix
+
+    @property
+    def status(self) -> str | None:
+        return (self.manifest or {}).get("status")
+
+    @property
+    def counts(self) -> dict[str, Any]:
+        return (self.manifest or {}).get("counts") or {}
+
+    @property
+    def wall_time_s(self) -> float | None:
+        return (self.manifest or {}).get("wall_time_s")
+
+    @property
+    def finished_at(self) -> str:
+        return (self.manifest or {}).get("finished_at") or ""
+
+
+def read_stage_records(run_dir: Path) -> list[StageRecord]:
+    """Every stage of the run in `run_dir`, in order, through read_manifest. A damaged manifest is reported in
+    its record, not raised, so that a report on the run still shows every stage."""
+    records = []
+    for name in STAGES.values():
+        folder = Path(run_dir) / name
+        try:
+            records.append(StageRecord(name, folder, read_manifest(folder)))
+        except BadInput as e:  # the same reader, and message, as the stages themselves
+            records.append(StageRecord(name, folder, None, " ".join(str(e).splitlines())))
+    return records
 
 
 def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ if [ -f logs/setup.pid ] && kill -0 "$(cat logs/setup.pid)" 2>/dev/null; then
 fi
 [ -x "$python" ] || { echo "error: .venv is missing; run scripts/setup_env.sh first" >&2; exit 2; }
 run_dir=$(run_dir_of "$config" "$@") || exit 2
-stages=(01_generate_data 02_extract_hidden 03_build_vocab_map 04_train 05_convert 06_serve_test)
+read -r -a stages <<< "$("$python" -c "from eagle_pipeline.stage import STAGES; print(*STAGES.values())")"
 case "$which" in
   all) selected=("${stages[@]}") ;;
   [1-6]) selected=("${stages[$((which - 1))]}") ;;

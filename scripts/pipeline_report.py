@@ -10,7 +10,7 @@ from pathlib import Path
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.report import format_number, format_speedup, read_report
-from eagle_pipeline.stage import STAGES, read_manifest
+from eagle_pipeline.stage import STAGES, read_stage_records
 
 
 def _per_position(values) -> str:
@@ -20,28 +20,28 @@ def _per_position(values) -> str:
 def key_figures(stage: str, counts: dict, stage_dir: Path) -> str:
     """The few figures of a finished stage that say whether it did its job, rounded for reading."""
     c = counts
-    if stage == "01_generate_data":
+    if stage == STAGES[1]:
         finish = ", ".join(f"{reason} {n}" for reason, n in (c.get("finish_reasons") or {}).items())
         return (f"{c.get('samples')} conversations, {c.get('completion_tokens')} answer tokens (finish_reason {finish or '-'}), "
                 f"{format_number(c.get('output_tokens_per_s'), 1)} output tok/s")
-    if stage == "02_extract_hidden":
+    if stage == STAGES[2]:
         return (f"{c.get('tokens')} tokens, layers {c.get('layer_ids')} + final, {format_number(c.get('capture_tokens_per_s'), 1)} tok/s "
                 f"captured, {format_number((c.get('bytes_per_token') or 0) / 1e3, 1)} KB/token, {format_number((c.get('stored_bytes') or 0) / 1e6, 1)} MB")
-    if stage == "03_build_vocab_map":
+    if stage == STAGES[3]:
         adopted = f", adopted from {c['from_drafter']}" if c.get("from_drafter") else ""
         return (f"draft vocab {c.get('draft_vocab_size')} of {c.get('target_vocab_size')}, "
                 f"coverage {format_number(100 * (c.get('coverage') or 0), 1)}% of the answer tokens{adopted}")
-    if stage == "04_train":
+    if stage == STAGES[4]:
         best, val = c.get("best") or {}, c.get("final_val") or {}
         accuracy = [val.get(f"full_acc_{k}") for k in range(3) if f"full_acc_{k}" in val]
         return (f"{c.get('epochs_completed')} epochs, best {best.get('checkpoint', '-')} (predicted acceptance length "
                 f"{format_number(best.get('predicted_acceptance_length'))}), last validation accuracy {_per_position(accuracy)}, "
                 f"{format_number(c.get('train_tokens_per_s'), 0)} train tok/s, peak RSS {format_number((c.get('peak_rss_mb') or 0) / 1e3, 1)} GB")
-    if stage == "05_convert":
+    if stage == STAGES[5]:
         checks = c.get("checks") or {}
         failed = [name for name, ok in checks.items() if not ok]
         return f"{c.get('checkpoint')} converted; checks {'FAILED: ' + ', '.join(failed) if failed else 'all ok'} ({', '.join(checks)})"
-    if stage == "06_serve_test":
+    if stage == STAGES[6]:
         diagnosis = (c.get("diagnosis") or {}).get("status", "-")
         try:
             ngram = (read_report(stage_dir / "report.json").get("ngram_acceptance") or {}).get("mean_acceptance_length")
@@ -60,16 +60,19 @@ def main() -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print("| stage | status | wall time (s) | key figures |\n|---|---|---|---|")
     total = 0.0
-    for stage in STAGES.values():
-        stage_dir = cfg.stage_dir(stage)
-        manifest = read_manifest(stage_dir) or {}
-        seconds = manifest.get("wall_time_s")
+    for record in read_stage_records(cfg.run_dir):
+        seconds = record.wall_time_s
         total += seconds or 0
-        figures = key_figures(stage, manifest.get("counts") or {}, stage_dir) if manifest.get("status") == "complete" else ""
-        print(f"| {stage} | {manifest.get('status', 'not run')} | {format_number(seconds, 0) if seconds is not None else ''} | {figures} |")
+        status = "damaged" if record.damage else record.status or "not run"
+        figures = key_figures(record.name, record.counts, record.folder) if record.status == "complete" else record.damage
+        print(f"| {record.name} | {status} | {format_number(seconds, 0) if seconds is not None else ''} | {figures} |")
     print(f"| total | | {total:.0f} | |")
     return 0
 

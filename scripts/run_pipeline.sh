@@ -9,7 +9,8 @@ config="${1:-configs/tiny.yaml}"
 shift || true
 scripts/setup_env.sh
 export PYTHONUNBUFFERED=1
-for stage in 01_generate_data 02_extract_hidden 03_build_vocab_map 04_train 05_convert 06_serve_test; do
+stages=$(.venv/bin/python -c "from eagle_pipeline.stage import STAGES; print(*STAGES.values())")
+for stage in $stages; do
   [ -f "$stage.py" ] || continue
   echo "=== $stage ($(date -u +%H:%M:%S))"
   start=$(date +%s)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.stage import STAGES, read_manifest
+from eagle_pipeline.stage import StageRecord, read_stage_records
 
 
 def alive(pid_file: Path) -> bool:
@@ -36,19 +36,15 @@ def last_error(out_file: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def stage_status(run_dir: Path, stage: str) -> dict:
-    folder, logs = run_dir / stage, run_dir / "logs"
-    try:
-        manifest, damage = read_manifest(folder), ""
-    except BadInput as e:  # the same reader, and message, as the stages themselves
-        manifest, damage = None, " ".join(str(e).splitlines())
+def stage_status(record: StageRecord, logs: Path) -> dict:
+    stage, manifest, damage = record.name, record.manifest, record.damage
     exit_file, pid_file = logs / f"{stage}.exit", logs / f"{stage}.pid"
     code = exit_file.read_text().strip() if exit_file.exists() else None
     if pid_file.exists() and alive(pid_file):
         state = "running"
     elif damage:
         state = "damaged"
-    elif manifest and manifest.get("status") == "complete" and code in (None, "0"):
+    elif manifest and record.status == "complete" and code in (None, "0"):
         state = "done"
     elif code not in (None, "0"):
         state = "failed"
@@ -56,17 +52,16 @@ def stage_status(run_dir: Path, stage: str) -> dict:
         state = "interrupted"
     else:
         state = "pending"
-    counts = (manifest or {}).get("counts", {})
-    seconds = (manifest or {}).get("wall_time_s")
+    seconds = record.wall_time_s
     note = last_error(logs / f"{stage}.out") if state == "failed" else damage if state == "damaged" else ""
     if state == "failed":
         note = f"exit {code}: {note}"
     return {
         "stage": stage,
         "state": state,
-        "samples": counts.get("samples", ""),
+        "samples": record.counts.get("samples", ""),
         "time": str(dt.timedelta(seconds=int(seconds))) if seconds is not None and state != "running" else "",
-        "finished": ((manifest or {}).get("finished_at") or "")[:19],
+        "finished": record.finished_at[:19],
         "note": note,
     }
 
@@ -82,7 +77,7 @@ def main() -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = [stage_status(cfg.run_dir, stage) for stage in STAGES.values()]
+    rows = [stage_status(record, cfg.run_dir / "logs") for record in read_stage_records(cfg.run_dir)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -1,0 +1,51 @@
+"""scripts/status.py and scripts/pipeline_report.py read a run's stages the same way (stage.read_stage_records):
+the stage list of eagle_pipeline.stage.STAGES, and a damaged manifest reported with the stages' own message."""
+
+import json
+import subprocess
+
+from conftest import REPO, write_config
+
+from eagle_pipeline.stage import STAGES
+
+PYTHON = str(REPO / ".venv" / "bin" / "python")
+
+
+def fake_run(tmp_path):
+    config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="r")
+    run_dir = tmp_path / "data" / "r"
+    (run_dir / STAGES[1]).mkdir(parents=True)
+    (run_dir / STAGES[1] / "manifest.json").write_text(json.dumps({
+        "status": "complete", "inputs": {}, "wall_time_s": 125.0, "finished_at": "2026-11-29T10:00:00+00:00",
+        "counts": {"samples": 300, "completion_tokens": 4000, "finish_reasons": {"stop": 300}, "output_tokens_per_s": 51.25}}))
+    (run_dir / STAGES[2]).mkdir()
+    (run_dir / STAGES[2] / "manifest.json").write_text('{"status": "comp')  # torn by hand
+    return config
+
+
+def test_status_and_report_list_every_stage_and_the_same_damage(tmp_path):
+    config = fake_run(tmp_path)
+    status = subprocess.run([PYTHON, str(REPO / "scripts" / "status.py"), "--config", str(config), "--json"],
+                            capture_output=True, text=True, check=True).stdout
+    rows = {r["stage"]: r for r in json.loads(status)}
+    report = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(config)],
+                            capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in report.stdout.splitlines()[2:]]
+    table = {row[0]: row for row in cells}
+
+    assert list(rows) == list(STAGES.values()) and list(table) == [*STAGES.values(), "total"]
+    assert rows[STAGES[1]]["state"] == "done" and table[STAGES[1]][1] == "complete"
+    assert "300 conversations, 4000 answer tokens (finish_reason stop 300), 51.2 output tok/s" in table[STAGES[1]][3]
+    damage = rows[STAGES[2]]["note"]
+    assert rows[STAGES[2]]["state"] == "damaged" and "manifest is not valid JSON" in damage and "--force" in damage
+    assert table[STAGES[2]][1] == "damaged" and table[STAGES[2]][3] == damage
+    assert rows[STAGES[3]]["state"] == "pending" and table[STAGES[3]][1] == "not run"
+    assert table["total"][2] == "125"
+
+
+def test_report_refuses_a_config_that_does_not_load_with_one_error_line(tmp_path):
+    result = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(tmp_path / "absent.yaml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert [line for line in result.stderr.splitlines() if line.strip()][0].startswith("error:"), result.stderr
