@@ -1,4 +1,5 @@
-"""BENCHMARKS.md from the benchmark's results: every figure with its baseline beside it.
+"""BENCHMARKS.md from the benchmark's results: every figure with its baseline beside it. The file is this
+module's output and nothing else; findings measured by other commands live in docs/benchmarks/.
 
 A figure the machine could not measure is the string "n/a (<reason>)" (bench.stats.not_available), which
 the formatting below writes as it is.
@@ -70,7 +71,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         f"Every figure below comes from one run of `{meta['command']}` ({meta['mode']} mode), which read the finished "
         f"pipeline run `{meta['pipeline_run']}` and measured the rest itself in `{meta['work_dir']}`. Rerun it to "
-        f"rewrite this file; its raw numbers are in `{meta['json']}`.",
+        f"rewrite this file; its raw numbers are in `{meta['json']}`. Findings measured by other commands (engine "
+        "settings, training speed-ups, predicted against served acceptance, diagnosis, bad input, data scaling) are "
+        "in `docs/benchmarks/`, each under the command that measures it.",
         "",
         f"- Date: {meta['date']}; the benchmark took {num(meta['total_s'] / 60, 1)} min.",
         f"- Machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, {num(meta['machine']['ram_gib'], 1)} GiB RAM, "
@@ -93,6 +96,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += _storage_section(results)
     lines += _pipeline_section(results)
     lines += _parts_section(results)
+    lines += _reproduce_section(results)
     return "\n".join(lines) + "\n"
 
 
@@ -307,7 +311,7 @@ def _pipeline_section(results: dict[str, Any]) -> list[str]:
         "",
         f"`wall_time_s` of each stage's manifest in `{pipe['run_dir']}` (finished {pipe['finished_at']}), the run that "
         "`scripts/run_pipeline.sh` made; the lines it prints also include each interpreter's start-up, and its "
-        "first run in a fresh clone also builds `.venv/` (about 75 s).",
+        "first run in a new checkout also builds `.venv/`.",
         "",
         *table(["stage", "wall time s", "share"], rows),
         "",
@@ -319,3 +323,19 @@ def _parts_section(results: dict[str, Any]) -> list[str]:
     rows = [[name, num(s, 1)] for name, s in parts.items()]
     rows.append(["total", num(results["meta"]["total_s"], 1)])
     return ["## How long the benchmark took", "", *table(["part", "seconds"], rows), ""]
+
+
+def _reproduce_section(results: dict[str, Any]) -> list[str]:
+    meta = results["meta"]
+    return [
+        "## How to reproduce",
+        "",
+        'From the repository\'s root, on a machine of the same kind (docs/engines.md, "Machines differ": figures '
+        "from another kind of machine are not comparable):",
+        "",
+        "```bash",
+        f"{meta['pipeline_command']}    # the finished run this file reads: {meta['pipeline_run']}",
+        f"{meta['command']}    # measures the rest, rewrites this file",
+        "```",
+        "",
+    ]

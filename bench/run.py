@@ -14,7 +14,9 @@ in its own work folder (`<data_root>/<run_name>-bench/`, emptied at the start):
      for real on copies of the pipeline's conversations, then converted for vLLM;
   4. serving: no speculation, n-gram and the pipeline's drafter, then the two drafters of 3; within each
      group every server is up at once and each round of prompts goes to each server in turn.
-Then BENCHMARKS.md (or --out) and benchmarks.json in the work folder.
+Then BENCHMARKS.md (or --out) and benchmarks.json in the work folder, and the checks of bench/checks.py: a
+part that measured nothing, or a figure missing from the document, ends the command with exit 1 (after
+both files are written), in either mode.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from bench import arms, figures, flops, report
+from bench import arms, checks, figures, flops, report
 from bench.arms import ARMS, REPO
 from bench.capture_ab import capture_ab
-from bench.exit_codes import run_command
+from bench.exit_codes import IncompleteFigures, run_command
 from bench.serve_ab import serve_interleaved
 from bench.stats import ratio_or_none
 from eagle_pipeline import atomic
@@ -253,6 +255,7 @@ def run(args: argparse.Namespace) -> None:
     results = {
         "meta": {
             "command": command_line(args),
+            "pipeline_command": pipeline_command_line(args),
             "mode": "quick" if args.quick else "full",
             "settings": asdict(settings),
             "date": date,
@@ -279,9 +282,18 @@ def run(args: argparse.Namespace) -> None:
         "fp8_cost": figures.fp8_cost(storage_served["modes"], settings.epochs, cfg.hidden_states.storage_dtype),
         "pipeline": pipeline,
     }
-    atomic.write_json(json_path, results)
-    atomic.write_text(out_md, report.render_markdown(results))
+    write_and_check(results, json_path, out_md)
     log(f"wrote {out_md} and {json_path} in {total / 60:.1f} min; parts (s): {json.dumps(parts)}")
+
+
+def write_and_check(results: dict[str, Any], json_path: Path, out_md: Path) -> None:
+    """Both files, then the checks: what is missing is named, with the files there to look at."""
+    text = report.render_markdown(results)
+    atomic.write_json(json_path, results)
+    atomic.write_text(out_md, text)
+    missing = checks.missing_figures(results) + checks.document_problems(text)
+    if missing:
+        raise IncompleteFigures(f"{out_md} and {json_path} lack figures: " + "; ".join(missing))
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -292,6 +304,14 @@ def command_line(args: argparse.Namespace) -> str:
     for name in ("out", "work_dir", "epochs", "repetitions", "capture_samples", "arm_samples"):
         if getattr(args, name) is not None:
             words += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return shlex.join(words)
+
+
+def pipeline_command_line(args: argparse.Namespace) -> str:
+    """The README command that makes the finished run this one reads."""
+    words = ["scripts/run_pipeline.sh", args.config]
+    for assignment in args.overrides:
+        words += ["--set", assignment]
     return shlex.join(words)
 
 

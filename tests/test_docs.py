@@ -8,10 +8,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Where the project describes itself. BENCHMARKS.md is left out: it records runs as they were, with the test
-# names of their day. Tests cite files that exist only in their fixtures (tests/test_a.py), so only their
-# citations of modules and sections are checked.
-DOCUMENTS = [REPO / "README.md", REPO / "patches" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Where the project describes itself (BENCHMARKS.md is bench/report.py's output; docs/benchmarks/ holds the
+# findings of other commands). Tests cite files that exist only in their fixtures (tests/test_a.py), so only
+# their citations of modules and sections are checked.
+DOCUMENTS = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "patches" / "README.md",
+             *sorted((REPO / "docs").rglob("*.md"))]
 CODE = sorted(p for folder in ("eagle_pipeline", "bench", "scripts", "patches", "configs")
               for p in (REPO / folder).rglob("*") if p.suffix in {".py", ".sh", ".yaml"}) + sorted(REPO.glob("0*_*.py"))
 # This file is left out: its own examples name things that do not exist.
@@ -21,8 +22,9 @@ TOP_FOLDERS = ("tests", "scripts", "eagle_pipeline", "bench", "docs", "configs",
 # A path inside the repository: one of its top folders, then a name with an extension, or a stage script.
 CITED_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\w\.(?:py|md|sh|yaml|jsonl)|0[1-6]_\w+\.py)(?:::(\w+))?"
                         % "|".join(TOP_FOLDERS))
-# A section of a document: `docs/formats.md, "Draft vocabulary"` (the start of a heading) or a link's `#anchor`.
-CITED_SECTION = re.compile(r"(docs/\w+\.md)[`,)]*\s+\"([^\"]{1,120})\"")
+# A section of a document: `docs/formats.md, "Draft vocabulary"` (the start of a heading; also a page of
+# docs/benchmarks/) or a link's `#anchor`.
+CITED_SECTION = re.compile(r"(docs/(?:\w+/)?\w+\.md)[`,)]*\s+\"([^\"]{1,120})\"")
 LINKED_SECTION = re.compile(r"\]\(([\w./-]*\.md)?#([\w-]+)\)")
 # A module or one of its names: `eagle_pipeline.serve.report.write_report`, `bench.run`.
 CITED_MODULE = re.compile(r"(?<![\w./-])((?:eagle_pipeline|bench|patches)(?:\.[A-Za-z_]\w*)+)")
@@ -101,6 +103,7 @@ def test_the_check_sees_the_citations_it_is_meant_to():
     assert ("tests/test_training.py", "test_launcher_trains_with_two_cpu_processes") in paths
     assert resolves("eagle_pipeline.serve.report.write_report") and not resolves("eagle_pipeline.serving.write_report")
     assert CITED_SECTION.findall('(docs/engines.md, "Machines differ")') == [("docs/engines.md", "Machines differ")]
+    assert CITED_SECTION.findall('docs/benchmarks/training.md, "Packing"') == [("docs/benchmarks/training.md", "Packing")]
     assert anchor("Stage 05: `verify.json`") == "stage-05-verifyjson"
     assert ("scripts/avx2_only/sitecustomize.py", None) in {(p, n) for _, p, n in cited([REPO / "docs" / "engines.md"])}
 
