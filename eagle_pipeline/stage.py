@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import enum
+import errno
 import importlib.metadata
 import json
 import logging
 import os
 import platform
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eagle_pipeline import atomic, outputs
+from eagle_pipeline import atomic, locks, outputs
 from eagle_pipeline.config import RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
@@ -345,53 +347,123 @@ def setup_logging(log_path: Path | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`scripts/remote.sh stop`, a scheduler, a shutdown): handled like Ctrl-C."""
+
+
+def disk_full_error(error: BaseException) -> OSError | None:
+    """The ENOSPC behind `error`: itself, or one it was raised from (numpy, safetensors and datasets wrap it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 @contextmanager
-def _exit_codes(log_path_holder: list[Path | None]) -> Iterator[None]:
+def _exit_codes(log_path_holder: list[Path | None], stage_name: str) -> Iterator[None]:
     try:
         yield
     except BadInput as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)  # one line, whatever the message holds
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted: finished work is kept; rerun the same command to resume", file=sys.stderr)
+    except Terminated:
+        print(f"interrupted: stage {stage_name} stopped by SIGTERM; finished work is kept; rerun the same command "
+              f"to resume", file=sys.stderr)
         sys.exit(130)
-    except OSError as e:
-        if e.errno == 28:  # ENOSPC
-            print(f"error: disk full while writing {e.filename or ''}: free space on data_root and rerun; finished work is kept", file=sys.stderr)
-            sys.exit(2)
-        raise_with_log(e, log_path_holder[0])
+    except KeyboardInterrupt:
+        print(f"interrupted: stage {stage_name} stopped; finished work is kept; rerun the same command to resume",
+              file=sys.stderr)
+        sys.exit(130)
     except Exception as e:  # noqa: BLE001 - every other failure is exit 1 with the log path
+        full = disk_full_error(e)
+        if full is not None:
+            where = full.filename or getattr(e, "filename", None) or "data_root"
+            print(f"error: disk full while writing {where}: free space there and rerun the same command; finished "
+                  f"work is kept", file=sys.stderr)
+            sys.exit(2)
         raise_with_log(e, log_path_holder[0])
 
 
 def raise_with_log(error: BaseException, log_path: Path | None) -> None:
     detail = traceback.format_exc()
     if log_path is not None and log_path.parent.exists():
-        with open(log_path, "a") as f:
-            f.write(detail)
+        try:
+            with open(log_path, "a") as f:
+                f.write(detail)
+        except OSError:  # the log's own disk may be the problem; the message below still reaches the terminal
+            log_path = None
     log.error("%s", detail)
     where = f"; full log: {log_path}" if log_path else ""
     print(f"failed: {type(error).__name__}: {error}{where}", file=sys.stderr)
     sys.exit(1)
 
 
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(number: int, description: str, body: Callable[[Stage, bool], None], argv: list[str] | None = None) -> None:
-    """Parse the command line, load the config and run `body(stage, dry_run)` with the exit-code contract."""
+    """Parse the command line, load the config and run `body(stage, dry_run)` with the exit-code contract.
+
+    A real run (not `--dry-run`) holds the stage's lock, and on a GPU host the locks of the GPUs it may use,
+    until it ends (eagle_pipeline/locks.py)."""
     log_path_holder: list[Path | None] = [None]
-    with _exit_codes(log_path_holder):
-        args = parse_args(description, argv)
-        cfg = load_config(args.config, args.overrides)
-        # The run's own environment reaches every process the stage starts (engines, servers, training ranks),
-        # whatever shell, tmux server or detached runner started the stage.
-        os.environ.update(cfg.env)
-        stage = Stage(number, cfg, force=args.force)
-        if not args.force:  # a damaged manifest of this stage is refused before any model loads, dry run too
-            read_manifest(stage.dir)
-        check_data_root_writable(cfg, create=not args.dry_run)
-        if not args.dry_run:
-            log_path_holder[0] = stage.log_path
-        setup_logging(None if args.dry_run else stage.log_path)
-        body(stage, args.dry_run)
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+    held = locks.HeldLocks()
+    try:
+        with _exit_codes(log_path_holder, STAGES[number]):
+            args = parse_args(description, argv)
+            cfg = load_config(args.config, args.overrides)
+            # The run's own environment reaches every process the stage starts (engines, servers, training
+            # ranks), whatever shell, tmux server or detached runner started the stage.
+            os.environ.update(cfg.env)
+            stage = Stage(number, cfg, force=args.force)
+            check_stage_folder(stage)
+            if not args.force:  # a damaged manifest of this stage is refused before any model loads, dry run too
+                read_manifest(stage.dir)
+            check_data_root_writable(cfg, create=not args.dry_run)
+            if not args.dry_run:
+                take_locks(stage, held)
+                log_path_holder[0] = stage.log_path
+            setup_logging(None if args.dry_run else stage.log_path)
+            for note in held.notes:
+                log.warning("%s", note)
+            body(stage, args.dry_run)
+    finally:
+        held.release()
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def uses_gpus(stage: Stage) -> bool:
+    """Whether the stage loads a model onto the host's GPUs (03 never does; 04 only when it trains on them)."""
+    if stage.cfg.device != "cuda" or stage.number == 3:
+        return False
+    return stage.number != 4 or stage.cfg.train.num_gpus > 0
+
+
+def take_locks(stage: Stage, held: locks.HeldLocks) -> None:
+    """The stage's lock (in the run's logs/, which --force keeps), then the GPUs'."""
+    record = locks.holder_record(run=stage.cfg.run_name, stage=stage.name)
+    locks.take(stage.cfg.run_dir / "logs" / f"{stage.name}.lock", record, held,
+               busy=f"stage {stage.name} of this run is already running; wait for it or stop it, then rerun")
+    if uses_gpus(stage):
+        locks.take_gpu_locks(record, held)
+
+
+def check_stage_folder(stage: Stage) -> None:
+    """Refuse a stage folder that is not a folder, and one that lies outside its run folder (a symlink into
+    another run: --force or a rerun would delete or overwrite that run's files)."""
+    folder = stage.dir
+    if folder.exists() and not folder.is_dir():
+        raise BadInput(f"{folder}: is a file, not the stage's folder; move it away and rerun")
+    if folder.is_symlink() or folder.exists():
+        inside = folder.resolve().parent == stage.cfg.run_dir.resolve()
+        if not inside:
+            raise BadInput(f"{folder}: resolves to {folder.resolve()}, outside the run folder {stage.cfg.run_dir}; "
+                           f"remove the link (the stage writes and --force deletes there) and rerun")
 
 
 def check_data_root_writable(cfg: RunConfig, create: bool) -> None:
