@@ -345,6 +345,8 @@ def setup_logging(log_path: Path | None) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_path))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
+    # A log line that cannot be written (a full disk) must not bury the stage's own error line in tracebacks.
+    logging.raiseExceptions = False
 
 
 class Terminated(KeyboardInterrupt):

@@ -5,7 +5,7 @@
 #   scripts/jobs.sh stop CONFIG [--set k=v ...] # stop the job holding the run's lock (SIGTERM, then SIGKILL)
 #   scripts/jobs.sh setup [cpu|gpu]             # run setup_env.sh detached, logging to logs/setup-<time>.log
 #   scripts/jobs.sh follow-setup                # follow the newest setup log until setup ends
-# EAGLE_STOP_GRACE (default 30) is how many seconds stop waits after SIGTERM before sending SIGKILL.
+# EAGLE_STOP_GRACE (default 30, 180 while stage 04 trains) is how many seconds stop waits after SIGTERM before SIGKILL.
 # Exit codes: 0 done, 2 refused or bad arguments, 1 failed (a job that survived SIGKILL, a failed setup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +72,10 @@ case "$cmd" in
       command -v ps >/dev/null || return 0
       ps -e -o pid=,pgid=,stat= | awk -v p="$pid" -v g="$pgid" '(g == "" ? $1 == p : $2 == g) && $3 !~ /^Z/ {found = 1} END {exit !found}'
     }
-    grace="${EAGLE_STOP_GRACE:-30}"
+    # Stage 04's trainer answers SIGTERM by saving a checkpoint of the epoch in progress, which takes up to
+    # about two minutes on a Kimi-sized drafter; other stages stop in seconds.
+    default_grace=30; [ "$stage" != 04_train ] || default_grace=180
+    grace="${EAGLE_STOP_GRACE:-$default_grace}"
     echo "stopping $stage of run $run, job $job: SIGTERM, SIGKILL after ${grace}s"
     kill -TERM -- "$target" 2>/dev/null || true
     signal=SIGTERM

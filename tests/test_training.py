@@ -231,8 +231,14 @@ def test_killed_run_resumes_from_the_last_complete_checkpoint(llama_case, traine
     torn.mkdir(exist_ok=True)
     (torn / "config.json").write_text("{}")
     (torn / "model.safetensors").write_bytes(b"\0" * 64)
+    # A stop (SIGTERM) makes speculators save the epoch in progress as `interrupted/`, which a SIGKILL after the
+    # stop's grace may tear; the pipeline resumes from complete epochs only and removes it.
+    interrupted = out / "checkpoints" / checkpoints.INTERRUPTED_DIR
+    interrupted.mkdir()
+    (interrupted / "model.safetensors").write_bytes(b"\0" * 64)
 
     summary = runner.train_drafter(settings(epochs=3), llama_case.run(out))
+    assert not interrupted.exists()
 
     assert summary["this_run"]["resumed_from"] == {"epoch": resume_from["epoch"], "step": resume_from["global_step"]}
     total_steps = trained["summary"]["last"]["step"]  # the same run, never interrupted

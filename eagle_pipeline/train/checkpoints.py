@@ -90,10 +90,19 @@ def _remove_dangling_links(checkpoint_dir: Path) -> None:
             link.unlink()
 
 
+# speculators' save of the epoch in progress when it is stopped (SIGTERM, Ctrl-C). It never resumes from it by
+# itself, and it may be torn by a SIGKILL after the stop's grace; the pipeline resumes from complete epochs.
+INTERRUPTED_DIR = "interrupted"
+
+
 def remove_torn_checkpoints(checkpoint_dir: str | os.PathLike) -> list[str]:
-    """Delete checkpoint folders that a kill left incomplete; speculators would resume from them."""
+    """Delete checkpoint folders that a kill left incomplete (speculators would resume from them), and the
+    mid-epoch save of a stopped run."""
     checkpoint_dir = Path(checkpoint_dir)
     removed = []
+    if (checkpoint_dir / INTERRUPTED_DIR).is_dir():
+        _delete_dir(checkpoint_dir / INTERRUPTED_DIR)
+        removed.append(INTERRUPTED_DIR)
     for epoch_dir in _epoch_dirs(checkpoint_dir):
         if read_training_state(epoch_dir) is None:
             _delete_dir(epoch_dir)
