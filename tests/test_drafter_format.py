@@ -29,7 +29,7 @@ from eagle_pipeline.drafter_format import (
 from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
 from eagle_pipeline.verifier import target_embedding
 
-# Each the way one layout spells it: speculators, flat (vLLM), SGLang (None: not in that layout).
+# One tensor per row, as each layout spells it: speculators, flat (vLLM), SGLang (None: not in that layout).
 NAMES = [
     ("layers.0.self_attn.q_proj.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.q_proj.weight"),
     ("layers.1.mlp.down_proj.weight", "layers.1.mlp.down_proj.weight", None),
