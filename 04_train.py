@@ -42,7 +42,7 @@ from eagle_pipeline.stage import (
     upstream_fingerprint,
 )
 from eagle_pipeline.train.checkpoints import stopped_early
-from eagle_pipeline.train.draft_config import check_same_vocab_map
+from eagle_pipeline.train.draft_config import check_draft_shape, check_same_vocab_map
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
@@ -95,6 +95,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     t = cfg.train
     verifier = Verifier.from_config(cfg)
+    check_draft_shape(t, verifier.hidden_size)  # dry run too, and before --force deletes anything
     planning = dry_run and not (is_complete(cfg, 2) and is_complete(cfg, 3))
     if planning:  # a fresh host: the shapes and the disk from the config and the target alone
         layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)

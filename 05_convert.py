@@ -7,8 +7,9 @@ Then four checks, written to verify.json and printed as a table:
   1. shapes   every tensor against the config (and a reference drafter, e.g. a released Kimi one)
   2. config   parses with transformers.AutoConfig and vLLM's own config loader
   3. vllm_load vLLM's real Eagle3LlamaForCausalLM.load_weights accepts every key
-  4. parity   vLLM with the converted folder and with the speculators checkpoint accept the same number
-              of draft tokens per position on the same prompts at temperature 0
+  4. parity   the converted folder and the speculators checkpoint accept the same drafts per position:
+              replayed offline on held-out conversations and the states stage 02 captured (no engine),
+              or with convert.parity: vllm, served greedily by vLLM on eval prompts (two engine starts)
 
 Embedded default (CPU, a few minutes):
     python 05_convert.py --config configs/tiny.yaml
@@ -22,6 +23,7 @@ convert.sglang), verify.json, manifest.json. The stage fails (exit 1) when any c
 import sys
 
 from eagle_pipeline import atomic, convert, drafter_checks
+from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.prompts import load_prompts
@@ -39,6 +41,14 @@ from eagle_pipeline.stage import (
 from eagle_pipeline.verifier import Verifier
 
 
+def parity_plan(cfg) -> str:
+    c = cfg.convert
+    if c.parity == "replay":
+        return (f"acceptance parity replayed offline on {c.parity_prompts} held-out conversations "
+                f"(tolerance {c.parity_tolerance}, no engine start)")
+    return f"acceptance parity served by vLLM on {c.parity_prompts} eval prompts (tolerance {c.parity_tolerance}, two engine starts)"
+
+
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     c = cfg.convert
@@ -50,7 +60,7 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"draft vocab {cfg.vocab.draft_vocab_size}")
         print(not_run_yet_note(cfg, 4))
         print(f"  verify shapes{' against ' + c.reference_dir if c.reference_dir else ''}, config, vLLM load_weights, "
-              f"acceptance parity on {c.parity_prompts} prompts (tolerance {c.parity_tolerance})")
+              f"{parity_plan(cfg)}")
         return
     trained = require_complete(cfg, 4)
     best = trained["counts"].get("best") or {}
@@ -66,7 +76,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"stage 05: convert {checkpoint} for vLLM{' and SGLang' if c.sglang else ''}; aux layer ids {layer_ids}, "
               f"target vocab {verifier.vocab_size}, draft vocab {cfg.vocab.draft_vocab_size}")
         print(f"  verify shapes{' against ' + str(reference) if reference else ''}, config, vLLM load_weights, "
-              f"acceptance parity on {c.parity_prompts} prompts (tolerance {c.parity_tolerance})")
+              f"{parity_plan(cfg)}")
         return
 
     inputs = {
@@ -79,8 +89,10 @@ def run(stage: Stage, dry_run: bool) -> None:
     if not stage.already_complete(inputs):
         convert.read_speculators_checkpoint(checkpoint)  # a checkpoint without weights is refused before any write
     # Read before the manifest is written too: a bad prompt file is refused with the stage folder untouched.
-    parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
-                                                           "data.eval_prompts")[: c.parity_prompts]]
+    parity_prompts = None
+    if c.parity == "vllm":
+        parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
+                                                               "data.eval_prompts")[: c.parity_prompts]]
     if stage.start(inputs) is Start.ALREADY_COMPLETE:
         print(f"stage 05 already complete for these inputs: {stage.dir}")
         return
@@ -96,6 +108,13 @@ def run(stage: Stage, dry_run: bool) -> None:
     # -- verify with vLLM's own code --------------------------------------------------------------
     from eagle_pipeline.engine import drafter_engine_settings, engine_env, llm_kwargs
 
+    parity_conversations = None
+    if c.parity == "replay":
+        from eagle_pipeline.train.predicted_acceptance import validation_conversations
+
+        parity_conversations = validation_conversations(cfg.stage_dir("02_extract_hidden") / "data",
+                                                        cfg.stage_dir("04_train"), c.parity_prompts)
+
     expected = {
         "vocab_size": verifier.vocab_size,
         "draft_vocab_size": cfg.vocab.draft_vocab_size,
@@ -108,7 +127,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         max_tokens=c.parity_max_tokens, tolerance=c.parity_tolerance,
         engine_kwargs={k: v for k, v in llm_kwargs(cfg, str(verifier.path)).items() if k != "model"},
         env=engine_env(cfg), timeout_s=c.engine_timeout_s, log_dir=stage.dir / "logs",
-        drafter_settings=drafter_engine_settings(cfg),
+        drafter_settings=drafter_engine_settings(cfg), parity_conversations=parity_conversations,
+        # The run's chat-template arguments (the thinking switch among them), as stages 01 and 06 render prompts.
+        chat_template_kwargs=chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning,
+                                                  cfg.generation.chat_template_kwargs) if c.parity == "vllm" else None,
     )
     atomic.write_json(stage.dir / "verify.json", result)
     drafter_checks.print_table(result)

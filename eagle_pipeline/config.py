@@ -181,6 +181,12 @@ class GenerationConfig(Section):
     dtype: Optional[Literal["bfloat16", "float16", "float32", "auto"]] = Field(
         None, description="the target's dtype while it answers (default: verifier.dtype); stage 02 captures and stage 06 "
         "serves with verifier.dtype, so the drafter still learns the served target's states and distribution")
+    # Stage 01 drops a prompt that leaves less room than this (or than max_tokens, if lower) for its answer
+    # within verifier.max_model_len (eagle_pipeline/prompt_fit.py).
+    min_answer_tokens: int = Field(16, ge=1, lt=MAX_TOKENS, description="answer tokens a prompt must leave room for "
+                                   "within verifier.max_model_len; prompts that leave less are dropped")
+    max_truncated_share: float = Field(0.2, ge=0, le=1, description="share of answers that may stop at max_tokens before "
+                                       "stage 01 warns (and records it in its manifest)")
 
 
 class HiddenStatesConfig(Section):
@@ -302,7 +308,11 @@ class TrainConfig(Section):
 class ConvertConfig(Section):
     sglang: bool = False
     reference_dir: Optional[str] = Field(None, description="released drafter to compare shapes against")
-    parity_prompts: int = Field(4, ge=1, le=MAX_COUNT)
+    # How stage 05 checks that the conversion keeps the drafter's drafts: "replay" replays the checkpoint and
+    # the converted folder offline on held-out conversations (no engine start); "vllm" serves each in a vLLM
+    # engine of its own (two target cold starts) on eval prompts (eagle_pipeline/drafter_checks/parity.py).
+    parity: Literal["replay", "vllm"] = "replay"
+    parity_prompts: int = Field(4, ge=1, le=MAX_COUNT, description="held-out conversations (replay) or eval prompts (vllm)")
     parity_max_tokens: int = Field(32, ge=1, le=MAX_TOKENS)
     parity_tolerance: float = Field(0.05, ge=0, le=1, description="allowed per-position acceptance difference")
     # Each check starts its own engine: a cold start of a ~600 GB target alone takes tens of minutes.

@@ -251,9 +251,10 @@ def test_stage_02_captures_the_states_hf_computes_for_the_mla_verifier(kimi, kim
 
 def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run, tmp_path):
     """01 -> 02 (above) -> 03 with the released drafter's vocabulary -> 04 fine-tuned from it -> 05 converted,
-    shape-checked against it and loaded by vLLM; only 05's parity check needs EAGLE-3 on the MLA target.
+    shape-checked against it, loaded by vLLM and replayed against its checkpoint (parity, no engine); only
+    `convert.parity: vllm` needs EAGLE-3 on the MLA target.
 
-    That check's engine cannot start on vLLM 0.32's CPU build with CPU_MLA, and this test pins why (stage 06's
+    That parity's engine cannot start on vLLM 0.32's CPU build with CPU_MLA, and this test pins why (stage 06's
     eagle3 server needs the same engine). vllm/platforms/cpu.py sets block_size = 16 for MLA models (the
     CPU_MLA decode kernel's only size, overriding any block_size given); the EAGLE-3 drafter is a Llama layer
     on CPU_ATTN, which takes multiples of 32 only (cpu_attn.py get_supported_kernel_block_sizes), and both
@@ -288,15 +289,18 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
     manifest = json.loads((run_dir / "04_train" / "manifest.json").read_text())
     assert manifest["inputs"]["init_from_layer_ids"] == {"convention": "sglang", "written": sglang_ids(LAYER_IDS), "hf": LAYER_IDS}
 
-    result = run_stage("05_convert.py", config)
+    ok(run_stage("05_convert.py", config))
     verify = json.loads((run_dir / "05_convert" / "verify.json").read_text())
     checks = verify["checks"]
+    assert checks["parity"]["ok"] and checks["parity"]["detail"]["method"] == "replay", checks["parity"]
     # Every tensor has the released drafter's shape, and vLLM's own model class takes every key.
     assert checks["shapes"]["ok"] and checks["shapes"]["detail"]["reference"]["source"] == "weights", checks["shapes"]
     assert checks["config"]["ok"] and checks["vllm_load"]["ok"], (checks["config"], checks["vllm_load"])
     flat = load_file(str(run_dir / "05_convert" / "vllm" / "model.safetensors"))
     assert {k: v.shape for k, v in flat.items()} == {k: v.shape for k, v in source.items()}
-    # Parity serves EAGLE-3 on the MLA target, which vLLM's CPU build cannot start (the docstring above).
+    # vLLM's parity serves EAGLE-3 on the MLA target, which vLLM's CPU build cannot start (the docstring above).
+    result = run_stage("05_convert.py", config, "--force", "--set", "convert.parity=vllm")
+    checks = json.loads((run_dir / "05_convert" / "verify.json").read_text())["checks"]
     assert result.returncode == 1 and not checks["parity"]["ok"], (
         "vLLM's CPU build now starts EAGLE-3 on an MLA target: extend this module to stages 03-06\n"
         + result.stdout[-2000:] + result.stderr[-2000:])
@@ -335,7 +339,7 @@ def test_eagle3_on_the_mla_target_serves_as_predicted_with_amx(tmp_path):
         generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
         vocab={"draft_vocab_size": 512},
         train={"epochs": 20, **KIMI_DRAFTER_TRAIN},
-        convert={"parity_prompts": 1, "parity_max_tokens": 4},
+        convert={"parity": "vllm", "parity_prompts": 1, "parity_max_tokens": 4},
         serve={"ngram_baseline": False},
     )
     for script in ("01_generate_data.py", "02_extract_hidden.py", "03_build_vocab_map.py", "04_train.py", "05_convert.py",

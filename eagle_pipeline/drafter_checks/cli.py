@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     accept.add_argument("--num-speculative-tokens", type=int, required=True)
     accept.add_argument("--max-tokens", type=int, required=True)
     accept.add_argument("--drafter-settings", default="{}", help="speculative_config fields: how vLLM computes the drafter")
+    accept.add_argument("--chat-template-kwargs", default="{}", help="the run's chat-template arguments (thinking switch, ...)")
     args = parser.parse_args(argv)
     engine_kwargs = json.loads(args.engine_kwargs)
     if args.command == "inspect":
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         prompts = json.loads(Path(args.prompts).read_text())
         result = acceptance_run(args.target, args.drafter, prompts, args.num_speculative_tokens,
-                                args.max_tokens, engine_kwargs, json.loads(args.drafter_settings))
+                                args.max_tokens, engine_kwargs, json.loads(args.drafter_settings),
+                                json.loads(args.chat_template_kwargs))
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -32,6 +32,30 @@ COMPARED_SHAPE_KEYS = (
 )
 
 
+def check_draft_shape(train: TrainConfig, verifier_hidden_size: int) -> None:
+    """Refuse an explicit train.draft_shape that cannot be built for this verifier: keys left out, a hidden
+    size other than the target's, heads that do not group evenly. Stage 04 calls it in its dry run and before
+    `--force` deletes anything; the trainer would refuse the same only after that."""
+    shape = train.draft_shape.model_dump(exclude_none=True) if train.draft_shape else {}
+    if not shape:  # every field left out: the shape comes from the verifier
+        return
+    missing = set(REQUIRED_SHAPE_KEYS) - set(shape)
+    if missing:
+        raise BadInput(f"train.draft_shape: missing keys {sorted(missing)}; give all of {sorted(REQUIRED_SHAPE_KEYS)}, "
+                       f"or leave draft_shape out to derive the shape from the verifier")
+    hidden = int(shape.get("hidden_size", verifier_hidden_size))
+    if hidden != verifier_hidden_size:
+        raise BadInput(
+            f"train.draft_shape.hidden_size: {hidden} differs from the verifier's hidden size "
+            f"{verifier_hidden_size}; an EAGLE-3 drafter must match it (leave hidden_size out)"
+        )
+    heads, kv_heads = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
+    if heads % kv_heads:
+        raise BadInput(
+            f"train.draft_shape: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+
+
 def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: Any) -> dict[str, Any]:
     """The draft decoder as a LlamaConfig dict: explicit from train.draft_shape, or derived from the verifier."""
     from transformers import LlamaConfig
@@ -54,21 +78,9 @@ def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: 
             )
         return config.to_dict()
 
-    missing = set(REQUIRED_SHAPE_KEYS) - set(shape)
-    if missing:
-        raise BadInput(f"train.draft_shape: missing keys {sorted(missing)}")
-    verifier_hidden = int(verifier_text_config.hidden_size)
-    hidden = int(shape.get("hidden_size", verifier_hidden))
-    if hidden != verifier_hidden:
-        raise BadInput(
-            f"train.draft_shape.hidden_size: {hidden} differs from the verifier's hidden size "
-            f"{verifier_hidden}; an EAGLE-3 drafter must match it"
-        )
+    check_draft_shape(train, int(verifier_text_config.hidden_size))
+    hidden = int(shape.get("hidden_size", verifier_text_config.hidden_size))
     heads, kv_heads = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
-    if heads % kv_heads:
-        raise BadInput(
-            f"train.draft_shape: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-        )
     layers = int(shape.get("num_hidden_layers", 1))
     rope_theta = float(shape.get("rope_theta", _rope_theta(verifier_text_config)))
     config = LlamaConfig(

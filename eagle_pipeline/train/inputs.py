@@ -10,6 +10,7 @@ from eagle_pipeline.config import TrainConfig
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import check_layer_ids
 from eagle_pipeline.samples import SAMPLES_DIR, sample_path
+from eagle_pipeline.train.draft_config import check_draft_shape
 from eagle_pipeline.train.settings import TrainRun
 from eagle_pipeline.vocab_map import load_vocab_map
 
@@ -26,6 +27,7 @@ def check_inputs(train: TrainConfig, run: TrainRun) -> Any:
     num_layers = int(text_config.num_hidden_layers)
     check_layer_ids(run.layer_ids, num_layers)
 
+    check_draft_shape(train, int(text_config.hidden_size))
     load_vocab_map(run.d2t_path, run.t2d_path, vocab_size=int(text_config.vocab_size))
 
     _check_training_data(train, run, int(text_config.hidden_size))
