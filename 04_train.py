@@ -28,6 +28,7 @@ from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
+from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.stage import (
     Stage,
     Start,
@@ -43,6 +44,7 @@ from eagle_pipeline.stage import (
 )
 from eagle_pipeline.train.checkpoints import stopped_early
 from eagle_pipeline.train.draft_config import check_draft_shape, check_same_vocab_map
+from eagle_pipeline.train.finite_guard import stopped_reason
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.verifier import Verifier
@@ -93,6 +95,7 @@ def drafter_params(hidden: int, target_hidden: int, heads: int, kv_heads: int, h
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
+    check_preconditions(cfg, stage.number)
     t = cfg.train
     verifier = Verifier.from_config(cfg)
     check_draft_shape(t, verifier.hidden_size)  # dry run too, and before --force deletes anything
@@ -185,6 +188,9 @@ def run(stage: Stage, dry_run: bool) -> None:
         print("running:", " ".join(command))
         result = subprocess.run(command, cwd=REPO_ROOT)  # each rank imports eagle_pipeline from the repository
         if result.returncode != 0:
+            reason = stopped_reason(stage.dir)  # the ranks stopped themselves (a loss that is not finite)
+            if reason:
+                raise BadInput(reason)
             raise RuntimeError(f"torch.distributed.run exited with {result.returncode}")
         summary = runner.finalize_training(t, train_run)
 

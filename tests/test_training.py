@@ -474,3 +474,24 @@ def test_loss_decay_reaches_speculators_config(llama_case, tmp_path):
 
     with pytest.raises(BadInput, match=r"train.ttt_step_loss_decay: Input should be less than or equal to 1 \(got 1.5\)"):
         runner.train_drafter(settings(ttt_step_loss_decay=1.5), llama_case.run(tmp_path / "b"))
+
+
+def test_a_loss_that_is_not_finite_stops_training_with_an_error_keeping_no_bad_checkpoint(trained, llama_case, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from eagle_pipeline.train.finite_guard import STOPPED_FILE, NonFiniteLoss
+
+    source = trained["out"] / trained["summary"]["last"]["checkpoint"]
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(source, poisoned)
+    weights = load_file(str(poisoned / "model.safetensors"))
+    weights = {name: torch.full_like(t, float("nan")) if t.is_floating_point() and "embed" not in name else t
+               for name, t in weights.items()}
+    save_file(weights, str(poisoned / "model.safetensors"))
+    out = tmp_path / "04_train"
+    with pytest.raises(NonFiniteLoss, match=r"train\.loss: not finite \(nan\) for 3 steps in a row.*train\.init_from"):
+        runner.train_drafter(settings(epochs=2, init_from=str(poisoned)), llama_case.run(out))
+    assert "not finite" in json.loads((out / STOPPED_FILE).read_text())["reason"]
+    assert checkpoints.complete_checkpoints(out / "checkpoints") == {}
+    # Three steps, not an epoch: it stopped at the third (whose row the guard, first in line, kept out).
+    assert len([r for r in read_rows(out) if r["split"] == "train"]) == 2

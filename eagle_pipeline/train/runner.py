@@ -29,6 +29,7 @@ from eagle_pipeline.train.checkpoints import (
 )
 from eagle_pipeline.train.draft_config import DRAFT_CONFIG_FILE, build_draft_config, check_init_from
 from eagle_pipeline.train.early_stop import EarlyStopping, StopTraining
+from eagle_pipeline.train.finite_guard import STOPPED_FILE, NonFiniteLossGuard
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.metrics import LOSS_PNG, METRICS_CSV, MetricsRecorder, plot_metrics, read_metrics, truncate_metrics
 from eagle_pipeline.train.predicted_acceptance import CheckpointPredictor
@@ -195,12 +196,16 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
         best = json.loads(best_file.read_text()) if resumed_from is not None and best_file.is_file() else None
         early_stop = EarlyStopping(train.early_stop_patience, best,
                                    predictor if train.select_by == "predicted_acceptance" else None)
+    guard = NonFiniteLossGuard(run.out_dir, train.init_from, write_reason=_rank() == 0)
+    (run.out_dir / STOPPED_FILE).unlink(missing_ok=True)
     root = logging.getLogger()
     # speculators' console handler (set up here so its basicConfig is not skipped) rewrites dict messages
     # into text; the recorder must see them first.
     setup_root_logger()
-    # The recorder first: an epoch is marked validated before early stopping may end the run after it.
-    for handler in reversed([h for h in (recorder, early_stop) if h is not None]):
+    # The guard first (a non-finite validation must not mark its checkpoint complete), then the recorder (an
+    # epoch is marked validated before early stopping may end the run after it).
+    handlers = [h for h in (guard, recorder, early_stop) if h is not None]
+    for handler in reversed(handlers):
         root.handlers.insert(0, handler)
     started = time.perf_counter()
     try:
@@ -217,9 +222,8 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
 
                 maybe_destroy_distributed()
     finally:
-        for handler in (recorder, early_stop):
-            if handler is not None:
-                root.removeHandler(handler)
+        for handler in handlers:
+            root.removeHandler(handler)
     if recorder is not None:
         wall = time.perf_counter() - started
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
