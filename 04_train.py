@@ -60,6 +60,7 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[releas
     if not (init_from / "config.json").exists():
         raise BadInput(f"train.init_from: {init_from} is not a drafter directory (no config.json); point it at a speculators or released drafter")
     if released_drafter.is_speculators_drafter(init_from):
+        released_drafter.check_weights_whole(init_from, "train.init_from")
         if t.init_from_convention == "sglang":
             raise BadInput(f"train.init_from_convention: sglang, but {init_from} is a speculators drafter, whose ids are "
                            f"always HF indices (the vllm convention); leave it out")

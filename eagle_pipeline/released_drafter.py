@@ -103,6 +103,7 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
     if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
         raise BadInput(f"{field}: {config_path}: architectures is {config.get('architectures')!r}, expected "
                        f"[{FLAT_ARCHITECTURE!r}] (a released EAGLE-3 drafter) or a speculators drafter folder")
+    check_weights_whole(path, field)
     drafter = FlatDrafter(path, field, config, weight_files(path))
     try:
         draft_dims(config)
@@ -129,6 +130,42 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
     if problems:
         raise drafter.fail(drafter.weights_path, problems[0])
     return drafter
+
+
+def check_weights_whole(path: str | Path, field: str) -> None:
+    """Read every tensor of the drafter folder `path` once, in full: a torn or unreadable weights file, or a
+    floating tensor holding NaN or infinity, is refused naming `field`, the file and the tensor. Headers alone
+    cannot tell: a drafter with NaN weights would fine-tune at `loss nan` for as long as it runs, and a torn
+    file would fail deep inside vocabulary building or a server start."""
+    import torch
+    from safetensors import safe_open
+
+    try:
+        files = weight_files(Path(path))
+    except BadInput as error:
+        raise BadInput(f"{field}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - an unreadable index, or a header safetensors refuses
+        raise BadInput(f"{field}: {path}: cannot read its weights ({type(error).__name__}: {error}); the file is "
+                       f"torn or not safetensors, replace it") from None
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        name = None
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in sorted(names):
+                    tensor = f.get_tensor(name)
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        bad = int((~torch.isfinite(tensor)).sum())
+                        raise BadInput(f"{field}: {file}: tensor {name} holds {bad} NaN or infinite values of "
+                                       f"{tensor.numel()}; this drafter cannot be used, replace it")
+        except BadInput:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever safetensors raises for a torn file
+            where = f"tensor {name}" if name else "its header"
+            raise BadInput(f"{field}: {file}: cannot read {where} ({type(error).__name__}: {error}); the file is "
+                           f"torn or not safetensors, replace it") from None
 
 
 def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: int) -> None:
