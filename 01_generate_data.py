@@ -11,6 +11,11 @@ the target writes itself from its chat template's user header (eagle_pipeline/se
 for duplicates, degenerate turns and overlap with the eval prompts (eagle_pipeline/prompt_filter.py).
 That scales to any data.num_samples without a download (configs/tiny-10k.yaml).
 
+A prompt file's prompts are rendered with the chat template and measured once: those that leave no room for
+an answer within verifier.max_model_len, or nothing to train on within hidden_states.max_seq_len, are dropped
+and listed (eagle_pipeline/prompt_fit.py), so that no prompt can stop the engine, and sample i answers the
+i-th prompt that fits. A training prompt that asks what a held-out prompt asks is refused.
+
 Embedded default (CPU, a few minutes):
     python 01_generate_data.py --config configs/tiny.yaml
 Full scale (8 GPUs, see README "Running on a GPU host"):
@@ -18,6 +23,7 @@ Full scale (8 GPUs, see README "Running on a GPU host"):
 
 Output in <data_root>/<run_name>/01_generate_data/:
     parts/part-*.jsonl   finished conversations, generation.batch_size a file (a crash loses at most those not yet written)
+    dropped_prompts.jsonl   prompt_source file: the prompts dropped as too long (id, prompt tokens, reason)
     self_written/part-*.jsonl   prompt_source self: every sampled user turn and the filter's verdict
     conversations/       `datasets` dataset: sample_id, prompt_id, topic, messages, finish_reason, token counts,
                          prompt_token_ids, completion_token_ids
@@ -25,25 +31,72 @@ Output in <data_root>/<run_name>/01_generate_data/:
 """
 
 import json
+import logging
 import time
+from pathlib import Path
 
 from eagle_pipeline import atomic, plots
 from eagle_pipeline.chat_template import chat_template_kwargs
+from eagle_pipeline.config import RunConfig
 from eagle_pipeline.embedded import EMBEDDED_PREFIX
 from eagle_pipeline.engine import target_engine_settings
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
+from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompt_filter import PromptFilter
+from eagle_pipeline.prompt_fit import (
+    DROPPED_FILE,
+    LengthLimits,
+    check_resumed_samples,
+    describe_dropped,
+    require_enough,
+    select_prompts,
+    template_counter,
+)
 from eagle_pipeline.prompts import load_prompts, load_training_and_eval_prompts
 from eagle_pipeline.self_prompts import SELF_WRITTEN_DIR, attempt_stats, kept_prompts, write_prompts
 from eagle_pipeline.stage import Stage, Start, main
 from eagle_pipeline.verifier import Verifier, check_verifier_path
 
 RECORD_FORMAT = 3
+# Settings that change nothing in an answer: how the engine is fed, and what is dropped or warned about
+# (a changed selection of prompts is caught per sample, check_resumed_samples).
+NOT_GENERATION_INPUTS = ("batch_size", "refill", "min_answer_tokens", "max_truncated_share")
+log = logging.getLogger("eagle_pipeline")
+
+
+def read_parts(parts_dir: Path, skip_torn: bool = False) -> dict[str, dict]:
+    """The finished conversations in parts/, by sample id. `skip_torn` passes over lines that do not parse (a
+    damaged part is then left to Stage.start, which removes it)."""
+    done: dict[str, dict] = {}
+    for part in sorted(parts_dir.glob("part-*.jsonl")):
+        for line in part.read_text(errors="replace" if skip_torn else "strict").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if skip_torn:
+                    continue
+                raise
+            done[record["sample_id"]] = record
+    return done
+
+
+def truncation_warning(finish_reasons: dict[str, int], samples: int, cfg: RunConfig) -> str | None:
+    """The warning when more answers than generation.max_truncated_share stopped at the length limit."""
+    cut = finish_reasons.get("length", 0)
+    share = cut / samples if samples else 0.0
+    if share <= cfg.generation.max_truncated_share:
+        return None
+    thinking = (" generation.reasoning is true, so thinking traces are being cut, often before any answer;"
+                if cfg.generation.reasoning else "")
+    return (f"{cut} of {samples} answers ({share:.0%}) stopped at the length limit, above generation.max_truncated_share "
+            f"({cfg.generation.max_truncated_share:.0%}):{thinking} the drafter learns from cut answers; raise "
+            f"generation.max_tokens ({cfg.generation.max_tokens}) and verifier.max_model_len if needed")
 
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
+    check_preconditions(cfg, stage.number)
     # -- inputs ------------------------------------------------------------------------------------
     check_verifier_path(cfg)
     prompts_path = cfg.resolve_path(cfg.data.prompts)
@@ -61,10 +114,10 @@ def run(stage: Stage, dry_run: bool) -> None:
                 f"data.num_samples: {cfg.data.num_samples} exceeds the {len(prompts)} prompts in {prompts_path}; "
                 f"lower it or add prompts"
             )
-        prompts = prompts[: cfg.data.num_samples]
         source = str(prompts_path)
     sample_ids = [f"s{i:06d}" for i in range(cfg.data.num_samples)]
     generation_dtype = cfg.generation.dtype or cfg.verifier.dtype  # the answering engine's; 02-06 keep verifier.dtype
+    limits = LengthLimits.from_config(cfg)
 
     if dry_run:
         print(f"stage 01: generate {len(sample_ids)} conversations from {source}")
@@ -79,14 +132,28 @@ def run(stage: Stage, dry_run: bool) -> None:
             verifier = Verifier.from_config(cfg)
             template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
             print(f"  tokenizer {type(verifier.tokenizer).__name__}, chat template arguments {template_kwargs}")
+            if prompts is not None:
+                selection = select_prompts(prompts, len(sample_ids), template_counter(
+                    verifier.tokenizer, cfg.generation.system_prompt, template_kwargs), limits)
+                require_enough(selection, len(sample_ids), source, limits)
+                dropped = f"; {describe_dropped(selection, limits)}" if selection.dropped else ""
+                print(f"  prompts: {len(selection.kept)} of the {selection.measured} measured fit{dropped}")
+        elif prompts is not None:
+            print("  prompt lengths: measured when the stage runs (the embedded model is converted on first use)")
         print(f"  output {stage.dir}")
         return
 
     verifier = Verifier.from_config(cfg)
     template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
+    selection = None
+    if not self_written:  # every prompt measured once; vLLM never sees one that cannot fit
+        selection = select_prompts(prompts, len(sample_ids), template_counter(
+            verifier.tokenizer, cfg.generation.system_prompt, template_kwargs), limits)
+        require_enough(selection, len(sample_ids), source, limits)
+        prompts = selection.kept
     generation = cfg.generation.model_dump(mode="json")
-    for scheduling in ("batch_size", "refill"):  # how the engine is fed changes nothing in the output
-        generation.pop(scheduling)
+    for setting in NOT_GENERATION_INPUTS:
+        generation.pop(setting)
     generation.pop("dtype")  # an input of its own below ("engine"), whichever section sets it
     if self_written:
         # What the prompts come from; their count is data.num_samples (counts), which may grow on a rerun.
@@ -106,18 +173,21 @@ def run(stage: Stage, dry_run: bool) -> None:
         # prompt's topic (stage 04 validates on whole topics).
         "record_format": RECORD_FORMAT,
     }
+    parts_dir = stage.dir / "parts"
+    # Before the manifest is written: a changed input is named first, then samples tied to other prompts.
+    if selection is not None and stage.check_unchanged(inputs, samples=len(sample_ids)) is not None:
+        check_resumed_samples(read_parts(parts_dir, skip_torn=True), sample_ids, selection.kept, parts_dir)
     if stage.start(inputs, samples=len(sample_ids)) is Start.ALREADY_COMPLETE:
         print(f"stage 01 already complete for these inputs: {stage.dir}")
         return
+    if selection is not None:
+        atomic.write_text(stage.dir / DROPPED_FILE, "".join(json.dumps(d) + "\n" for d in selection.dropped))
+        if selection.dropped:
+            print(f"stage 01: {describe_dropped(selection, limits)}; their ids are in {stage.dir / DROPPED_FILE}")
 
     # -- resume: which samples are already answered ------------------------------------------------
-    parts_dir = stage.dir / "parts"
     parts_dir.mkdir(exist_ok=True)
-    done: dict[str, dict] = {}
-    for part in sorted(parts_dir.glob("part-*.jsonl")):
-        for line in part.read_text().splitlines():
-            record = json.loads(line)
-            done[record["sample_id"]] = record
+    done = read_parts(parts_dir)
     todo = [i for i, sid in enumerate(sample_ids) if sid not in done]
     print(f"stage 01: {len(done)} of {len(sample_ids)} conversations already done, {len(todo)} to generate")
 
@@ -215,10 +285,21 @@ def run(stage: Stage, dry_run: bool) -> None:
     }
     if written is not None:
         counts["self_written"] = written["stats"]
-    stage.finish(counts, output_fingerprint=value_fingerprint([(r["sample_id"], r["messages"][-1]["content"]) for r in rows]))
+    dropped_note = ""
+    if selection is not None:
+        counts["dropped_prompts"] = len(selection.dropped)
+        counts["dropped_by_reason"] = selection.reasons()
+        if selection.dropped:
+            dropped_note = f", {len(selection.dropped)} prompts dropped (ids in {DROPPED_FILE})"
+    counts["truncated_share"] = round(counts["finish_reasons"].get("length", 0) / max(len(rows), 1), 4)
+    warning = truncation_warning(counts["finish_reasons"], len(rows), cfg)
+    if warning:
+        log.warning("stage 01: %s", warning)
+    stage.finish(counts, output_fingerprint=value_fingerprint([(r["sample_id"], r["messages"][-1]["content"]) for r in rows]),
+                 extra={"warnings": [warning]} if warning else None)
     print(
         f"stage 01 done: {len(rows)} conversations ({len(todo)} new), {counts['completion_tokens']} response tokens, "
-        f"finish reasons {counts['finish_reasons']}, {counts['output_tokens_per_s']} output tok/s -> {stage.dir}"
+        f"finish reasons {counts['finish_reasons']}{dropped_note}, {counts['output_tokens_per_s']} output tok/s -> {stage.dir}"
     )
 
 

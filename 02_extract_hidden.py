@@ -28,6 +28,7 @@ from eagle_pipeline import atomic, plots
 from eagle_pipeline.engine import target_engine_settings
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.samples import SAMPLES_DIR, estimate_bytes, sample_files, sample_matches, sample_path
 from eagle_pipeline.sequences import training_sequence
 from eagle_pipeline.stage import (
@@ -88,6 +89,7 @@ def plan_without_conversations(stage: Stage) -> None:
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
+    check_preconditions(cfg, stage.number)
     if dry_run and not is_complete(cfg, 1):
         return plan_without_conversations(stage)
     upstream = require_complete(cfg, 1)

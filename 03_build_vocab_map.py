@@ -19,6 +19,7 @@ import numpy as np
 
 from eagle_pipeline import atomic, plots, released_drafter, vocab
 from eagle_pipeline.fingerprint import file_fingerprint
+from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.stage import (
     Stage,
     Start,
@@ -34,6 +35,7 @@ from eagle_pipeline.verifier import Verifier
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
+    check_preconditions(cfg, stage.number)
     draft_vocab_size = cfg.vocab.draft_vocab_size
     if dry_run and not is_complete(cfg, 2):
         vocab_size = Verifier.from_config(cfg).vocab_size

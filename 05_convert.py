@@ -26,6 +26,7 @@ from eagle_pipeline import atomic, convert, drafter_checks
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
+from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.stage import (
     Stage,
@@ -51,6 +52,7 @@ def parity_plan(cfg) -> str:
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
+    check_preconditions(cfg, stage.number)
     c = cfg.convert
     if dry_run and not is_complete(cfg, 4):
         verifier = Verifier.from_config(cfg)

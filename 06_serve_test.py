@@ -21,6 +21,7 @@ import sys
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
+from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.serve.baseline import load_baseline, merge_baseline, save_baseline
 from eagle_pipeline.serve.measure import measure_modes
@@ -55,6 +56,7 @@ def verdict(report: dict, floor: float) -> tuple[bool, str]:
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
+    check_preconditions(cfg, stage.number)
     s = cfg.serve
     if s.port is not None and not dry_run:
         check_port_free(s.port)

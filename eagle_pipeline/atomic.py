@@ -1,7 +1,10 @@
 """Atomic file writes: write to a temporary name in the same folder, fsync, then rename.
 
 A reader (or a rerun after a crash) sees either the old file or the complete new one, never a torn one.
-Temporary names start with ".tmp-" so that a rerun can sweep leftovers.
+Temporary names start with ".tmp-" so that a rerun can sweep leftovers. Files and folders get the modes the
+process's umask gives (0644 and 0755 under the usual 022), as a plain `open` or `mkdir` would: the
+temporaries are created with `os.open` / `os.mkdir` rather than `tempfile`, whose private 0600 / 0700 modes
+would otherwise be renamed into place and keep other users (a serving account, a backup) from reading a run.
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,14 +28,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _new_temporary(final: Path, make: Callable[[Path], None]) -> Path:
+    """A fresh temporary name beside `final`, created by `make` (which must fail if the name exists)."""
+    for _ in range(100):
+        tmp = final.with_name(f"{TMP_PREFIX}{final.name}.{secrets.token_hex(4)}")
+        try:
+            make(tmp)
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"no free temporary name beside {final}")
+
+
+def _create_file(path: Path) -> None:
+    # 0o666 less the umask, as open() gives a new file.
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `final`; on success rename it over `final`, on error delete it."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + final.name + ".", dir=final.parent)
-    os.close(fd)
-    tmp = Path(tmp)
+    tmp = _new_temporary(final, _create_file)
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -73,7 +91,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary folder beside `final`; on success swap it in for `final` (old one removed)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX + final.name + ".", dir=final.parent))
+    tmp = _new_temporary(final, lambda path: os.mkdir(path, 0o777))  # 0o777 less the umask, as mkdir gives
     try:
         yield tmp
         if final.exists():

@@ -8,6 +8,7 @@ without starting an engine.
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -103,6 +104,60 @@ def _prompt_bytes(content: bytes):
     return setup
 
 
+def _prompt_path(make):
+    """data.prompts set to tmp/prompts.jsonl, made by `make(path)` (a pipe, a folder, a sparse file ...)."""
+    def setup(run_dir, tmp):
+        make(tmp / "prompts.jsonl")
+        return ["--set", f"data.prompts={tmp / 'prompts.jsonl'}"]
+    return setup
+
+
+def _eval_path(make):
+    def setup(run_dir, tmp):
+        make(tmp / "eval.jsonl")
+        return ["--set", f"data.eval_prompts={tmp / 'eval.jsonl'}"]
+    return setup
+
+
+def _sparse(size: int):
+    def make(path: Path) -> None:
+        with open(path, "wb") as f:
+            f.truncate(size)  # no blocks written: the size check must refuse it without reading
+    return make
+
+
+def _train_with_an_eval_prompt(run_dir, tmp):
+    lines = (REPO / "data" / "prompts_train.jsonl").read_text().splitlines()[:20]
+    # An eval prompt ("Suggest five healthy snacks for work.") again, in other case, spacing and end punctuation.
+    lines[11:11] = [json.dumps({"id": "copied", "prompt": "  suggest FIVE healthy   snacks for work!! "})]
+    (tmp / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return ["--set", f"data.prompts={tmp / 'train.jsonl'}"]
+
+
+def _drafter_folder(key: str, config_json: bool):
+    def setup(run_dir, tmp):
+        (tmp / "drafter").mkdir()
+        if config_json:
+            (tmp / "drafter" / "config.json").write_text("{}")
+        return ["--set", f"{key}={tmp / 'drafter'}"]
+    return setup
+
+
+def _run_folder_holding(size: int):
+    def setup(run_dir, tmp):
+        (run_dir / "01_generate_data").mkdir(parents=True)
+        (run_dir / "01_generate_data" / "leftover.bin").write_bytes(b"x" * size)
+    return setup
+
+
+def _finished_conversations(tokens: int):
+    """A finished stage 01 whose token counts announce `tokens` tokens to capture."""
+    def setup(run_dir, tmp):
+        fake_stage(run_dir, "01_generate_data", {"samples": 1000, "prompt_tokens": tokens // 2,
+                                                 "completion_tokens": tokens - tokens // 2})
+    return setup
+
+
 def _eval_is_train(run_dir, tmp):
     return ["--set", f"data.eval_prompts={REPO / 'data' / 'prompts_train.jsonl'}"]
 
@@ -182,9 +237,9 @@ CASES = [
     ("hidden-state-truncated", {}, lambda r, t: (fake_hidden_states(r, "truncated"), fake_vocab(r)), "04_train.py", [], "hs_1.safetensors: truncated"),
     ("hidden-state-missing", {}, lambda r, t: (fake_hidden_states(r, "missing"), fake_vocab(r)), "04_train.py", [], "1 hidden-state files for 2 dataset rows"),
     ("dataset-out-of-step", {}, lambda r, t: (fake_hidden_states(r, "out_of_step"), fake_vocab(r)), "04_train.py", [], "token ids differ from its dataset row"),
-    ("init-from-not-a-drafter", {"train": {"init_from": "/nonexistent/drafter"}}, lambda r, t: (fake_hidden_states(r), fake_vocab(r)), "04_train.py", [], "train.init_from: /nonexistent/drafter is not a drafter directory"),
+    ("init-from-not-a-drafter", {"train": {"init_from": "/nonexistent/drafter"}}, lambda r, t: (fake_hidden_states(r), fake_vocab(r)), "04_train.py", [], "train.init_from: /nonexistent/drafter does not exist"),
     ("checkpoint-without-weights", {}, lambda r, t: fake_trained(r, with_weights=False), "05_convert.py", [], "checkpoints/0"),
-    ("reference-drafter-not-a-model", {"convert": {"reference_dir": "/nonexistent/ref"}}, lambda r, t: fake_trained(r, with_weights=True), "05_convert.py", [], "convert.reference_dir: /nonexistent/ref has no config.json"),
+    ("reference-drafter-not-a-model", {"convert": {"reference_dir": "/nonexistent/ref"}}, lambda r, t: fake_trained(r, with_weights=True), "05_convert.py", [], "convert.reference_dir: /nonexistent/ref does not exist"),
     ("serve-port-in-use", {}, _busy_port, "06_serve_test.py", [], "serve.port"),
     # config files
     ("config-not-utf8", {}, _config_file(b"extends: TINY\nrun_name: caf\xe9\ndata_root: ROOT\n"),
@@ -214,6 +269,50 @@ CASES = [
      "01_generate_data.py", ["--dry-run"], "data.eval_prompts: /nonexistent-eval.jsonl does not exist"),
     ("eval-prompts-are-the-training-file", {}, _eval_is_train, "01_generate_data.py", ["--dry-run"], "is the same file as data.prompts"),
     ("eval-prompts-copy-the-training-file", {}, _eval_copy_of_train, "01_generate_data.py", ["--dry-run"], "holds the same prompts as data.prompts"),
+    # prompt files: what they are, how large, what their lines hold
+    ("prompts-a-named-pipe", {}, _prompt_path(os.mkfifo), "01_generate_data.py", ["--dry-run"],
+     "prompts.jsonl is a named pipe, not a regular file"),
+    ("eval-prompts-a-named-pipe", {}, _eval_path(os.mkfifo), "01_generate_data.py", ["--dry-run"],
+     ("data.eval_prompts: ", "eval.jsonl is a named pipe, not a regular file")),
+    ("prompts-a-device", {}, _set("data.prompts=/dev/zero"), "01_generate_data.py", ["--dry-run"],
+     "data.prompts: /dev/zero is a character device, not a regular file"),
+    ("prompts-a-folder-named-like-a-file", {}, _prompt_path(Path.mkdir), "01_generate_data.py", ["--dry-run"],
+     "prompts.jsonl is a folder, not a JSONL file"),
+    ("prompts-file-too-large", {}, _prompt_path(_sparse((8 << 30) + 1)), "01_generate_data.py", ["--dry-run"],
+     "prompts.jsonl is 8.0 GiB, above the 8.0 GiB a prompt file may hold"),
+    ("prompts-line-too-long", {}, _prompts('{"prompt": "ok"}\n{"prompt": "' + "x" * (1 << 20) + '"}\n'),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:2: line longer than 1.0 MiB"),
+    ("prompts-nested-too-deeply", {}, _prompts('{"prompt": "ok"}\n' + "[" * 200_000 + "]" * 200_000 + "\n"),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:2: JSON nested too deeply to read"),
+    ("prompts-lone-surrogate", {}, _prompts('{"prompt": "ok"}\n{"prompt": "half a pair \\ud800 here"}\n'),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:2: holds a lone surrogate (U+D800"),
+    ("prompts-torn-utf8-sequence", {}, _prompt_bytes(b'{"prompt": "ok"}\n\n{"prompt": "caf\xc3("}\n'),
+     "01_generate_data.py", ["--dry-run"], "prompts.jsonl:3: byte 0xc3 is not UTF-8"),
+    ("prompts-ask-an-eval-prompt", {}, _train_with_an_eval_prompt, "01_generate_data.py", ["--dry-run"],
+     "data.prompts: 1 training prompt(s) ask what a held-out prompt of data.eval_prompts asks"),
+    ("prompts-too-long-for-the-model", {"verifier": {"max_model_len": 64}, "generation": {"max_tokens": 32},
+                                        "hidden_states": {"max_seq_len": 48}, "serve": {"max_tokens": 32},
+                                        "data": {"num_samples": 2}},
+     _prompts('{"id": "a", "prompt": "Name a colour."}\n{"id": "b", "prompt": "' + "many words " * 200 + '"}\n'),
+     "01_generate_data.py", [], "data.num_samples: 2 conversations wanted but only 1 of the 2 prompts"),
+    # folders the config names, the target's heads, the disk budget (eagle_pipeline/preconditions.py)
+    *[(f"{key}-missing", {}, _set(f"{key}=/nonexistent/folder"), "01_generate_data.py", ["--dry-run"],
+       f"{key}: /nonexistent/folder does not exist")
+      for key in ("vocab.from_drafter", "train.init_from", "convert.reference_dir", "serve.drafter", "serve.baseline")],
+    *[(f"{key}-without-config", {}, _drafter_folder(key, config_json=False), script, ["--dry-run"],
+       (f"{key}: ", "drafter has no config.json, so it is not a drafter folder")) for key, script in (("vocab.from_drafter", "01_generate_data.py"), ("train.init_from", "02_extract_hidden.py"),
+                                       ("convert.reference_dir", "03_build_vocab_map.py"), ("serve.drafter", "06_serve_test.py"))],
+    ("tensor-parallel-splits-no-heads", {}, _set("verifier.tensor_parallel_size=2"), "01_generate_data.py", ["--dry-run"],
+     "verifier.tensor_parallel_size: 2 does not divide the target's 9 attention heads"),
+    # 9 ranks split SmolLM2's 9 heads (and its 3 key/value heads) evenly, on more GPUs than a test host has.
+    ("tensor-parallel-beyond-the-host", {"device": "cuda"}, _set("verifier.tensor_parallel_size=9"), "04_train.py", ["--dry-run"],
+     "this host has"),
+    ("train-gpus-beyond-the-host", {"train": {"num_gpus": 64}}, None, "02_extract_hidden.py", ["--dry-run"],
+     "train.num_gpus: 64, but this host has"),
+    ("run-folder-above-the-budget", {"disk_budget_gb": 1e-5}, _run_folder_holding(20_000), "05_convert.py", ["--dry-run"],
+     "disk_budget_gb: the run folder"),
+    ("hidden-states-above-the-budget", {"disk_budget_gb": 0.5}, _finished_conversations(200_000), "02_extract_hidden.py",
+     ["--dry-run"], "disk_budget_gb: stage 02's hidden states (~0.92 GB for 200000 tokens)"),
     # manifests
     *[(f"manifest-{kind}", {}, _broken_manifest(kind), "02_extract_hidden.py", ["--dry-run"], "rerun that stage (01_generate_data.py) with --force")
       for kind in ("folder", "not-utf8", "not-json", "a-list", "no-status", "counts-a-list")],
@@ -244,7 +343,8 @@ def test_bad_input_gets_one_clear_line_and_loses_nothing(tmp_path, case):
     assert result.returncode == 2, f"{name}: exit {result.returncode}\n{result.stderr[-2000:]}"
     # Progress bars may precede it on stderr; the error itself is one line, the last one.
     assert len(errors) == 1 and lines[-1] == errors[0] and errors[0].startswith("error: "), f"{name}:\n{result.stderr[-2000:]}"
-    assert expected in errors[0], f"{name}: {errors[0]!r} lacks {expected!r}"
+    for text in (expected,) if isinstance(expected, str) else expected:
+        assert text in errors[0], f"{name}: {errors[0]!r} lacks {text!r}"
     assert snapshot(root) == before, f"{name}: files under the data root changed"
 
 

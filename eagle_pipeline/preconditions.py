@@ -1,0 +1,199 @@
+"""What every stage checks first, dry run included, before it writes anything: the config against the target
+model, the host and the folders it names.
+
+- `verifier.tensor_parallel_size` splits the target's attention heads evenly (and its key/value heads, as
+  vLLM's QKV layer needs: one count divides the other), read from the target's config.json (`text_config`
+  for Kimi-K2.5 and other VLMs);
+- the GPUs the run asks for are there: `train.num_gpus`, and on `device: cuda` `verifier.tensor_parallel_size`
+  (counted by `nvidia-smi -L`, or CUDA_VISIBLE_DEVICES where set, or by torch where a stage has already
+  imported it; a CPU run with `train.num_gpus: 0` asks for none and nothing is counted);
+- every folder the config names exists: `vocab.from_drafter`, `train.init_from`, `convert.reference_dir`,
+  `serve.drafter` (drafter folders, with a config.json) and `serve.baseline`. Every stage refuses a missing
+  one, not only the stage that reads it, so that a mistyped path is found before hours of earlier stages;
+- the run folder stays within `disk_budget_gb`: refused when it already holds more, and from stage 02 on, while
+  stage 02 has not finished, when the hidden states it will write (estimated from stage 01's token counts)
+  would take it above.
+
+Stage-specific checks (a drafter's shapes, its layer ids, the vocabulary map) stay with the stage that uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from eagle_pipeline.config import RunConfig
+from eagle_pipeline.errors import BadInput
+
+# (config key, its section and field, the stage that reads the folder)
+DRAFTER_FOLDERS = (("vocab.from_drafter", "vocab", "from_drafter", "03_build_vocab_map"),
+                   ("train.init_from", "train", "init_from", "04_train"),
+                   ("convert.reference_dir", "convert", "reference_dir", "05_convert"),
+                   ("serve.drafter", "serve", "drafter", "06_serve_test"))
+GB = 1e9
+
+
+def _amount(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 1e6:.3g} MB"
+
+
+def check_preconditions(cfg: RunConfig, stage_number: int) -> None:
+    """Every check of this module, cheapest first; BadInput names the first problem."""
+    check_referenced_folders(cfg)
+    check_parallel_split(cfg)
+    check_gpu_count(cfg)
+    check_disk_budget(cfg, stage_number)
+
+
+# -- folders -----------------------------------------------------------------------------------------------
+
+
+def check_referenced_folders(cfg: RunConfig) -> None:
+    for key, section, name, reader in DRAFTER_FOLDERS:
+        value = getattr(getattr(cfg, section), name)
+        if value:
+            _require_folder(cfg.resolve_path(value), key, reader, "a drafter folder", needs_config=True)
+    if cfg.serve.baseline:
+        _require_folder(cfg.resolve_path(cfg.serve.baseline), "serve.baseline", "06_serve_test",
+                        "a finished run's 06_serve_test folder", needs_config=False)
+
+
+def _require_folder(path: Path, key: str, reader: str, kind: str, needs_config: bool) -> None:
+    fix = f"point it at {kind} (stage {reader} reads it) or leave it unset"
+    if not path.exists():
+        raise BadInput(f"{key}: {path} does not exist; {fix}")
+    if not path.is_dir():
+        raise BadInput(f"{key}: {path} is not a folder; {fix}")
+    if needs_config and not (path / "config.json").is_file():
+        raise BadInput(f"{key}: {path} has no config.json, so it is not a drafter folder; {fix}")
+
+
+# -- the target's heads ------------------------------------------------------------------------------------
+
+
+def parallel_split_problem(text_config: dict, tp: int, where: str = "the target") -> str | None:
+    """Why vLLM cannot split this language model's attention across `tp` ranks, or None; `where` names the model."""
+    heads = text_config.get("num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        return None  # nothing to check against; vLLM names the config's own problem
+    kv_heads = text_config.get("num_key_value_heads") or heads
+    if heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0 and d <= tp]
+        return (f"{tp} does not divide the {heads} attention heads of {where}; choose a divisor of {heads} "
+                f"(the largest up to {tp} is {divisors[-1]})")
+    # vLLM's QKV layer gives each rank a share of the key/value heads, or replicates them when there are fewer.
+    if (tp % kv_heads) if tp >= kv_heads else (kv_heads % tp):
+        return (f"{tp} and the {kv_heads} key/value heads of {where} do not divide one another, which vLLM needs to "
+                f"shard or replicate them; choose a tensor parallel size that divides {kv_heads} or is a multiple of it")
+    return None
+
+
+def check_parallel_split(cfg: RunConfig) -> None:
+    tp = cfg.verifier.tensor_parallel_size
+    if tp == 1:  # one rank holds every head: nothing to read
+        return
+    from eagle_pipeline.verifier import Verifier
+
+    verifier = Verifier.from_config(cfg)
+    problem = parallel_split_problem(verifier.text_config(), tp, f"the target ({verifier.path / 'config.json'})")
+    if problem:
+        raise BadInput(f"verifier.tensor_parallel_size: {problem}")
+
+
+# -- the host's GPUs ---------------------------------------------------------------------------------------
+
+
+def count_host_gpus() -> tuple[int, str]:
+    """How many GPUs this process may use, and how that was found."""
+    torch = sys.modules.get("torch")  # counted by torch only where a stage imported it anyway: importing takes seconds
+    if torch is not None:
+        count = torch.cuda.device_count()
+        return count, f"torch.cuda.device_count() is {count}"
+    from eagle_pipeline.locks import visible_gpus
+
+    gpus = visible_gpus() or []
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return len(gpus), f"CUDA_VISIBLE_DEVICES names {len(gpus)}"
+    if shutil.which("nvidia-smi") is None:
+        return 0, "nvidia-smi is not on PATH"
+    return len(gpus), f"nvidia-smi -L lists {len(gpus)}"
+
+
+def check_gpu_count(cfg: RunConfig) -> None:
+    on_cuda, train_gpus = cfg.device == "cuda", cfg.train.num_gpus
+    if not on_cuda and train_gpus == 0:
+        return
+    count, how = count_host_gpus()
+    if on_cuda and count == 0:
+        raise BadInput(f"device: cuda, but this host has no GPU ({how}); set device: cpu, or run on a GPU host "
+                       f"(make its GPUs visible: CUDA_VISIBLE_DEVICES, docker run --gpus all)")
+    tp = cfg.verifier.tensor_parallel_size
+    if on_cuda and tp > count:
+        raise BadInput(f"verifier.tensor_parallel_size: {tp}, but this host has {count} GPU(s) ({how}); lower it to "
+                       f"at most {count}, or run on a host with {tp} GPUs")
+    if train_gpus > count:
+        raise BadInput(f"train.num_gpus: {train_gpus}, but this host has {count} GPU(s) ({how}); lower it to at most "
+                       f"{count} (0 trains on the CPU), or run on a host with {train_gpus} GPUs")
+
+
+# -- the disk budget ---------------------------------------------------------------------------------------
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (links not followed); 0 when it does not exist."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:  # removed while walking
+                pass
+    return total
+
+
+def planned_hidden_state_bytes(cfg: RunConfig) -> tuple[int, str] | None:
+    """What stage 02 will write in all, once stage 01 has finished and stage 02 has not; None otherwise."""
+    from eagle_pipeline.samples import estimate_bytes
+    from eagle_pipeline.stage import STAGES, planned_sample_layout, read_manifest
+    from eagle_pipeline.verifier import Verifier
+
+    conversations = read_manifest(cfg.stage_dir(STAGES[1]))
+    hidden = read_manifest(cfg.stage_dir(STAGES[2]))
+    if (conversations or {}).get("status") != "complete" or (hidden or {}).get("status") == "complete":
+        return None
+    counts = conversations["counts"]
+    tokens = int(counts.get("prompt_tokens") or 0) + int(counts.get("completion_tokens") or 0)
+    # Stage 02 cuts each sequence at hidden_states.max_seq_len: the total is at most that per sample.
+    tokens = min(tokens, int(counts.get("samples") or 0) * cfg.hidden_states.max_seq_len)
+    verifier = Verifier.from_config(cfg)
+    layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    need = estimate_bytes(tokens, layout.num_hidden_states, layout.hidden_size, layout.storage_dtype)
+    return need, f"stage 02's hidden states (~{_amount(need)} for {tokens} tokens)"
+
+
+def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
+    budget = cfg.disk_budget_gb
+    if budget is None:
+        return
+    run_dir = cfg.run_dir
+    held = folder_bytes(run_dir)
+    if held > budget * GB:
+        raise BadInput(f"disk_budget_gb: the run folder {run_dir} already holds {_amount(held)}, above disk_budget_gb "
+                       f"({budget:g} GB); raise disk_budget_gb if the run needs more, or free space in it")
+    if stage_number < 2:
+        return
+    planned = planned_hidden_state_bytes(cfg)
+    if planned is None:
+        return
+    need, what = planned
+    from eagle_pipeline.samples import SAMPLES_DIR
+    from eagle_pipeline.stage import STAGES
+
+    # Samples of an interrupted stage 02 are counted in `need` already.
+    projected = held - folder_bytes(cfg.stage_dir(STAGES[2]) / "data" / SAMPLES_DIR) + need
+    if projected > budget * GB:
+        raise BadInput(f"disk_budget_gb: {what} would take the run folder {run_dir} to ~{_amount(projected)}, above "
+                       f"disk_budget_gb ({budget:g} GB); raise disk_budget_gb, or lower data.num_samples or "
+                       f"hidden_states.max_seq_len, or store hidden_states.storage_dtype: fp8")
