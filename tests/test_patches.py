@@ -173,3 +173,42 @@ def test_kimi_k25_nested_config_loads_with_kimi_k2_text_config(tmp_path):
     text_config = get_verifier_config(str(tmp_path))
     assert isinstance(text_config, DeepseekV3Config)
     assert (text_config.hidden_size, text_config.num_hidden_layers) == (7168, 61)
+
+
+# ---------------------------------------------------------------------------------------------------
+# patches/torch_process_group_timeout.py
+
+
+def test_the_process_group_timeout_patch_relies_on_the_reader_it_was_written_for():
+    from patches import torch_process_group_timeout
+    from patches.upstream import changed_sources
+
+    # Fails when torch changes how a process group's default timeout is chosen.
+    assert changed_sources(torch_process_group_timeout.UPSTREAM_SOURCE_SHA256) == []
+
+
+def test_the_process_group_timeout_is_raised_for_every_backend_and_never_lowered(monkeypatch):
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    from patches import torch_process_group_timeout
+
+    monkeypatch.setattr(distributed_c10d, "default_pg_timeout", timedelta(minutes=30))
+    monkeypatch.setattr(distributed_c10d, "default_pg_nccl_timeout", timedelta(minutes=10))
+    torch_process_group_timeout.apply(3600)
+    torch_process_group_timeout.apply(60)
+    assert distributed_c10d._get_default_timeout(distributed_c10d.Backend.NCCL) == timedelta(hours=1)
+    assert distributed_c10d._get_default_timeout(distributed_c10d.Backend.GLOO) == timedelta(hours=1)
+
+
+def test_the_process_group_timeout_patch_refuses_other_torch_versions(monkeypatch):
+    import importlib
+
+    from patches import torch_process_group_timeout
+
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    with pytest.raises(RuntimeError, match=r"targets torch 2\.13\.0 but 2\.14\.0 is installed"):
+        importlib.reload(torch_process_group_timeout)
+    monkeypatch.undo()
+    importlib.reload(torch_process_group_timeout)

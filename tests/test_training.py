@@ -364,7 +364,8 @@ def test_launcher_trains_with_two_cpu_processes(llama_case, trained, tmp_path, f
 
     out = tmp_path / "04_train"
     # The config only allows fsdp_shard with num_gpus set; the run's device decides where it trains.
-    train = settings(epochs=1, num_gpus=2 if fsdp_shard else 0, fsdp_shard=fsdp_shard)
+    # Early stopping on predicted acceptance: rank 0 replays the checkpoint and sends the figure to rank 1.
+    train = settings(epochs=1, num_gpus=2 if fsdp_shard else 0, fsdp_shard=fsdp_shard, early_stop_patience=1)
     run = llama_case.run(out, max_steps=3)
     command = launch.torchrun_command(train, run, num_processes=2)
     # COLUMNS: speculators' console log wraps its lines at the terminal width.
@@ -381,6 +382,7 @@ def test_launcher_trains_with_two_cpu_processes(llama_case, trained, tmp_path, f
     summary = runner.finalize_training(train, run)
     assert summary["epochs_completed"] == 1 and summary["last"] == {"epoch": 0, "step": 3, "checkpoint": "checkpoints/0"}
     assert summary["best"]["epoch"] == 0 and summary["this_run"]["world_size"] == 2
+    assert summary["best"]["selected_by"] == "predicted_acceptance" and summary["best"]["predicted_acceptance_length"] >= 1
     assert ("--fsdp-shard" in summary["this_run"]["argv"]) == fsdp_shard
     # The checkpoint holds what a single-process run's does.
     single = trained["out"] / trained["summary"]["last"]["checkpoint"]

@@ -26,11 +26,24 @@ def stop_due(epoch: int, best_epoch: int, patience: int | None) -> bool:
     return patience is not None and epoch - best_epoch >= patience
 
 
+def shared_prediction(predictor, epoch: int) -> float | None:
+    """The checkpoint's predicted acceptance length, replayed by rank 0 alone and sent to the other ranks (each
+    rank replaying would load a float32 drafter and the target's embedding and head once per rank: on an
+    8-GPU host, the host's memory eight times over)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return predictor.predict(epoch)[PREDICTED_LENGTH]
+    value = [predictor.predict(epoch)[PREDICTED_LENGTH] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
 class EarlyStopping(logging.Handler):
     """Tracks the best checkpoint from speculators' metric records and raises StopTraining.
 
     With `predictor` (a CheckpointPredictor), checkpoints are ranked by predicted acceptance length, as
-    best.json ranks them; each rank predicts for itself, on the same conversations, so all stop together.
+    best.json ranks them; rank 0 predicts and every rank gets its figure, so all stop together.
     """
 
     def __init__(self, patience: int, best: Mapping[str, Any] | None = None, predictor=None):
@@ -51,7 +64,7 @@ class EarlyStopping(logging.Handler):
         if loss is None:
             return
         epoch = int(message["epoch"])
-        predicted = self.predictor.predict(epoch)[PREDICTED_LENGTH] if self.predictor is not None else None
+        predicted = shared_prediction(self.predictor, epoch) if self.predictor is not None else None
         rule = self.rule if predicted is not None else "val_loss"
         key = selection_key(float(loss), predicted, rule)
         # Strictly better: on ties the earlier checkpoint stays the best, as in best.json.

@@ -163,12 +163,19 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+# How long a rank may wait at a collective: long enough for rank 0's replay of a Kimi-sized checkpoint on the
+# CPU (train.predict_conversations held-out conversations), which NCCL's default 10 minutes may not cover.
+PROCESS_GROUP_TIMEOUT_S = 3 * 3600
+
+
 def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     """Run speculators' trainer for a prepared run in this process (one rank under torch.distributed.run)."""
     import torch
 
-    from patches import speculators_cpu, speculators_packing, speculators_ttt_attention
+    from patches import speculators_cpu, speculators_packing, speculators_ttt_attention, torch_process_group_timeout
 
+    # Rank 0 replays each epoch's checkpoint while the other ranks wait at their next collective.
+    torch_process_group_timeout.apply(PROCESS_GROUP_TIMEOUT_S)
     speculators_cpu.apply()
     speculators_packing.apply(train.packing)
     speculators_ttt_attention.apply()
