@@ -35,7 +35,7 @@ import logging
 import time
 from pathlib import Path
 
-from eagle_pipeline import atomic, plots
+from eagle_pipeline import atomic, engine_starts, plots
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.embedded import EMBEDDED_PREFIX
@@ -209,7 +209,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         from eagle_pipeline.engine import apply_engine_env, llm_kwargs
 
         apply_engine_env(cfg)
-        llm = LLM(**llm_kwargs(cfg, str(verifier.path), dtype=generation_dtype))
+        with engine_starts.timed("answering engine"):
+            llm = LLM(**llm_kwargs(cfg, str(verifier.path), dtype=generation_dtype))
         if prompts is None:
             written = write_prompts(
                 llm, verifier.tokenizer, cfg.data.self_written, wanted=len(sample_ids), run_seed=cfg.seed,

@@ -25,12 +25,38 @@ from typing import Any
 
 import torch
 
-from eagle_pipeline import atomic
+from eagle_pipeline import atomic, engine_starts
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids
 from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
 
 CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
+ENGINE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def capture_sizing(longest_sequence: int) -> dict[str, int]:
+    """`max_model_len` and `max_num_batched_tokens` of a capture engine whose longest sequence has this many
+    tokens: room for it and the one token each request samples, and a batch of one such prefill. Sized by the
+    data, not by the target's serving context: vLLM reserves KV-cache memory (the captured states included)
+    for the batch it profiles, and an engine sized for a serving context over-reserves."""
+    size = int(longest_sequence) + 1
+    return {"max_model_len": size, "max_num_batched_tokens": size}
+
+
+def capture_memory_line(cfg, num_states: int, hidden_size: int, longest_sequence: int) -> str:
+    """What a dry run prints: the hidden states a capture engine of `cfg` (a RunConfig) holds for one batch
+    (`capture_sizing`), beside the KV-cache budget they come out of. An engine dtype of `auto` counts as the
+    2 bytes of the bf16 most checkpoints carry."""
+    v = cfg.verifier
+    width = ENGINE_DTYPE_BYTES.get(v.dtype, 2)
+    per_token = num_states * hidden_size * width
+    batch = capture_sizing(longest_sequence)["max_num_batched_tokens"]
+    budget = (f"verifier.cpu_kvcache_gib {v.cpu_kvcache_gib} GiB" if cfg.device == "cpu" else
+              f"verifier.gpu_memory_utilization {v.gpu_memory_utilization:.2f} of each GPU, less weights and activations")
+    return (f"  capture memory: {num_states} states x {hidden_size} x {width} B = {per_token / 1e3:.1f} KB per token; a "
+            f"batch of {batch} tokens (max_num_batched_tokens) holds {per_token * batch / 2**20:.1f} MiB of hidden "
+            f"states, out of the KV-cache budget ({budget})")
+
 
 def speculative_config(layer_ids: Sequence[int], num_layers: int) -> dict[str, Any]:
     return {
@@ -84,6 +110,7 @@ class HiddenStateCapture:
         tensor_parallel_size: int = 1,
         dtype: str = "bfloat16",
         max_model_len: int = 4096,
+        max_num_batched_tokens: int | None = None,
         trust_remote_code: bool = False,
         extra_engine_args: dict[str, Any] | None = None,
         storage_path: str | os.PathLike | None = None,
@@ -95,6 +122,7 @@ class HiddenStateCapture:
         self.tensor_parallel_size = tensor_parallel_size
         self.dtype = dtype
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.trust_remote_code = trust_remote_code
         self.extra_engine_args = dict(extra_engine_args or {})
         self._requested_storage_path = storage_path
@@ -120,7 +148,9 @@ class HiddenStateCapture:
             "speculative_config": speculative_config(self.layer_ids, self.num_layers),
             "kv_transfer_config": kv_transfer_config(storage_path, device_type),
         }
-        args.update(self.extra_engine_args)
+        if self.max_num_batched_tokens is not None:
+            args["max_num_batched_tokens"] = self.max_num_batched_tokens
+        args.update(self.extra_engine_args)  # verifier.engine_args may size the batch otherwise
         return args
 
     def __enter__(self) -> "HiddenStateCapture":
@@ -136,7 +166,8 @@ class HiddenStateCapture:
         # The engine core and workers import the connector module (patches/, part of the installed
         # package) by name.
         try:
-            self._llm = LLM(**args)
+            with engine_starts.timed("hidden-state capture engine"):
+                self._llm = LLM(**args)
         except BaseException:
             self._remove_storage()
             raise

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eagle_pipeline import atomic, locks, outputs
+from eagle_pipeline import atomic, engine_starts, locks, outputs
 from eagle_pipeline.config import RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
@@ -117,6 +117,10 @@ class StageRecord:
     @property
     def finished_at(self) -> str:
         return (self.manifest or {}).get("finished_at") or ""
+
+    @property
+    def engine_starts(self) -> dict[str, Any]:
+        return (self.manifest or {}).get("engine_starts") or {}
 
 
 def read_stage_records(run_dir: Path) -> list[StageRecord]:
@@ -310,6 +314,7 @@ class Stage:
     def finish(self, counts: dict[str, Any], output_fingerprint: str, extra: dict[str, Any] | None = None) -> None:
         """Mark the stage complete, recording every file it made so that "complete" can be checked later."""
         self._write_manifest("complete", counts=counts, extra={"output_fingerprint": output_fingerprint, **(extra or {}),
+                                                               "engine_starts": engine_starts.summary(),
                                                                "outputs": outputs.record_outputs(self.dir)})
 
     def _write_manifest(self, status: str, counts: dict[str, Any], extra: dict[str, Any]) -> None:

@@ -65,15 +65,19 @@ def main() -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("| stage | status | wall time (s) | key figures |\n|---|---|---|---|")
-    total = 0.0
+    print("| stage | status | wall time (s) | target engine starts (s) | key figures |\n|---|---|---|---|---|")
+    total, starts, start_s = 0.0, 0, 0.0
     for record in read_stage_records(cfg.run_dir):
         seconds = record.wall_time_s
         total += seconds or 0
+        engines = record.engine_starts
+        starts += engines.get("target_starts", 0)
+        start_s += engines.get("target_start_s", 0.0)
+        started = f"{engines['target_starts']} ({engines['target_start_s']:.0f})" if engines else ""
         status = "damaged" if record.damage else record.status or "not run"
         figures = key_figures(record.name, record.counts, record.folder) if record.status == "complete" else record.damage
-        print(f"| {record.name} | {status} | {format_number(seconds, 0) if seconds is not None else ''} | {figures} |")
-    print(f"| total | | {total:.0f} | |")
+        print(f"| {record.name} | {status} | {format_number(seconds, 0) if seconds is not None else ''} | {started} | {figures} |")
+    print(f"| total | | {total:.0f} | {starts} ({start_s:.0f}) | |")
     return 0
 
 

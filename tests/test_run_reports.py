@@ -17,7 +17,9 @@ def fake_run(tmp_path):
     (run_dir / STAGES[1]).mkdir(parents=True)
     (run_dir / STAGES[1] / "manifest.json").write_text(json.dumps({
         "status": "complete", "inputs": {}, "wall_time_s": 125.0, "finished_at": "2026-11-29T10:00:00+00:00",
-        "counts": {"samples": 300, "completion_tokens": 4000, "finish_reasons": {"stop": 300}, "output_tokens_per_s": 51.25}}))
+        "counts": {"samples": 300, "completion_tokens": 4000, "finish_reasons": {"stop": 300}, "output_tokens_per_s": 51.25},
+        "engine_starts": {"target_starts": 1, "target_start_s": 1234.5, "starts": [
+            {"what": "answering engine", "loads_target": True, "seconds": 1234.5}]}}))
     (run_dir / STAGES[2]).mkdir()
     (run_dir / STAGES[2] / "manifest.json").write_text('{"status": "comp')  # torn by hand
     return config
@@ -36,12 +38,13 @@ def test_status_and_report_list_every_stage_and_the_same_damage(tmp_path):
 
     assert list(rows) == list(STAGES.values()) and list(table) == [*STAGES.values(), "total"]
     assert rows[STAGES[1]]["state"] == "done" and table[STAGES[1]][1] == "complete"
-    assert "300 conversations, 4000 answer tokens (finish_reason stop 300), 51.2 output tok/s" in table[STAGES[1]][3]
+    assert "300 conversations, 4000 answer tokens (finish_reason stop 300), 51.2 output tok/s" in table[STAGES[1]][4]
+    assert table[STAGES[1]][3] == "1 (1234)" and table[STAGES[2]][3] == ""
     damage = rows[STAGES[2]]["note"]
     assert rows[STAGES[2]]["state"] == "damaged" and "manifest is not valid JSON" in damage and "--force" in damage
-    assert table[STAGES[2]][1] == "damaged" and table[STAGES[2]][3] == damage
+    assert table[STAGES[2]][1] == "damaged" and table[STAGES[2]][4] == damage
     assert rows[STAGES[3]]["state"] == "pending" and table[STAGES[3]][1] == "not run"
-    assert table["total"][2] == "125"
+    assert table["total"][2] == "125" and table["total"][3] == "1 (1234)"
 
 
 def test_report_refuses_a_config_that_does_not_load_with_one_error_line(tmp_path):

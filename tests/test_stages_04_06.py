@@ -120,6 +120,13 @@ def test_the_run_summary_has_a_row_per_stage_with_its_key_figures(finished):
     report = read(run_dir / "06_serve_test" / "report.json")
     assert "6 conversations" in rows["01_generate_data"] and "layers [2, 15, 27] + final" in rows["02_extract_hidden"]
     assert "checks all ok" in rows["05_convert"]
+    # The target's cold starts, per stage and in all: the answering engine, the capture engine, none in stage 05
+    # (its parity replays offline), and stage 06's three servers and its prediction's capture engine.
+    starts = {name: row.split(" | ")[3].strip() for name, row in rows.items()}
+    assert [starts[name].split(" ")[0] for name in rows] == ["1", "1", "0", "0", "0", "4", "6"], starts
+    manifest = read(run_dir / "06_serve_test" / "manifest.json")
+    assert sorted(s["what"] for s in manifest["engine_starts"]["starts"]) == [
+        "hidden-state capture engine", "vLLM server (server-eagle3)", "vLLM server (server-ngram)", "vLLM server (server-none)"]
     assert (f"acceptance length {report['mean_acceptance_length']:.2f} served, "
             f"{report['predicted_mean_acceptance_length']:.2f} predicted (agrees), "
             f"n-gram {report['ngram_acceptance']['mean_acceptance_length']:.2f}") in rows["06_serve_test"]

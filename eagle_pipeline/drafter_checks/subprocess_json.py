@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from eagle_pipeline import engine_starts
 from eagle_pipeline.process_tree import kill_tree
 
 # Default for one vLLM job (a start, a load or a parity run); stage 05 passes convert.engine_timeout_s.
@@ -42,7 +43,8 @@ def run_json_subprocess(args: list[str], env: dict[str, str] | None = None,
     with tempfile.TemporaryDirectory(prefix="eagle-verify-") as tmp:
         out = Path(tmp) / "result.json"
         log = Path(log_path) if log_path is not None else Path(tmp) / "log.txt"
-        code = run_logged([*command, "--out", str(out)], log, subprocess_env(env), timeout)
+        with engine_starts.timed(f"vLLM job {args[0]}", loads_target=args[0] != "inspect"):
+            code = run_logged([*command, "--out", str(out)], log, subprocess_env(env), timeout)
         if code != 0 or not out.exists():
             tail = log.read_text(errors="replace")[-3000:]
             whole = f" (whole log: {log})" if log_path is not None else ""

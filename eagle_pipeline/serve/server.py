@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
+from eagle_pipeline import engine_starts
 from eagle_pipeline.engine import serve_flags
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.parent_death import signal_on_parent_death
@@ -246,6 +247,7 @@ class VllmServer:
             self.stop()
             raise
         self.start_seconds = time.monotonic() - started
+        engine_starts.record(f"vLLM server ({self.log_path.stem})", self.start_seconds)
 
     def _wait_until_healthy(self, started: float) -> None:
         assert self.process is not None
