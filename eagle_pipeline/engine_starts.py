@@ -36,3 +36,16 @@ def summary() -> dict[str, Any]:
     target = [s for s in STARTS if s["loads_target"]]
     return {"target_starts": len(target), "target_start_s": round(sum(s["seconds"] or 0 for s in target), 1),
             "starts": list(STARTS)}
+
+
+def planned_target_starts(cfg) -> dict[str, int]:
+    """How many times each stage of a full pass of `cfg` starts the target (before any of it has run), the
+    engine probe of stage 06 aside (it serves once per `serve.engine_variants` entry, and only when asked or
+    when served and predicted acceptance disagree with no config mistake to blame)."""
+    from eagle_pipeline.stage import STAGES
+
+    s = cfg.serve
+    served = (s.baseline is None) + s.ngram_baseline + 1  # none (unless a kept baseline answers), n-gram, EAGLE-3
+    prediction = int(s.predict and s.baseline is None)  # a kept baseline holds the captured states too
+    return {STAGES[1]: 1, STAGES[2]: 1, STAGES[3]: 0, STAGES[4]: 0,
+            STAGES[5]: 2 if cfg.convert.parity == "vllm" else 0, STAGES[6]: served + prediction}

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from eagle_pipeline.config import load_config
+from eagle_pipeline.engine_starts import planned_target_starts
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.report import format_number, format_speedup, read_report
 from eagle_pipeline.stage import STAGES, read_stage_records
@@ -59,12 +60,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--plan", action="store_true", help="how often a full pass of this config starts the target, per stage")
     args = parser.parse_args()
     try:
         cfg = load_config(args.config, args.overrides)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.plan:
+        planned = planned_target_starts(cfg)
+        print("| stage | target cold starts |\n|---|---|")
+        for name, count in planned.items():
+            print(f"| {name} | {count} |")
+        print(f"| total | {sum(planned.values())} |")
+        variants = getattr(cfg.serve, "engine_variants", None) or []
+        if variants:
+            print(f"(stage 06's engine probe adds up to {len(variants)} when it runs)")
+        return 0
     print("| stage | status | wall time (s) | target engine starts (s) | key figures |\n|---|---|---|---|---|")
     total, starts, start_s = 0.0, 0, 0.0
     for record in read_stage_records(cfg.run_dir):

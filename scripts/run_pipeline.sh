@@ -18,14 +18,15 @@ for stage in $stages; do
   echo "=== $stage finished in $(( $(date +%s) - start )) s"
 done
 # The summary reads the same config, with the same --set overrides (the stages' other flags are not its own).
-overrides=()
+overrides=(); plan=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --set) overrides+=(--set "$2"); shift 2 ;;
     --set=*) overrides+=("$1"); shift ;;
-    --dry-run) exit 0 ;;
+    --dry-run) plan=(--plan); shift ;;
     *) shift ;;
   esac
 done
-echo "=== summary"
-.venv/bin/python scripts/pipeline_report.py --config "$config" "${overrides[@]}"
+# A dry run ends with how often a full pass starts the target (each start of a large target is a cold start).
+echo "=== $([ ${#plan[@]} -eq 0 ] && echo summary || echo "target cold starts planned")"
+.venv/bin/python scripts/pipeline_report.py --config "$config" "${overrides[@]}" "${plan[@]}"

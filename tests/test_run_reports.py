@@ -52,3 +52,21 @@ def test_report_refuses_a_config_that_does_not_load_with_one_error_line(tmp_path
                             capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout == ""
     assert [line for line in result.stderr.splitlines() if line.strip()][0].startswith("error:"), result.stderr
+
+
+def test_the_plan_counts_the_targets_cold_starts_of_a_full_pass():
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.engine_starts import planned_target_starts
+
+    kimi = REPO / "configs" / "kimi-k2.5-10.yaml"
+    assert sum(planned_target_starts(load_config(kimi)).values()) == 5
+    # Rerunning stage 06 with the first run's baseline kept: the EAGLE-3 server alone.
+    assert planned_target_starts(load_config(kimi, ["serve.baseline=/data/k/06_serve_test"]))[STAGES[6]] == 1
+    # The two-engine parity of stage 05, and n-gram, each cost their starts.
+    assert planned_target_starts(load_config(kimi, ["convert.parity=vllm", "serve.ngram_baseline=true"]))[STAGES[5]] == 2
+    assert sum(planned_target_starts(load_config(kimi, ["serve.ngram_baseline=true"])).values()) == 6
+    # The smoke run's plan is what its manifests record (tests/test_stages_04_06.py).
+    assert sum(planned_target_starts(load_config(REPO / "configs" / "tiny-smoke.yaml")).values()) == 6
+    result = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(kimi), "--plan"],
+                            capture_output=True, text=True, check=True)
+    assert "| total | 5 |" in result.stdout
