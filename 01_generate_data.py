@@ -109,6 +109,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     else:
         # The held-out file is checked here too, so that a bad one is refused before hours of generation.
         prompts, _ = load_training_and_eval_prompts(prompts_path, eval_path, cfg.data.prompt_field)
+        all_prompts = prompts
         if cfg.data.num_samples > len(prompts):
             raise BadInput(
                 f"data.num_samples: {cfg.data.num_samples} exceeds the {len(prompts)} prompts in {prompts_path}; "
@@ -161,7 +162,8 @@ def run(stage: Stage, dry_run: bool) -> None:
                         **cfg.data.self_written.model_dump(mode="json"), "eval_prompts": file_fingerprint(eval_path)
                         if eval_path.is_file() else value_fingerprint(held_out), "system_prompt": cfg.generation.system_prompt}
     else:
-        prompt_input = file_fingerprint(prompts_path) if prompts_path.is_file() else value_fingerprint(prompts)
+        # All of them, not the ones this sample count uses: raising data.num_samples extends the run.
+        prompt_input = file_fingerprint(prompts_path) if prompts_path.is_file() else value_fingerprint(all_prompts)
     inputs = {
         **verifier.fingerprints(),
         "prompts": prompt_input,
@@ -174,8 +176,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         "record_format": RECORD_FORMAT,
     }
     parts_dir = stage.dir / "parts"
-    # Before the manifest is written: a changed input is named first, then samples tied to other prompts.
-    if selection is not None and stage.check_unchanged(inputs, samples=len(sample_ids)) is not None:
+    # Before the manifest is written: a changed input is named first, then samples (to resume or extend) tied
+    # to other prompts. A finished stage is left as it is: its samples stay what they are.
+    if (selection is not None and stage.check_unchanged(inputs, samples=len(sample_ids)) is not None
+            and not stage.already_complete(inputs, samples=len(sample_ids))):
         check_resumed_samples(read_parts(parts_dir, skip_torn=True), sample_ids, selection.kept, parts_dir)
     if stage.start(inputs, samples=len(sample_ids)) is Start.ALREADY_COMPLETE:
         print(f"stage 01 already complete for these inputs: {stage.dir}")

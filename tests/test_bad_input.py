@@ -303,7 +303,7 @@ CASES = [
        (f"{key}: ", "drafter has no config.json, so it is not a drafter folder")) for key, script in (("vocab.from_drafter", "01_generate_data.py"), ("train.init_from", "02_extract_hidden.py"),
                                        ("convert.reference_dir", "03_build_vocab_map.py"), ("serve.drafter", "06_serve_test.py"))],
     ("tensor-parallel-splits-no-heads", {}, _set("verifier.tensor_parallel_size=2"), "01_generate_data.py", ["--dry-run"],
-     "verifier.tensor_parallel_size: 2 does not divide the target's 9 attention heads"),
+     "verifier.tensor_parallel_size: 2 does not divide the 9 attention heads of the target"),
     # 9 ranks split SmolLM2's 9 heads (and its 3 key/value heads) evenly, on more GPUs than a test host has.
     ("tensor-parallel-beyond-the-host", {"device": "cuda"}, _set("verifier.tensor_parallel_size=9"), "04_train.py", ["--dry-run"],
      "this host has"),
