@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from eagle_pipeline import atomic, plots
+from eagle_pipeline.disk_plan import later_stages_bytes, same_disk
 from eagle_pipeline.engine import target_engine_settings
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
@@ -83,8 +84,14 @@ def plan_without_conversations(stage: Stage) -> None:
           f"tensor_parallel={cfg.verifier.tensor_parallel_size}, expert_parallel={cfg.verifier.enable_expert_parallel}")
     print(f"  aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}; stored as {layout.storage_dtype} "
           f"[seq, {layout.num_hidden_states}, {layout.hidden_size}]")
-    print(f"  disk needed at most ~{need / 1e9:.2f} GB ({need / max_tokens / 1e3:.1f} KB/token, every conversation at "
-          f"hidden_states.max_seq_len {cfg.hidden_states.max_seq_len}) under {stage.dir}")
+    later, what = later_stages_bytes(cfg, verifier, layout)
+    per_thousand = estimate_bytes(1000 * cfg.data.num_samples, layout.num_hidden_states, layout.hidden_size, layout.storage_dtype)
+    print(f"  disk: {per_thousand / 1e9:.1f} GB of hidden states per 1,000 tokens of an average conversation "
+          f"({need / max_tokens / 1e3:.1f} KB/token), at most ~{need / 1e9:.1f} GB (every conversation at "
+          f"hidden_states.max_seq_len {cfg.hidden_states.max_seq_len}), under {stage.dir}; stage 02 also reserves {what}")
+    from eagle_pipeline.capture import capture_memory_line
+
+    print(capture_memory_line(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len) + " (at most)")
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -121,7 +128,12 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"tensor_parallel={cfg.verifier.tensor_parallel_size}, expert_parallel={cfg.verifier.enable_expert_parallel}")
         print(f"  aux layer ids {layer_ids} + final layer {verifier.num_layers}; stored as {hs_cfg.storage_dtype} "
               f"[seq, {num_states}, {hidden_size}]")
-        print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} KB/token) under {stage.dir}")
+        later, what = later_stages_bytes(cfg, verifier, layout)
+        print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} KB/token) under {stage.dir}, "
+              f"plus {what} reserved")
+        from eagle_pipeline.capture import capture_memory_line
+
+        print(capture_memory_line(cfg, num_states, hidden_size, max((r["seq_len"] for r in rows), default=1)))
         return
 
     inputs = {
@@ -135,13 +147,18 @@ def run(stage: Stage, dry_run: bool) -> None:
     data_dir = stage.dir / "data"
     hs_dir = data_dir / SAMPLES_DIR
 
+    # Where stage 02 fills the disk that stages 04 and 06 write to next, their share is reserved now.
+    later, later_what = later_stages_bytes(cfg, verifier, layout)
+    if not same_disk(hs_dir, cfg.stage_dir("04_train")):
+        later, later_what = 0, "nothing for later stages (they write to another disk)"
+
     def disk_needed(todo: list[int]) -> int:
-        return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size, hs_cfg.storage_dtype)
+        return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size, hs_cfg.storage_dtype) + later
 
     stage.check_unchanged(inputs, samples=len(rows))  # a changed input is named before a want of disk
     if not stage.already_complete(inputs, samples=len(rows)):  # refused for want of disk before anything is written
         todo = samples_to_capture(rows, hs_dir, num_states, hidden_size)
-        check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples")
+        check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples and {later_what}")
     if stage.start(inputs, samples=len(rows)) is Start.ALREADY_COMPLETE:
         print(f"stage 02 already complete for these inputs: {stage.dir}")
         return
@@ -158,7 +175,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         if row_index >= len(rows):
             stray.unlink()
     todo_tokens = sum(rows[i]["seq_len"] for i in todo)
-    check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples")
+    check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples and {later_what}")
     print(f"stage 02: {len(rows) - len(todo)} of {len(rows)} samples already captured, {len(todo)} to capture ({todo_tokens} tokens)")
 
     # -- capture with vLLM ----------------------------------------------------------------------------
@@ -166,14 +183,14 @@ def run(stage: Stage, dry_run: bool) -> None:
     if todo:
         from tqdm import tqdm
 
-        from eagle_pipeline.capture import HiddenStateCapture
+        from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
         from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
         from eagle_pipeline.samples import write_sample
 
         apply_engine_env(cfg)
         engine = HiddenStateCapture(
-            verifier.path, layer_ids, num_layers=verifier.num_layers, max_model_len=cfg.verifier.max_model_len,
-            storage_path=stage.dir / "connector_scratch", **capture_engine_kwargs(cfg),
+            verifier.path, layer_ids, num_layers=verifier.num_layers, storage_path=stage.dir / "connector_scratch",
+            **capture_sizing(max(rows[i]["seq_len"] for i in todo)), **capture_engine_kwargs(cfg),
         )
         with engine, tqdm(total=todo_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
             t0 = time.monotonic()
@@ -186,6 +203,12 @@ def run(stage: Stage, dry_run: bool) -> None:
                     bar.update(rows[row_index]["seq_len"])
             capture_seconds = time.monotonic() - t0
         shutil.rmtree(stage.dir / "connector_scratch", ignore_errors=True)
+
+    # -- meaning: whole, finite files of the right shape may still hold the wrong layer or position ----
+    from eagle_pipeline.state_meaning import check_stage02_samples, target_head_for
+
+    meaning = check_stage02_samples(hs_dir, rows, target_head_for(verifier), layer_ids, verifier.num_layers,
+                                    greedy=cfg.generation.temperature == 0)
 
     # -- summary --------------------------------------------------------------------------------------
     stored = sum(sample_path(hs_dir, i).stat().st_size for i in range(len(rows)))
@@ -203,6 +226,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "bytes_per_token": round(stored / max(total_tokens, 1), 1),
         "capture_seconds": round(capture_seconds, 1),
         "capture_tokens_per_s": round(todo_tokens / capture_seconds, 1) if capture_seconds else None,
+        "meaning_check": meaning,
     }
     stage.finish(counts, output_fingerprint=value_fingerprint([r["input_ids"] for r in rows]),
                  extra={"resolved": layout.to_json()})

@@ -26,6 +26,7 @@ from pathlib import Path
 from eagle_pipeline import released_drafter
 from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
+from eagle_pipeline.disk_plan import DraftDims, drafter_params, training_bytes
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.preconditions import check_preconditions
@@ -81,19 +82,6 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[releas
     return drafter, {"convention": convention, "written": drafter.written_layer_ids, "hf": ids}
 
 
-def checkpoint_bytes(params: int, frozen: int, keep: int) -> int:
-    """Disk for the kept checkpoints (plus the best): speculators 0.9 saves every weight in bf16 and, for the
-    trained ones only, AdamW's two moments in bf16; the frozen target embeddings (most of a Kimi drafter's
-    parameters) have no optimizer state."""
-    return (2 * params + 4 * (params - frozen)) * (keep + 1)
-
-
-def drafter_params(hidden: int, target_hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, n_aux: int,
-                   draft_vocab: int, vocab: int) -> int:
-    attention = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden  # q/k/v see [embed, hidden]
-    return n_aux * target_hidden * hidden + attention + 3 * hidden * inter + draft_vocab * hidden + vocab * hidden
-
-
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     check_preconditions(cfg, stage.number)
@@ -107,16 +95,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         hidden_manifest, layout = require_sample_layout(cfg)
         vocab_manifest = require_complete(cfg, 3)
     layer_ids = list(layout.layer_ids)
-    text = verifier.text_config()
-    shape = {k: v for k, v in (t.draft_shape.model_dump() if t.draft_shape else {}).items() if v is not None}
-    hidden = shape.get("hidden_size", verifier.hidden_size)
-    heads = shape.get("num_attention_heads", text.get("num_attention_heads"))
-    kv_heads = shape.get("num_key_value_heads", text.get("num_key_value_heads", heads))
-    head_dim = shape.get("head_dim", text.get("head_dim") or hidden // heads)
-    inter = shape.get("intermediate_size", text.get("intermediate_size"))
-    params = drafter_params(hidden, verifier.hidden_size, heads, kv_heads, head_dim, inter, len(layer_ids),
-                            cfg.vocab.draft_vocab_size, verifier.vocab_size)
-    need = checkpoint_bytes(params, frozen=verifier.vocab_size * hidden, keep=t.keep_last)
+    dims = DraftDims.for_run(cfg, verifier)
+    hidden, heads, kv_heads, head_dim, inter = dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate
+    params = drafter_params(dims, verifier.hidden_size, len(layer_ids), cfg.vocab.draft_vocab_size, verifier.vocab_size)
+    need = training_bytes(cfg, verifier, layout)
     if t.num_gpus == 0:
         launcher = "in-process on the CPU"
     else:

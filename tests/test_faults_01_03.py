@@ -166,3 +166,20 @@ def test_disk_full_midway_through_stage_02_keeps_finished_samples_and_a_rerun_co
         assert sorted(p.name for p in hs_dir.iterdir()) == [p.name for p in want_files]
         assert_same_hidden_states(hs_dir, want / "data" / "hidden_states")
         assert manifest["output_fingerprint"] == read_manifest(want)["output_fingerprint"]
+
+
+def test_stage_02_reserves_the_disk_that_stages_04_and_06_write_to_next(small_run, run, tmp_path):
+    """A disk with room for the hidden states alone is refused up front when the later stages share it: it would
+    fill hours later, in training. Nothing is written."""
+    _, _, reference = small_run
+    config, run_dir = run
+    counts = read_manifest(reference / "02_extract_hidden")["counts"]
+    estimate = counts["tokens"] * counts["num_hidden_states"] * counts["hidden_size"] * 2
+    with tmpfs(run_dir, pages(4 * estimate) + 2**20):
+        link = run_dir / "01_generate_data"
+        shutil.copytree(reference / "01_generate_data", link)
+        result = run_stage("02_extract_hidden.py", config)
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "GB of stage 04 checkpoints" in errors[0] and "is free" in errors[0], errors
+        assert not (run_dir / "02_extract_hidden" / "data").exists()
