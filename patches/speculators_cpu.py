@@ -19,10 +19,10 @@ Two more points are plain bugs, also on GPU hosts:
     keeps bf16 master weights, against speculators' own rule that they are fp32; with fp32 hidden states
     (the CPU setting) the first matmul then fails on mixed dtypes.
 One is a speed fix on the CPU:
-  - torch's CPU `argmax` over a bfloat16 tensor runs ~3.8x slower than over the same values in float32,
-    and the drafter's forward (`Eagle3DraftModel.forward`, the draft tokens of each position) and its
-    metrics (`compute_metrics`, predicted and target ids) take it on bf16 logits under autocast: 8.6% of a
-    bf16 training step (BENCHMARKS.md section 3). Those two modules get a `torch` whose `argmax` upcasts a
+  - torch's CPU `argmax` over a bfloat16 tensor runs several times slower than over the same values in
+    float32, and the drafter's forward (`Eagle3DraftModel.forward`, the draft tokens of each position) and its
+    metrics (`compute_metrics`, predicted and target ids) take it on bf16 logits under autocast (its share of
+    a step: docs/measurements.md, "Measured on the 2-core CPU machines"). Those two modules get a `torch` whose `argmax` upcasts a
     bfloat16 CPU tensor first; float32 holds every bfloat16 value exactly, so the ids are the same.
 And one is a transformers gap: Kimi-K2 configs (`model_type: kimi_k2` with an `auto_map` to remote
 code) fail in `AutoConfig.from_pretrained` unless `trust_remote_code`, which speculators never passes.

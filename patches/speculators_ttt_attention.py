@@ -8,7 +8,7 @@ cache, so step k attends over (k + 1) * L keys. Its mask (`create_combined_mask_
 of every later block, only key i: the draft positions it has itself produced. With
 `--draft-attn-impl sdpa` (the CPU setting: flex attention has no CPU backward) torch's attention kernel is
 handed that dense [L, (k + 1) L] mask and computes every score, masked or not: three steps cost 6 L^2 scores
-for about 1.5 L^2 + 3 L that count. Attention was 18% of a bf16 training step (BENCHMARKS.md section 3).
+for about 1.5 L^2 + 3 L that count (attention's share of a step: docs/measurements.md).
 
 `block_attention` computes the same attention from the structure: the step-0 block as one masked matmul
 (the mask's first L columns as built), each later block as one dot product per token (its diagonal), one

@@ -85,8 +85,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """A pytest-xdist worker keeps to its own share of the cores, and so does everything it starts (vLLM binds
     its threads to the cores a process may use, torch sizes its thread pool by them). Two workers on one
     machine's cores would otherwise each start two-thread engines on both, whose threads spin waiting for each
-    other: measured on 2 cores, some tests took 2.8x their time alone, and the whole suite 1.5x as long as with
-    a core each."""
+    other."""
     workerinput = getattr(config, "workerinput", None)
     if workerinput is None or not hasattr(os, "sched_setaffinity"):
         return

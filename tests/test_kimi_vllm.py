@@ -321,7 +321,7 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
 # All six stages again on a second stand-in take 2.5 minutes alone and up to 6 beside the suite's other tests, a
 # share of its 15-minute budget it has no room for: asked for.
 @pytest.mark.skipif(os.environ.get("EAGLE_TEST_MLA_ON_AMX") != "1",
-                    reason="asked for with EAGLE_TEST_MLA_ON_AMX=1 (BENCHMARKS.md section 7)")
+                    reason="asked for with EAGLE_TEST_MLA_ON_AMX=1 (docs/benchmarks/acceptance.md, \"An MLA target: the Kimi-K2.5 stand-in on AMX\")")
 def test_eagle3_on_the_mla_target_serves_as_predicted_with_amx(tmp_path):
     """On a CPU with AMX tiles the whole pipeline runs on the MLA target, stages 05 (parity) and 06 included.
 
