@@ -36,7 +36,9 @@ GB = 1e9
 
 
 def _amount(n: float) -> str:
-    return f"{n / GB:.2f} GB" if n >= 0.01 * GB else f"{n / 1e6:.3g} MB"
+    if n >= 0.1 * GB:
+        return f"{n / GB:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"
 
 
 def check_preconditions(cfg: RunConfig, stage_number: int) -> None:
