@@ -4,7 +4,7 @@
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh sync [--configs]   # copy the code; configs only where the host has none
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh run all CONFIG     # sync, then all stages detached (tmux or nohup)
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh run 2 CONFIG [--set k=v]   # one stage (--no-sync: skip the sync)
-#   EAGLE_HOST=user@gpu-host scripts/remote.sh stop CONFIG        # stop the run's job: SIGTERM, SIGKILL after 30 s
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh stop CONFIG        # stop the job: SIGTERM, SIGKILL after 30 s (stage 04: 180 s)
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh log CONFIG [STAGE] # follow a stage's log (Ctrl-C stops following)
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh log setup          # follow the setup log until setup ends
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh status CONFIG      # table of every stage from the manifests

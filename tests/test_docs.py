@@ -97,8 +97,8 @@ def test_every_cited_section_exists():
 
 
 def test_the_check_sees_the_citations_it_is_meant_to():
-    # Guards the pattern itself: the README's own citations of a stage script, a test and a nested file.
-    paths = {(path, name) for source, path, name in cited([REPO / "README.md"])}
+    # Guards the pattern itself: the docs' own citations of a stage script, a test and a nested file.
+    paths = {(path, name) for source, path, name in cited([REPO / "README.md", REPO / "docs" / "testing.md"])}
     assert ("01_generate_data.py", None) in paths
     assert ("tests/test_training.py", "test_launcher_trains_with_two_cpu_processes") in paths
     assert resolves("eagle_pipeline.serve.report.write_report") and not resolves("eagle_pipeline.serving.write_report")
