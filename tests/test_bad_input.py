@@ -321,6 +321,15 @@ CASES = [
 ]
 
 
+# A folder the config names is refused when missing by every stage's dry run, not only by the stage that reads it
+# (eagle_pipeline/preconditions.py): stage 01 is tried with each above; here each other stage with one of them.
+REFERENCED_FOLDERS = ("vocab.from_drafter", "train.init_from", "convert.reference_dir", "serve.drafter", "serve.baseline")
+LATER_STAGES = ("02_extract_hidden.py", "03_build_vocab_map.py", "04_train.py", "05_convert.py", "06_serve_test.py")
+CASES += [(f"{key}-missing-for-{script[:2]}", {}, _set(f"{key}=/nonexistent/{key}"), script, ["--dry-run"],
+           f"{key}: /nonexistent/{key} does not exist")
+          for key, script in zip(REFERENCED_FOLDERS, LATER_STAGES)]
+
+
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     if not root.exists():
         return {}
@@ -421,3 +430,56 @@ def test_force_replaces_a_damaged_manifest_that_a_plain_rerun_refuses(tmp_path):
     assert not Stage(3, cfg, force=True).already_complete({"x": "1"})
     assert Stage(3, cfg, force=True).start({"x": "1"}) is Start.STARTED
     assert not (folder / "d2t.npy").exists() and json.loads((folder / "manifest.json").read_text())["status"] == "running"
+
+
+# -- every prompt-file defect, for the training and the held-out file alike (generated) ---------------------
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+PROMPT_FILE_DEFECTS = {
+    # name: (make the file at path, what the error line says)
+    "named-pipe": (_fifo, "is a named pipe, not a regular file"),
+    "folder-named-jsonl": (Path.mkdir, "is a folder, not a JSONL file"),
+    "too-large": (_sparse((8 << 30) + 1), "above the 8.0 GiB a prompt file may hold"),
+    "line-too-long": (lambda p: p.write_text('{"prompt": "' + "x" * (1 << 20) + '"}\n'), ":1: line longer than 1.0 MiB"),
+    "nested-too-deeply": (lambda p: p.write_text("[" * 200_000 + "]" * 200_000 + "\n"), ":1: JSON nested too deeply"),
+    "lone-surrogate": (lambda p: p.write_text('{"prompt": "a"}\n{"prompt": "\\udfff"}\n'), ":2: holds a lone surrogate (U+DFFF"),
+    "not-utf8": (lambda p: p.write_bytes(b'{"prompt": "\xff"}\n'), ":1: byte 0xff is not UTF-8"),
+    "not-json": (lambda p: p.write_text('{"prompt": "a"}\n{"prompt": \n'), ":2: not valid JSON"),
+    "not-an-object": (lambda p: p.write_text('"a string"\n'), ":1: expected a JSON object"),
+    "no-prompts": (lambda p: p.write_text("\n \n"), "holds no prompts"),
+}
+PROMPT_FILE_CASES = [(key, defect) for key in ("data.prompts", "data.eval_prompts") for defect in PROMPT_FILE_DEFECTS]
+
+
+@pytest.mark.parametrize("key,defect", PROMPT_FILE_CASES, ids=[f"{k}-{d}" for k, d in PROMPT_FILE_CASES])
+def test_every_prompt_file_defect_is_refused_naming_the_file(tmp_path, key, defect):
+    import threading
+
+    from eagle_pipeline.errors import BadInput
+    from eagle_pipeline.prompts import load_training_and_eval_prompts
+
+    make, expected = PROMPT_FILE_DEFECTS[defect]
+    paths = {"data.prompts": REPO / "data" / "prompts_train.jsonl", "data.eval_prompts": REPO / "data" / "prompts_eval.jsonl"}
+    paths[key] = tmp_path / "bad.jsonl"
+    make(paths[key])
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_training_and_eval_prompts(paths["data.prompts"], paths["data.eval_prompts"], "prompt")
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertions below
+            outcome.append(e)
+
+    # A named pipe that were opened would block the reader for good: it must answer without reading.
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(60)
+    assert outcome, f"{key} {defect}: the loader did not return (it opened what it must only stat)"
+    error = outcome[0]
+    assert isinstance(error, BadInput), f"{key} {defect}: {error!r}"
+    message = str(error)
+    assert "\n" not in message and expected in message and str(paths[key]) in message, message

@@ -3,7 +3,8 @@
 The cases come from the schema itself (pydantic field metadata, walked recursively through every section), so
 a field added later is covered without touching this file, and a field added without a range fails
 `test_every_numeric_field_has_a_range`. Each bad value must raise BadInput naming the dotted field; each value
-on a boundary of its range must load. A handful go through a real stage script to check the CLI contract.
+on a boundary of its range must load; every (field, value) pair is a test case of its own. A handful go through a
+real stage script to check the CLI contract.
 """
 
 from __future__ import annotations
@@ -115,24 +116,42 @@ def test_every_numeric_field_has_a_range(dotted, kind, bounds):
     assert {"ge", "gt"} & set(bounds) and {"le", "lt"} & set(bounds), f"{dotted} needs a lower and an upper bound"
 
 
-@pytest.mark.parametrize("dotted,kind,bounds", FIELDS, ids=[f[0] for f in FIELDS])
-def test_out_of_range_and_wrong_types_are_refused_naming_the_field(base_config, dotted, kind, bounds):
-    bad, good = cases_for(kind, bounds)
-    companions = COMPANIONS.get(dotted, [])
-    for value in bad:
-        with pytest.raises(BadInput) as refused:
-            load_config(base_config, [*companions, f"{dotted}={value}"])
-        message = str(refused.value)
-        assert dotted in message and "\n" not in message, f"{dotted}={value}: {message}"
-    for value in good:
-        try:
-            cfg = load_config(base_config, [*companions, f"{dotted}={value}"])
-        except BadInput as e:
-            pytest.fail(f"{dotted}={value} is on the boundary of {bounds} and must load: {e}")
-        node = cfg
-        for part in dotted.split("."):
-            node = getattr(node, part)
-        assert math.isclose(node, float(value)), (dotted, value, node)
+def generated_values() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(field, value) pairs: every bad value of every numeric field, and every boundary value that must load."""
+    bad, good = [], []
+    for dotted, kind, bounds in FIELDS:
+        refused, accepted = cases_for(kind, bounds)
+        bad += [(dotted, value) for value in refused]
+        good += [(dotted, value) for value in accepted]
+    return bad, good
+
+
+BAD_VALUES, BOUNDARY_VALUES = generated_values()
+
+
+@pytest.mark.parametrize("dotted,value", BAD_VALUES, ids=[f"{d}={v}" for d, v in BAD_VALUES])
+def test_an_out_of_range_or_wrongly_typed_value_is_refused_naming_the_field(base_config, dotted, value):
+    with pytest.raises(BadInput) as refused:
+        load_config(base_config, [*COMPANIONS.get(dotted, []), f"{dotted}={value}"])
+    message = str(refused.value)
+    assert dotted in message and "\n" not in message, f"{dotted}={value}: {message}"
+
+
+@pytest.mark.parametrize("dotted,value", BOUNDARY_VALUES, ids=[f"{d}={v}" for d, v in BOUNDARY_VALUES])
+def test_a_value_on_the_boundary_of_its_range_loads(base_config, dotted, value):
+    try:
+        cfg = load_config(base_config, [*COMPANIONS.get(dotted, []), f"{dotted}={value}"])
+    except BadInput as e:
+        pytest.fail(f"{dotted}={value} is on the boundary of its range and must load: {e}")
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    assert math.isclose(node, float(value)), (dotted, value, node)
+
+
+def test_every_field_gets_bad_and_boundary_values():
+    assert {d for d, _ in BAD_VALUES} == {f[0] for f in FIELDS} == {d for d, _ in BOUNDARY_VALUES}
+    assert len(BAD_VALUES) >= 8 * len(FIELDS)
 
 
 # -- the same contract through a stage script -------------------------------------------------------
