@@ -368,7 +368,8 @@ class RunConfig(Section):
     data_root: str
     seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["cpu", "cuda"] = "cpu"
-    disk_budget_gb: Optional[float] = Field(None, gt=0, le=1e7, description="disk this run is expected to need on data_root")
+    disk_budget_gb: Optional[float] = Field(None, gt=0, le=1e7, description="the most the run folder may hold; every stage "
+                                            "refuses to go beyond it (eagle_pipeline/preconditions.py)")
     # Extra environment for every process the run starts: vLLM engines and servers, the training launcher
     # and its ranks, the detached runner (NCCL settings, CUDA_VISIBLE_DEVICES, VLLM_* switches).
     env: dict[str, str] = Field(default_factory=dict, description="environment variables for every process the run starts")
