@@ -12,7 +12,13 @@ Full scale (8 GPUs):
     python 06_serve_test.py --config configs/kimi-k2.5-10k.yaml
 
 Output in <data_root>/<run_name>/06_serve_test/: report.json, report.md, report.png (acceptance per
-position, tokens/s per mode), responses.jsonl, logs/server-<mode>.log, manifest.json.
+position, tokens/s per mode), responses.jsonl, served.json (the served measurements in full), baseline/ (the
+no-speculation answers and their captured states), logs/server-<mode>.log, manifest.json.
+
+The served measurements are written (report.json, report.md, served.json, baseline/answers.json) before the
+offline prediction starts; a rerun of the same inputs after a failed prediction predicts without serving
+again. When the diagnosis names the engine, `serve.engine_variants` are served with the drafter in turn
+(logs/engine-variant-<n>/) until one serves as predicted.
 """
 
 import json
@@ -23,9 +29,22 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompts import load_prompts
-from eagle_pipeline.serve.baseline import load_baseline, merge_baseline, save_baseline
-from eagle_pipeline.serve.measure import measure_modes
-from eagle_pipeline.serve.report import format_speedup, read_report, render_report_md, write_report
+from eagle_pipeline.serve.baseline import (
+    kept_baseline,
+    load_baseline,
+    merge_baseline,
+    save_baseline_answers,
+    save_baseline_states,
+)
+from eagle_pipeline.serve.report import (
+    format_speedup,
+    per_prompt_acceptance,
+    read_report,
+    read_served,
+    render_report_md,
+    write_report,
+    write_served,
+)
 from eagle_pipeline.serve.server import check_port_free
 from eagle_pipeline.stage import (
     Stage,
@@ -86,6 +105,13 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature {s.temperature}, "
               f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}"
               + (f"; no-speculation answers from {s.baseline}" if s.baseline else ""))
+        if s.predict:
+            print_replay_capture_plan(cfg, foreign, drafter_dir)
+        if s.engine_variants:
+            from eagle_pipeline.serve.engine_probe import describe
+
+            print(f"  engine variants to serve ({s.probe_engine}): "
+                  + "; ".join(f"{i} {describe(v)}" for i, v in enumerate(s.engine_variants, 1)))
         return
     # Every input is checked before the manifest is written: a refusal leaves the stage folder as it was.
     if s.predict and not foreign:  # the replay reads stage 02's layout and stage 04's best checkpoint
@@ -116,33 +142,44 @@ def run(stage: Stage, dry_run: bool) -> None:
             sys.exit(1)
         return
 
-    from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
-
-    report = measure_modes(
-        verifier.path, drafter_dir, [p["messages"] for p in prompts],
-        num_speculative_tokens=s.num_speculative_tokens, modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
-        concurrency=s.concurrency, seed=cfg.seed, port=s.port, log_dir=stage.dir / "logs", **server_kwargs(cfg),
-        startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
-        drafter_settings=drafter_engine_settings(cfg),
-    )
-    if baseline is not None:
-        report = merge_baseline(report, baseline)
-    captured = None
+    messages = [p["messages"] for p in prompts]
+    report = read_served(stage.dir, inputs)
+    if report is None:
+        report = serve_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs)
+        if baseline is not None:
+            report = merge_baseline(report, baseline)
+        report["prompt_ids"] = [p["id"] for p in prompts]
+        # Written before predicting: what was served survives a failed prediction, and a rerun reads it.
+        write_served(stage.dir, inputs, report)
+        if baseline is None:
+            save_baseline_answers(stage.dir, shaped_by, report)
+        report["per_prompt"] = per_prompt_acceptance(report)
+        write_report(stage.dir, {**report, "verdict": "served; prediction pending" if s.predict else None}, messages)
+    else:
+        print(f"stage 06: the served measurements of these inputs are in {stage.dir / 'served.json'} (an earlier run "
+              f"stopped after serving): predicting without serving again")
     if s.predict:
-        captured, prediction_report = predict_and_diagnose(cfg, stage, verifier, foreign, drafter_dir, report, baseline)
+        # States an earlier run of these inputs captured and kept (it stopped after capturing) are reused too.
+        kept = kept_baseline(stage.dir, shaped_by) if baseline is None else None
+        captured, prediction_report = predict_and_diagnose(cfg, stage, verifier, foreign, drafter_dir, report,
+                                                           baseline or kept)
         report.update(prediction_report)
-    if baseline is None:
-        save_baseline(stage.dir, shaped_by, report, captured)
+        if baseline is None and captured is not None:
+            save_baseline_states(stage.dir, captured)
+        diagnosis = report.get("diagnosis")
+        if diagnosis is not None and should_probe(s, diagnosis):
+            report["diagnosis"] = probe(cfg, verifier.path, drafter_dir, messages, stage.dir / "logs", template_kwargs,
+                                        report, diagnosis)
+    report["per_prompt"] = per_prompt_acceptance(report)
     ok, message = verdict(report, s.min_acceptance_length)
     report["verdict"] = message
-    report["prompt_ids"] = [p["id"] for p in prompts]
-    write_report(stage.dir, report, [p["messages"] for p in prompts])
+    write_report(stage.dir, report, messages)
 
     counts = {k: report.get(k) for k in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
                                          "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match",
                                          "predicted_mean_acceptance_length", "predicted_per_position_acceptance")}
     diagnosis = report.get("diagnosis")
-    counts["diagnosis"] = None if diagnosis is None else {k: diagnosis.get(k) for k in ("status", "cause")}
+    counts["diagnosis"] = None if diagnosis is None else {k: diagnosis.get(k) for k in ("status", "cause", "engine_variant")}
     counts["passed"] = ok
     stage.finish(counts, output_fingerprint=value_fingerprint(counts))
     print(render_report_md(report))
@@ -155,11 +192,76 @@ def run(stage: Stage, dry_run: bool) -> None:
         sys.exit(1)
 
 
+def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwargs) -> dict:
+    """Every mode served and measured under `cfg`'s engine settings; the eagle3 server's engine facts beside."""
+    from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
+    from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
+    from eagle_pipeline.serve.measure import measure_modes
+
+    s = cfg.serve
+    kwargs = server_kwargs(cfg)
+    kwargs["env"] = server_env(cfg, kwargs["env"])
+    report = measure_modes(
+        target, drafter_dir, messages, num_speculative_tokens=s.num_speculative_tokens, modes=modes,
+        max_tokens=s.max_tokens, temperature=s.temperature, concurrency=s.concurrency, seed=cfg.seed, port=s.port,
+        log_dir=log_dir, **kwargs, startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
+        drafter_settings=drafter_engine_settings(cfg),
+    )
+    if "eagle3" in modes:
+        report["engine"] = read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg))
+    return report
+
+
+def should_probe(s, diagnosis: dict) -> bool:
+    if not s.engine_variants or s.probe_engine == "never":
+        return False
+    return s.probe_engine == "always" or diagnosis["status"] == "engine"
+
+
+def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: dict, diagnosis: dict) -> dict:
+    """The engine variants served with the drafter in turn; the verdict with what they showed."""
+    from eagle_pipeline.predict.diagnose import with_probe
+    from eagle_pipeline.serve.engine_probe import probe_engine, variant_config
+
+    def serve_variant(index: int, variant) -> dict:
+        folder = log_dir / f"engine-variant-{index}"
+        served = serve_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder, template_kwargs)
+        return {**served["modes"]["eagle3"], "engine": served["engine"], "log": str(folder / "server-eagle3.log")}
+
+    rows = probe_engine(cfg.serve.engine_variants, serve_variant, report.get("predicted_per_position_acceptance") or [],
+                        report.get("predicted_num_drafts"))
+    return with_probe(diagnosis, rows)
+
+
+def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
+    """The dry run's line on the replay's capture engine: the layers it captures and their memory."""
+    from eagle_pipeline.capture import capture_memory_line
+    from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
+    from eagle_pipeline.predict.diagnose import capture_ids, readings
+    from eagle_pipeline.stage import planned_sample_layout
+
+    verifier = Verifier.from_config(cfg)
+    num_layers = verifier.num_layers
+    if foreign:
+        from eagle_pipeline.predict.flat_drafter import read_flat_config
+
+        ids = (vllm_read_aux_ids(read_flat_config(drafter_dir))["v1" if cfg.device == "cpu" else "v2"]
+               or default_layer_ids(num_layers))
+    else:
+        ids = planned_sample_layout(cfg, num_layers, verifier.hidden_size, verifier.vocab_size).layer_ids
+    captured = capture_ids(readings(ids, num_layers, {}, has_d2t=False), num_layers)
+    print(f"  replay: captures layers {captured} + final layer {num_layers} (every reading's ids) of the "
+          f"no-speculation answers, in one engine sized for the longest answer")
+    # The longest prompt and answer stay below verifier.max_model_len.
+    print(capture_memory_line(cfg, len(captured) + 1, verifier.hidden_size, cfg.verifier.max_model_len - 1) + " (at most)")
+
+
 def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir, report: dict, baseline):
-    """The replay under every reading of the drafter, and the verdict with a cause; (captured states, fields)."""
-    from eagle_pipeline.predict.diagnose import widened
+    """The replay under every reading of the drafter, and the verdict with a cause; (states captured now, or None
+    where `baseline`'s kept states held every layer the readings need; fields)."""
     from eagle_pipeline.predict.served import capture_states, diagnosis, folder_plan, predict_served, served_checkpoint, trained_plan
     from eagle_pipeline.serve.baseline import baseline_states
+    from eagle_pipeline.state_meaning import check_replay_states, target_head_for
 
     s = cfg.serve
     scratch = stage.dir / "prediction_scratch"
@@ -175,16 +277,20 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
         findings = config_findings(read_flat_config(drafter_dir), num_layers=num_layers, target_vocab_size=verifier.vocab_size,
                                    has_d2t="d2t" in flat_tensor_names(drafter_dir))
         plan = trained_plan(served_checkpoint(cfg, require_complete(cfg, 4)), layout.layer_ids, num_layers, findings)
-    pairs = [(list(p), list(c)) for p, c in report["token_ids"]["none"] if p is not None and c is not None]
+    answered = [i for i, (p, c) in enumerate(report["token_ids"]["none"]) if p is not None and c is not None]
+    pairs = [(list(p), list(c)) for p, c in (report["token_ids"]["none"][i] for i in answered)]
     captured: list = []
+    checked: dict = {}
 
     def capture(layer_ids):
         stored = baseline_states(baseline, layer_ids) if baseline is not None else None
+        where = f"the states kept in {baseline['dir']}" if stored is not None else "the replay's capture"
         if stored is None:
-            # One layer more on each side: a kept baseline then also serves a folder whose ids are one off.
-            wide = widened(layer_ids, num_layers)
-            stored = capture_states(cfg, verifier.path, wide, num_layers, [p + c for p, c in pairs], scratch), wide
-        captured.append(stored)
+            stored = capture_states(cfg, verifier.path, layer_ids, num_layers, [p + c for p, c in pairs], scratch), list(layer_ids)
+            captured.append(stored)
+        # Shape is checked by the capture; meaning here, before any replay trusts the states.
+        checked.update(check_replay_states(stored[0], pairs, lambda: target_head_for(verifier), stored[1], num_layers,
+                                           greedy=s.temperature == 0, where=where))
         return stored
 
     print(f"stage 06: predicting acceptance offline on the {len(pairs)} answers served without speculation")
@@ -193,7 +299,15 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
     fields = {k: [None if x != x else x for x in v] if isinstance(v, list) else v
               for k, v in prediction.items() if k.startswith("predict")}
     fields["predicted_num_drafts"] = prediction.get("num_drafts")
+    # Per prompt, in the prompts' order (None where the server returned no ids to replay on).
+    for key in ("per_prompt_mean_acceptance_length", "per_prompt_num_drafts"):
+        values = prediction.get(key) or []
+        by_prompt = [None] * len(report["token_ids"]["none"])
+        for i, value in zip(answered, values):
+            by_prompt[i] = value
+        fields[f"predicted_{key}"] = by_prompt
     fields["prediction_readings"] = prediction.get("readings")
+    fields["capture_check"] = checked or None
     fields["diagnosis"] = diagnosis(plan, report, prediction)
     return (captured[0] if captured else None), fields
 

@@ -342,6 +342,23 @@ class ServeConfig(Section):
     # How vLLM computes the drafter (stage 05's parity and stage 06), beside verifier.attention_backend etc.
     drafter_attention_backend: Optional[str] = Field(None, description="vLLM attention backend of the drafter; None: vLLM picks")
     drafter_kv_cache_dtype: Optional[str] = Field(None, description="KV-cache dtype of the drafter; None: the target's")
+    # When served acceptance falls short of the replay and no reading of the drafter's config explains it, the
+    # engine computes the drafter differently: these engine settings are then served with the drafter in turn,
+    # each a dict of ENGINE_VARIANT_KEYS, until one serves as predicted (eagle_pipeline/serve/engine_probe.py).
+    engine_variants: list[dict[str, Any]] = Field(default_factory=list, description="engine settings to serve the drafter "
+                                                  "with in turn when the diagnosis names the engine, e.g. "
+                                                  "[{verifier.attention_backend: TRITON_MLA, env: {VAR: value}}]")
+    probe_engine: Literal["on_engine_verdict", "always", "never"] = Field(
+        "on_engine_verdict", description="when to serve engine_variants: on an engine verdict, always, or never")
+
+    @field_validator("engine_variants")
+    @classmethod
+    def _known_engine_variants(cls, variants):
+        for index, variant in enumerate(variants):
+            problem = engine_variant_problem(variant)
+            if problem:
+                raise ValueError(f"entry {index}: {problem}")
+        return variants
 
     @field_validator("drafter_attention_backend")
     @classmethod
@@ -503,6 +520,34 @@ def check_attention_backend(name: str | None) -> str | None:
 
 def check_kv_cache_dtype(dtype: str) -> str:
     return _check_name(dtype, vllm_cache_dtypes(), "a vLLM KV-cache dtype")
+
+
+# The engine settings a serve.engine_variants entry may override (docs/engines.md, "Engine settings"): each
+# names the field it overrides, whose own checks its value gets; `env` is merged into the run's env.
+ENGINE_VARIANT_KEYS = ("verifier.attention_backend", "verifier.kv_cache_dtype", "verifier.enforce_eager",
+                       "verifier.model_runner", "serve.drafter_attention_backend", "serve.drafter_kv_cache_dtype", "env")
+
+
+def engine_variant_problem(variant: Any) -> str | None:
+    """Why a serve.engine_variants entry cannot be served, or None."""
+    if not isinstance(variant, dict) or not variant:
+        return f"each entry is a mapping of engine keys to values, e.g. {{verifier.attention_backend: TRITON_MLA}}; got {variant!r}"
+    sections = {"verifier": VerifierConfig, "serve": ServeConfig}
+    for key, value in variant.items():
+        if key not in ENGINE_VARIANT_KEYS:
+            return f"unknown key {key!r}; allowed: {', '.join(ENGINE_VARIANT_KEYS)}"
+        if key == "env":
+            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+                return "env: must map variable names to strings (quote numbers)"
+            continue
+        section, field = key.split(".")
+        model = sections[section]
+        try:  # the field's own type and validators, on an otherwise empty section
+            model.__pydantic_validator__.validate_assignment(model.model_construct(), field, value)
+        except ValidationError as e:
+            first = e.errors()[0]
+            return f"{key}: {first['ctx']['error'] if first['type'] == 'value_error' else first['msg']} (got {value!r})"
+    return None
 
 
 # -- loading ---------------------------------------------------------------------------------------

@@ -66,8 +66,8 @@ def test_capture_ids_and_slots_serve_every_reading():
     assert dx.as_variant(readings[0], ids, 30).aux_slots == (1, 4, 7)
     plus = next(r for r in readings if r.name == "ids_plus_one")
     assert dx.as_variant(plus, ids, 30).aux_slots == (2, 5, 8)
-    # Widened by one: a folder with ids one higher finds its own neighbours in the same capture.
-    assert dx.capture_ids(readings, 30, widen=1) == [1, 2, 3, 4, 13, 14, 15, 16, 17, 25, 26, 27, 28, 29]
+    # Only the layers some reading feeds: the final layer (30, ids + 1 from 29) is the sample's last slot anyway.
+    assert dx.capture_ids(_readings(ids=(1, 15, 29)), 30) == [1, 2, 15, 16, 27, 29]
 
 
 def test_short_served_acceptance_is_explained_by_the_reading_that_reproduces_it():
@@ -75,7 +75,7 @@ def test_short_served_acceptance_is_explained_by_the_reading_that_reproduces_it(
     predictions["as_trained"] = _summary([0.8, 0.7, 0.6])
     predictions["ids_plus_one"] = _summary([0.31, 0.12, 0.02])
     result = _judge([0.3, 0.1, 0.0], 190, predictions)
-    assert result["status"] == "short" and not result["passed"]
+    assert result["status"] == "config" and not result["passed"]
     assert result["cause"] == "ids_plus_one" and result["reproduced"]
     # The verdict line prints rounded figures.
     assert "0.30/0.10/0.00" in result["line"] and "0.80/0.70/0.60" in result["line"]
@@ -140,6 +140,71 @@ def test_a_config_fault_is_named_before_any_replayed_reading():
     fault = {"name": "d2t_missing", "fault": True, "text": "no d2t"}
     result = _judge([0.6, 0.3, 0.1], 200, predictions, [fault])
     assert result["status"] == "config" and result["cause"] == "d2t_missing" and not result["passed"]
+
+
+# An engine's facts as eagle_pipeline.serve.engine_facts summarizes them (the SM120 trap).
+ENGINE = {"summary": "target attention backend FLASHINFER_MLA, drafter attention backend TRITON_ATTN, KV-cache dtype "
+                     "fp8 (drafter: the target's), model runner V2, torch.compile VLLM_COMPILE, CUDA graphs FULL"}
+
+
+def _engine_judge(served, predictions, findings=()):
+    texts = {r.name: r.text for r in _readings()}
+    return dx.diagnose(served, 300, predictions, texts, "as_trained", list(findings), engine=ENGINE)
+
+
+def test_short_served_acceptance_that_no_reading_reproduces_names_the_engine():
+    predictions = _every_reading([0.75, 0.6, 0.5], kl=0.1)
+    predictions["as_trained"] = _summary([0.8, 0.7, 0.6], kl=0.1)
+    predictions["ids_plus_one"] = _summary([0.6, 0.4, 0.3], kl=0.2)
+    result = _engine_judge([0.3, 0.1, 0.05], predictions)
+    assert result["status"] == "engine" and result["cause"] == "engine" and not result["passed"], result["line"]
+    line = result["line"]
+    assert line.startswith("DIAGNOSIS FAIL: ") and "no reading of the drafter's config reproduces it" in line
+    # The suspects of this run and what to try, and no reading named as the cause.
+    assert "FLASHINFER_MLA" in line and "KV-cache dtype fp8" in line and "serve.engine_variants" in line
+    assert "the drafter matches ids" not in line and "one layer higher" not in line
+    assert result["closest"] == "ids_plus_one" and result["engine"] == ENGINE
+
+
+def test_an_engine_that_accepts_nothing_is_not_blamed_on_a_reading_that_accepts_nothing_too():
+    """The user's SM120 trap: a correct drafter served 0%; without its map the replay accepts nothing too."""
+    predictions = _every_reading([0.75, 0.6, 0.5], kl=0.1)
+    predictions["d2t_dropped"] = _summary([0.01, 0.0, 0.0])
+    result = _engine_judge([0.0, 0.0, 0.0], predictions)
+    assert result["status"] == "engine" and "d2t" not in result["cause_text"], result["line"]
+    assert result["also_accepting_nothing"] == ["d2t_dropped"] and "served accepts next to nothing" in result["line"]
+    # Where the folder really has no map, the config names it.
+    fault = {"name": "d2t_missing", "fault": True, "text": "no d2t for a 512-token draft vocabulary"}
+    named = _engine_judge([0.0, 0.0, 0.0], predictions, [fault])
+    assert named["status"] == "config" and named["cause"] == "d2t_missing"
+    # Some acceptance that only the missing map reproduces names the map.
+    predictions["d2t_dropped"] = _summary([0.3, 0.1, 0.02])
+    assert _engine_judge([0.31, 0.09, 0.02], predictions)["cause"] == "d2t_dropped"
+
+
+def test_the_engine_probe_names_the_variant_that_serves_as_predicted():
+    predictions = _every_reading([0.75, 0.6, 0.5], kl=0.1)
+    verdict = _engine_judge([0.0, 0.0, 0.0], predictions)
+    rows = [{"index": 1, "variant": {"verifier.model_runner": "v1"}, "text": "verifier.model_runner=v1",
+             "served": [0.0, 0.0, 0.0], "agrees": False, "error": None},
+            {"index": 2, "variant": {"verifier.attention_backend": "FLASH_ATTN"}, "text": "verifier.attention_backend=FLASH_ATTN",
+             "served": None, "agrees": False, "error": "ValueError: not valid"},
+            {"index": 3, "variant": {"verifier.attention_backend": "TRITON_MLA"}, "text": "verifier.attention_backend=TRITON_MLA",
+             "served": [0.74, 0.6, 0.49], "agrees": True, "error": None}]
+    found = dx.with_probe(verdict, rows)
+    assert found["status"] == "engine" and not found["passed"] and found["engine_variant"] == rows[2]["variant"]
+    assert "engine variant 3 (verifier.attention_backend=TRITON_MLA) serves as predicted (0.74/0.60/0.49)" in found["line"]
+    assert "serve.engine_variants (e.g." not in found["line"] and "FLASHINFER_MLA" in found["line"]
+    none = dx.with_probe(verdict, rows[:2])
+    assert "engine_variant" not in none
+    assert "none of the 2 engine variants serves as predicted" in none["line"]
+    assert "2 (verifier.attention_backend=FLASH_ATTN): failed to start (ValueError: not valid)" in none["line"]
+
+
+def test_served_agrees_within_the_tolerance_at_every_position():
+    assert dx.served_agrees([0.77, 0.66, 0.55], 200, [0.8, 0.7, 0.6], 190)
+    assert not dx.served_agrees([0.3, 0.66, 0.55], 200, [0.8, 0.7, 0.6], 190)
+    assert dx.served_agrees([0.9, 0.9, 0.9], 200, [0.8, 0.7, 0.6], 190)  # above predicted is no engine fault
 
 
 def test_tolerance_grows_with_fewer_drafts_and_has_a_floor():

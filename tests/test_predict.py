@@ -145,6 +145,20 @@ def test_counts_match_vllm_definitions():
     assert summary["predicted_acceptance_rate"] == 6 / 12
 
 
+def test_each_conversation_keeps_its_own_figures_as_the_engine_reports_them_per_request():
+    tokens = short_sequence(40)
+    perfect, wrong = FakeDrafter(tokens), FakeDrafter(tokens, lambda step, rows: torch.zeros_like(rows, dtype=torch.bool))
+    counts = AcceptanceCounts(3)
+    aux = torch.randn(40, 4, 4)
+    for index, drafter in enumerate((perfect, wrong)):
+        counts = walk_chains(draft_table(drafter, tokens, aux[:, :3], 3), tokens, 5, counts, sequence=index)
+    walk_chains(torch.zeros(5, 3, dtype=torch.long), short_sequence(6), 3, counts, sequence=2)  # no chain fits
+    summary = counts.summary()
+    assert summary["per_sequence_mean_acceptance_length"] == [4.0, 1.0, None]
+    assert summary["per_sequence_num_drafts"] == [8, 32, 0]
+    assert sum(summary["per_sequence_num_drafts"]) == summary["num_drafts"]
+
+
 def test_a_sequence_too_short_for_a_chain_counts_no_draft():
     tokens = short_sequence(6)
     counts = walk_chains(torch.zeros(5, 3, dtype=torch.long), tokens, 3, AcceptanceCounts(3))

@@ -22,7 +22,13 @@ from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
 from eagle_pipeline.serve.measure import ModeMeasurement, measure_modes, speculative_config_for, summarize
 from eagle_pipeline.serve.report import write_report
 from eagle_pipeline.serve.server import ServerFailed, VllmServer, _ServerGuard, check_port_free, find_free_port
-from eagle_pipeline.serve.spec_metrics import acceptance_stats, metrics_delta, parse_spec_metrics, scrape_spec_metrics
+from eagle_pipeline.serve.spec_metrics import (
+    acceptance_stats,
+    metrics_delta,
+    parse_spec_metrics,
+    request_acceptance,
+    scrape_spec_metrics,
+)
 
 # Excerpts of /metrics captured from a real vLLM 0.32 CPU server (SmolLM2-135M-Instruct, ngram, 3 draft
 # tokens), before and after a prompt run; only the model_name label was shortened. AFTER keeps the
@@ -271,6 +277,12 @@ class _FakeOpenAIServer:
                     "choices": [{"index": 0, "finish_reason": "stop",
                                  "message": {"role": "assistant", "content": prompt.upper()}}],
                     "usage": {"prompt_tokens": words, "completion_tokens": 2 * words, "total_tokens": 3 * words},
+                    # vLLM's per-request acceptance (--per-request-spec-decode-metrics summary): one step that
+                    # accepted nothing and one per word that accepted all 3 drafts.
+                    "metrics": {"speculative_decoding": {
+                        "mean_acceptance_length": 1 + 3 * words / (words + 1), "draft_acceptance_rate": words / (words + 1),
+                        "acceptance_histogram": [1, 0, 0, words], "num_spec_steps": words + 1,
+                        "num_accepted_draft_tokens": 3 * words, "num_draft_tokens": 3 * (words + 1), "num_spec_tokens": 3}},
                 }).encode())
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -296,6 +308,11 @@ def test_run_prompts_keeps_prompt_order_and_records_usage():
     assert run.texts == ["ONE", "TWO WORDS", "THREE MORE WORDS", "FOUR"]
     assert [r.output_tokens for r in run.requests] == [2, 4, 6, 2] and run.output_tokens == 14
     assert all(r.latency_s >= 0.05 for r in run.requests) and run.wall_s >= 0.05
+    # Each request's own acceptance, from the response's metrics.speculative_decoding.
+    per_request = [request_acceptance(r.spec_decode) for r in run.requests]
+    assert [a["num_drafts"] for a in per_request] == [2, 3, 4, 2]
+    assert per_request[1]["mean_acceptance_length"] == pytest.approx(1 + 6 / 3)
+    assert per_request[2]["per_position_acceptance"] == pytest.approx([3 / 4, 3 / 4, 3 / 4])
 
 
 def test_rejected_prompt_is_bad_input_naming_its_index():
@@ -633,3 +650,165 @@ def test_engine_settings_reach_every_engine_and_the_environment_reaches_every_pr
     assert MODEL_RUNNER_VARIABLE not in engine_env(plain) and engine_env(plain)["VLLM_LOGGING_LEVEL"] == "WARNING"
     assert engine_env(load_config(SMOKE_CONFIG, ["device=cuda"]))["VLLM_LOGGING_LEVEL"] == "INFO"
     assert drafter_engine_settings(plain) == {}
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the engine logged, the engine probe, and the served record
+
+
+# Two server starts in one log file (a log folder outlives --force), in the shapes vLLM 0.32 logs them
+# (v1/engine/core.py, platforms/cuda.py, config/vllm.py); only the later start counts.
+ENGINE_LOG = """\
+$ python -m vllm.entrypoints.openai.api_server --model /m --kv-cache-dtype auto
+(EngineCore pid=1) INFO 12-06 06:00:00 [core.py:134] Initializing a V1 LLM engine (v0.32.0) with config: model='/m', \
+speculative_config=SpeculativeConfig(method='eagle3', model='/d', num_spec_tokens=3), dtype=torch.bfloat16, \
+quantization=None, quantization_config=None, enforce_eager=True, aux_output_config=None, kv_cache_dtype=auto, \
+device_config=cuda, compilation_config={'mode': <CompilationMode.NONE: 0>, 'cudagraph_mode': <CUDAGraphMode.NONE: 0>}
+(EngineCore pid=1) INFO 12-06 06:00:01 [cuda.py:446] Using AttentionBackendEnum.TRITON_MLA backend.
+$ python -m vllm.entrypoints.openai.api_server --model /m --kv-cache-dtype fp8
+(EngineCore pid=2) INFO 12-06 07:00:00 [core.py:134] Initializing a V1 LLM engine (v0.32.0) with config: model='/m', \
+speculative_config=SpeculativeConfig(method='eagle3', model='/d', num_spec_tokens=3), dtype=torch.bfloat16, \
+quantization=compressed-tensors, quantization_config={'format': 'pack-quantized', 'bits': 4}, enforce_eager=False, \
+aux_output_config=None, kv_cache_dtype=fp8, device_config=cuda, \
+compilation_config={'mode': <CompilationMode.VLLM_COMPILE: 3>, 'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: 3>}
+(EngineCore pid=2) INFO 12-06 07:00:01 [prefill/selector.py:106] Using FLASHINFER MLA prefill backend.
+(EngineCore pid=2) INFO 12-06 07:00:01 [cuda.py:507] Using FLASHINFER_MLA attention backend out of potential backends: \
+['FLASHINFER_MLA', 'TRITON_MLA'].
+(EngineCore pid=2) INFO 12-06 07:00:02 [cuda.py:507] Using FLASH_ATTN attention backend out of potential backends: \
+['FLASH_ATTN', 'TRITON_ATTN'].
+"""
+
+
+def test_engine_facts_are_read_from_the_servers_last_start(tmp_path):
+    from eagle_pipeline.serve.engine_facts import read_engine_facts
+
+    log = tmp_path / "server-eagle3.log"
+    log.write_text(ENGINE_LOG)
+    declared = {"verifier.kv_cache_dtype": "fp8", "serve.drafter_kv_cache_dtype": None, "verifier.model_runner": "auto",
+                "env": {}}
+    facts = read_engine_facts(log, declared)
+    assert facts["target_attention_backend"] == "FLASHINFER_MLA" and facts["drafter_attention_backend"] == "FLASH_ATTN"
+    assert facts["kv_cache_dtype"] == "fp8" and facts["quantization"] == "compressed-tensors"
+    assert facts["enforce_eager"] == "False" and facts["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert facts["model_runner"] == "V2" and facts["vllm_version"] == "v0.32.0"
+    summary = facts["summary"]
+    assert "target attention backend FLASHINFER_MLA, drafter attention backend FLASH_ATTN, KV-cache dtype fp8" in summary
+    assert "model runner V2" in summary and "CUDA graphs FULL_AND_PIECEWISE" in summary
+    # The CPU build logs no backend for a non-MLA model and falls back to the V1 runner with a warning.
+    log.write_text("$ python -m vllm...\n(EngineCore pid=3) WARNING 12-06 06:32:17 [vllm.py:725] Model Runner V2 requires "
+                   "Triton; using the V1 model runner instead.\n")
+    cpu = read_engine_facts(log, {**declared, "verifier.attention_backend": None, "verifier.enforce_eager": True})
+    assert cpu["model_runner"] == "V1" and "Triton" in cpu["model_runner_reason"]
+    assert "target attention backend vLLM's choice, not logged" in cpu["summary"]
+    assert "enforce_eager True (declared; not logged)" in cpu["summary"]
+
+
+def test_stage06_servers_log_at_info_unless_the_config_says_otherwise():
+    from conftest import SMOKE_CONFIG
+
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.engine import engine_env
+    from eagle_pipeline.serve.engine_facts import server_env
+
+    plain = load_config(SMOKE_CONFIG)
+    assert server_env(plain, engine_env(plain))["VLLM_LOGGING_LEVEL"] == "INFO"
+    for override in ("verifier.log_level=ERROR", "env={VLLM_LOGGING_LEVEL: DEBUG}"):
+        cfg = load_config(SMOKE_CONFIG, [override])
+        assert server_env(cfg, engine_env(cfg)) == engine_env(cfg)
+
+
+def test_engine_variants_are_checked_when_the_config_loads():
+    from conftest import SMOKE_CONFIG
+
+    from eagle_pipeline.config import load_config
+
+    good = load_config(SMOKE_CONFIG, ["serve.engine_variants=[{verifier.attention_backend: TRITON_MLA, "
+                                      "serve.drafter_attention_backend: TRITON_ATTN}, {env: {A: 'off'}}]"])
+    assert good.serve.engine_variants[1] == {"env": {"A": "off"}}
+    for value, says in (("[{verifier.dtype: float16}]", "unknown key 'verifier.dtype'; allowed: verifier.attention_backend"),
+                        ("[{verifier.attention_backend: TRITON_MAL}]", "'TRITON_MAL' is not a vLLM attention backend"),
+                        ("[{verifier.model_runner: v3}]", "verifier.model_runner: Input should be"),
+                        ("[{env: {A: 1}}]", "env: must map variable names to strings"),
+                        ("[{}]", "each entry is a mapping of engine keys")):
+        with pytest.raises(BadInput) as refused:
+            load_config(SMOKE_CONFIG, [f"serve.engine_variants={value}"])
+        line = str(refused.value)
+        assert "\n" not in line and "serve.engine_variants: entry 0: " in line and says in line, line
+
+
+def test_a_variant_overrides_the_engine_keys_of_every_engine_it_starts():
+    from conftest import SMOKE_CONFIG
+
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.engine import MODEL_RUNNER_VARIABLE, drafter_engine_settings, server_kwargs
+    from eagle_pipeline.serve.engine_probe import describe, variant_config
+
+    cfg = load_config(SMOKE_CONFIG, ["env={KEEP: '1', FAULT: 'on'}"])
+    variant = {"verifier.kv_cache_dtype": "fp8", "verifier.model_runner": "v1", "serve.drafter_kv_cache_dtype": "auto",
+               "env": {"FAULT": "off"}}
+    probed = variant_config(cfg, variant)
+    kwargs = server_kwargs(probed)
+    assert kwargs["extra_args"][kwargs["extra_args"].index("--kv-cache-dtype") + 1] == "fp8"
+    assert kwargs["env"]["FAULT"] == "off" and kwargs["env"]["KEEP"] == "1" and kwargs["env"][MODEL_RUNNER_VARIABLE] == "0"
+    assert drafter_engine_settings(probed) == {"kv_cache_dtype": "auto"}
+    assert cfg.verifier.kv_cache_dtype == "auto" and cfg.env["FAULT"] == "on"  # the run's own config is untouched
+    assert describe(variant) == ("verifier.kv_cache_dtype=fp8, verifier.model_runner=v1, serve.drafter_kv_cache_dtype=auto, "
+                                 "env FAULT=off")
+
+
+def test_the_probe_serves_variants_in_turn_until_one_serves_as_predicted():
+    from eagle_pipeline.serve.engine_probe import probe_engine
+
+    served = []
+
+    def serve(index, variant):
+        served.append(index)
+        if index == 1:
+            raise ServerFailed("vLLM server exited with code 1 before becoming healthy; log x:\nTraceback\n"
+                               "ValueError: Selected backend TRITON_MLA is not valid for this configuration.\nend")
+        figures = {2: [0.1, 0.0, 0.0], 3: [0.79, 0.7, 0.58]}[index]
+        return {"per_position_acceptance": figures, "num_drafts": 200, "mean_acceptance_length": 1 + sum(figures)}
+
+    variants = [{"verifier.attention_backend": "TRITON_MLA"}, {"verifier.model_runner": "v1"}, {"env": {"F": "off"}},
+                {"verifier.enforce_eager": True}]
+    rows = probe_engine(variants, serve, [0.8, 0.7, 0.6], 190, log=lambda *_: None)
+    assert served == [1, 2, 3]  # stops at the first that agrees
+    assert [row["agrees"] for row in rows] == [False, False, True]
+    assert rows[0]["error"] == "ValueError: Selected backend TRITON_MLA is not valid for this configuration."
+    assert rows[2]["variant"] == {"env": {"F": "off"}} and rows[2]["text"] == "env F=off"
+
+
+def test_the_served_record_is_read_back_only_for_the_same_inputs(tmp_path):
+    from eagle_pipeline.serve.report import read_served, write_served
+
+    report = {"num_prompts": 1, "texts": {"none": ["a"]}, "token_ids": {"none": [([1, 2], [3])]}}
+    write_served(tmp_path, {"serve": "x"}, report)
+    back = read_served(tmp_path, {"serve": "x"})
+    assert back["token_ids"]["none"] == [([1, 2], [3])] and back["texts"] == {"none": ["a"]}
+    assert read_served(tmp_path, {"serve": "y"}) is None and read_served(tmp_path / "none", {"serve": "x"}) is None
+
+
+def test_report_lists_the_worst_prompts_the_engine_and_the_probe():
+    from eagle_pipeline.serve.report import per_prompt_acceptance, render_report_md
+
+    report = summarize(_measurements(), num_speculative_tokens=3, temperature=0.0, max_tokens=30, concurrency=1)
+    report["modes"]["eagle3"]["per_prompt"] = [
+        {"mean_acceptance_length": 2.5, "num_drafts": 10, "per_position_acceptance": [0.8, 0.5, 0.2]},
+        {"mean_acceptance_length": 1.2, "num_drafts": 20, "per_position_acceptance": [0.2, 0.0, 0.0]},
+        None]
+    report.update(prompt_ids=["a", "b", "c"], predicted_per_prompt_mean_acceptance_length=[2.4, 2.2, None],
+                  predicted_per_prompt_num_drafts=[9, 12, None])
+    report["per_prompt"] = per_prompt_acceptance(report)
+    assert report["per_prompt"][1] == {"index": 1, "id": "b", "served_mean_acceptance_length": 1.2, "served_num_drafts": 20,
+                                       "predicted_mean_acceptance_length": 2.2, "predicted_num_drafts": 12}
+    report["engine"] = {"summary": "target attention backend FLASHINFER_MLA", "log": "x.log"}
+    report["diagnosis"] = {"line": "DIAGNOSIS FAIL: engine", "engine_probe": [
+        {"index": 1, "text": "verifier.model_runner=v1", "served": None, "error": "ValueError: no", "predicted": [0.8],
+         "agrees": False},
+        {"index": 2, "text": "env F=off", "served": [0.79], "mean_acceptance_length": 1.79, "predicted": [0.8], "agrees": True}]}
+    markdown = render_report_md(report)
+    worst = markdown.split("## Worst prompts")[1]
+    assert worst.index("| b | 1.20 | 20 | 2.20 | 12 |") < worst.index("| a | 2.50 | 10 | 2.40 | 9 |")
+    assert "target attention backend FLASHINFER_MLA (log: x.log)" in markdown
+    assert "| 1 | verifier.model_runner=v1 | did not start: ValueError: no |" in markdown
+    assert "| 2 | env F=off | 0.79 | 1.79 | 0.80 | yes |" in markdown

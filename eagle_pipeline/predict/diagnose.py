@@ -6,8 +6,17 @@ conventions, docs/layer_ids.md), the target's default ids (what vLLM captures wh
 norm flag flipped, no `d2t` (vLLM's identity map), the final-layer slot after the final norm instead of
 before. Then:
 
-- served short of the reference beyond the tolerance at some position: the engine does not feed the
-  drafter as it was trained; the cause is the alternative whose figures come closest to the served ones;
+- served short of the reference beyond the tolerance at some position, and an alternative reproduces the
+  served figures within the tolerance at every position: the engine reads the folder's config otherwise
+  than the replay (status "config"); the cause is that alternative;
+- served short, no alternative reproduces it (or served accepts next to nothing, which any reading that
+  breaks the drafter predicts as well, and so proves none), and the config holds no fault of its own: the engine
+  computes the drafter (or the target's states) differently from the replay (status "engine"): an
+  attention backend, a KV-cache dtype, the model runner, CUDA graphs, quantization. The verdict names the
+  settings vLLM logged for this run (eagle_pipeline/serve/engine_facts.py) and the engine variants to try
+  (`serve.engine_variants`, eagle_pipeline/serve/engine_probe.py); a config reading is never named for
+  figures it does not reproduce. A drafter that accepts nothing on an engine that computes it wrongly
+  would otherwise be blamed on whichever reading accepts least (a missing `d2t`);
 - served within the tolerance, and a config that the engine cannot serve as intended whatever the figures
   (a pruned vocabulary without `d2t`; ids only where vLLM's model runner V2 does not look): the fault is
   named from the config alone (without its map the replay's figures mean nothing either);
@@ -105,18 +114,10 @@ def readings(layer_ids: Sequence[int], num_layers: int, flags: Mapping[str, bool
     return result
 
 
-def capture_ids(all_readings: Sequence[Reading], num_layers: int, widen: int = 0) -> list[int]:
-    """The aux ids to capture once so that every reading can be replayed (the final layer comes last anyway).
-
-    `widen` layers more on each side, so that a kept baseline (eagle_pipeline.serve.baseline) also serves a
-    folder whose ids are one off from these without a new capture.
-    """
-    return widened([k for r in all_readings for k in r.layer_ids], num_layers, widen)
-
-
-def widened(layer_ids: Sequence[int], num_layers: int, widen: int = 1) -> list[int]:
-    """`layer_ids` and `widen` layers on each side of each, within 1..num_layers-1."""
-    return sorted({k + d for k in layer_ids for d in range(-widen, widen + 1) if 0 < k + d < num_layers})
+def capture_ids(all_readings: Sequence[Reading], num_layers: int) -> list[int]:
+    """The aux ids to capture once so that every reading can be replayed, and no others (the final layer
+    comes last anyway): the declared ids, one layer off either way, the target's defaults."""
+    return sorted({k for r in all_readings for k in r.layer_ids if 0 < k < num_layers})
 
 
 def as_variant(reading: Reading, captured_ids: Sequence[int], num_layers: int) -> Variant:
@@ -165,36 +166,68 @@ def _fmt(values: Sequence[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
 
-def diagnose(served: Sequence[float | None], served_drafts: int | None, predictions: Mapping[str, Mapping[str, Any]],
-             texts: Mapping[str, str], reference: str, findings: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-    """The verdict: {status, passed, cause, cause_text, line, served, predicted, tolerance, candidates}.
+def short_positions(served: Sequence[float], predicted: Sequence[float], tol: Sequence[float]) -> list[int]:
+    """Draft positions where served falls below predicted by more than the tolerance."""
+    return [i for i, (a, b, t) in enumerate(zip(served, predicted, tol)) if a < b - t]
 
-    `predictions`: replay summaries by reading name (reference included); `texts`: each reading's cause text.
-    status: "agrees", "short" (served below the reference), "misdeclared" (an alternative reading predicts
-    clearly more: the config misstates training) or "config" (a fault named from the config alone).
+
+def served_agrees(served: Sequence[float | None], served_drafts: int | None, predicted: Sequence[float | None],
+                  predicted_drafts: int | None) -> bool:
+    """Served acceptance per position is nowhere short of predicted beyond the tolerance."""
+    width = len(served)
+    s, p = _values(served, width), _values(predicted, width)
+    return not short_positions(s, p, tolerance(p, _drafts(served_drafts, predicted_drafts)))
+
+
+def _drafts(served_drafts: int | None, predicted_drafts: int | None) -> int | None:
+    counted = [x for x in (served_drafts, predicted_drafts) if x]
+    return min(counted) if counted else None
+
+
+def diagnose(served: Sequence[float | None], served_drafts: int | None, predictions: Mapping[str, Mapping[str, Any]],
+             texts: Mapping[str, str], reference: str, findings: Sequence[Mapping[str, Any]] = (),
+             engine: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The verdict: {status, passed, cause, cause_text, line, served, predicted, tolerance, candidates, ...}.
+
+    `predictions`: replay summaries by reading name (reference included); `texts`: each reading's cause text;
+    `engine`: the engine facts of the served run (eagle_pipeline.serve.engine_facts), named by an engine verdict.
+    status: "agrees"; "config" (a reading reproduces a short served figure, or a fault named from the config
+    alone); "engine" (short, and no reading reproduces it); "misdeclared" (served agrees, but an alternative
+    reading fits clearly better: the config misstates training).
     """
     ref = predictions[reference]
     width = len(served)
     s = _values(served, width)
     p = _values(ref.get("predicted_per_position_acceptance"), width)
-    drafts = min(x for x in (served_drafts, ref.get("num_drafts")) if x) if (served_drafts or ref.get("num_drafts")) else None
-    tol = tolerance(p, drafts)
+    tol = tolerance(p, _drafts(served_drafts, ref.get("num_drafts")))
     candidates = {name: _values(r.get("predicted_per_position_acceptance"), width)
                   for name, r in predictions.items() if name != reference}
     out: dict[str, Any] = {"reference": reference, "served": s, "predicted": p, "tolerance": [round(t, 4) for t in tol],
-                           "candidates": candidates, "findings": list(findings), "cause": None, "cause_text": None}
-    short = [i for i in range(width) if s[i] < p[i] - tol[i]]
+                           "candidates": candidates, "findings": list(findings), "cause": None, "cause_text": None,
+                           "engine": dict(engine or {})}
     faults = [f for f in findings if f["fault"]]
-    if short and candidates:
-        cause = min(candidates, key=lambda name: sum(abs(a - b) for a, b in zip(s, candidates[name])))
-        reproduced = all(abs(a - b) <= t for a, b, t in zip(s, candidates[cause], tol))
-        out.update(status="short", cause=cause, cause_text=texts[cause], reproduced=reproduced)
-        line = (f"served acceptance per position {_fmt(s)} is short of predicted {_fmt(p)} (tolerance "
-                f"{_fmt(tol)}); most likely cause: {texts[cause]} (re-simulated {_fmt(candidates[cause])}"
-                + ("" if reproduced else ", not within the tolerance either") + ")")
-    elif short:
-        out.update(status="short")
-        line = f"served acceptance per position {_fmt(s)} is short of predicted {_fmt(p)} (tolerance {_fmt(tol)})"
+    gap = (f"served acceptance per position {_fmt(s)} is short of predicted {_fmt(p)} (tolerance {_fmt(tol)})")
+    if short_positions(s, p, tol):
+        reproducing = [name for name, c in candidates.items() if all(abs(a - b) <= t for a, b, t in zip(s, c, tol))]
+        out["closest"] = min(candidates, key=lambda name: sum(abs(a - b) for a, b in zip(s, candidates[name])), default=None)
+        # Served acceptance indistinguishable from none is what every fault that breaks the drafter gives, the
+        # engine's own among them: a reading that also accepts nothing is no evidence for itself.
+        accepts_nothing = all(a <= t for a, t in zip(s, tol))
+        if accepts_nothing:
+            out["also_accepting_nothing"], reproducing = reproducing, []
+        if reproducing:
+            cause = min(reproducing, key=lambda name: sum(abs(a - b) for a, b in zip(s, candidates[name])))
+            out.update(status="config", cause=cause, cause_text=texts[cause], reproduced=True)
+            line = f"{gap}; cause: {texts[cause]} (re-simulated {_fmt(candidates[cause])})"
+        elif faults:
+            out.update(status="config", cause=faults[0]["name"], cause_text=faults[0]["text"], reproduced=False)
+            line = f"{gap}; no reading of the config reproduces it, and the config itself is at fault"
+        else:
+            out.update(status="engine", cause="engine", cause_text=engine_text(engine), reproduced=False)
+            line = (f"{gap}, and no reading of the drafter's config reproduces it (ids off by one, default ids, norm "
+                    f"flags, d2t, final-layer norm all replayed"
+                    + ("; served accepts next to nothing, which tells no reading from an engine that computes the "
+                       "drafter wrongly" if accepts_nothing else "") + f"): {out['cause_text']}")
     else:
         # A config fault comes first: without its map or its ids the replays' figures mean nothing either.
         cause, fit = (None, "") if faults else better_reading(predictions, reference)
@@ -217,6 +250,44 @@ def diagnose(served: Sequence[float | None], served_drafts: int | None, predicti
     out["passed"] = out["status"] == "agrees"
     out["line"] = ("DIAGNOSIS OK: " if out["passed"] else "DIAGNOSIS FAIL: ") + line
     return out
+
+
+# What an engine verdict suggests when no probe has run.
+ENGINE_PROBE_HINT = ("list engine settings to try under serve.engine_variants (e.g. [{verifier.attention_backend: "
+                     "TRITON_MLA, serve.drafter_attention_backend: TRITON_ATTN}, {verifier.model_runner: v1}, "
+                     "{verifier.enforce_eager: true}]; docs/engines.md, \"Engine settings\") and rerun with --force: "
+                     "each is served with the drafter until one serves as predicted")
+
+
+def engine_text(engine: Mapping[str, Any] | None) -> str:
+    """The engine verdict's cause: the engine computes the drafter otherwise, its suspects, and what to try."""
+    suspects = (engine or {}).get("summary") or "the engine's settings were not found in its log"
+    return ("the engine computes the drafter (or the target's states) differently from the replay; suspects for "
+            f"this run: {suspects}; try: {ENGINE_PROBE_HINT}")
+
+
+def with_probe(result: dict[str, Any], probe: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The verdict with the engine probe's outcome (eagle_pipeline.serve.engine_probe rows) added to its line."""
+    if not probe:
+        return result
+    found = next((row for row in probe if row.get("agrees")), None)
+    result = {**result, "engine_probe": [dict(row) for row in probe]}
+    if found is not None:
+        result["engine_variant"] = found["variant"]
+        text = (f"engine variant {found['index']} ({found['text']}) serves as predicted "
+                f"({_fmt(found['served'])}): set those keys in the config")
+    else:
+        tried = "; ".join(f"{row['index']} ({row['text']}): "
+                          + (f"failed to start ({row['error']})" if row.get("error") else _fmt(row["served"]))
+                          for row in probe)
+        text = f"none of the {len(probe)} engine variants serves as predicted: {tried}"
+    hint = "try: " + ENGINE_PROBE_HINT
+    if result["status"] == "engine":
+        result["cause_text"] = result["cause_text"].replace(hint, text)
+        result["line"] = result["line"].replace(hint, text)
+    else:
+        result["line"] += f"; engine probe: {text}"
+    return result
 
 
 def _kl(summary: Mapping[str, Any]) -> float | None:

@@ -3,8 +3,9 @@
 The served run at temperature 0 returns, with `return_token_ids`, each prompt's ids and the target's greedy
 answer ids. Their hidden states are captured through stage 02's path (`HiddenStateCapture`) at every layer
 some reading of the drafter needs (eagle_pipeline.predict.diagnose: its ids, ids -/+ 1, the target's
-defaults), and the drafter is replayed on them under each reading, so the predicted figures and the served
-ones count the same drafts of the same conversations, and a gap can be given a cause.
+defaults; no more), checked for meaning (eagle_pipeline/state_meaning.py), and the drafter is replayed on
+them under each reading, so the predicted figures and the served ones count the same drafts of the same
+conversations, and a gap can be given a cause.
 
 Which drafter is replayed: the stage 04 checkpoint stage 05 converted (its ids and flags as trained), or,
 for a folder from elsewhere (`serve.drafter`), the folder itself read as vLLM reads its config.
@@ -72,13 +73,14 @@ def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_si
 
 def capture_states(cfg: RunConfig, verifier_dir: Path, layer_ids: Sequence[int], num_layers: int,
                    sequences: Sequence[Sequence[int]], scratch_dir: Path) -> list[torch.Tensor]:
-    """hidden_states [seq, len(layer_ids) + 1, H] per sequence, through stage 02's capture path."""
-    from eagle_pipeline.capture import HiddenStateCapture
+    """hidden_states [seq, len(layer_ids) + 1, H] per sequence, through stage 02's capture path, with an engine
+    sized for the longest sequence."""
+    from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
     from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
 
     apply_engine_env(cfg)
-    with HiddenStateCapture(verifier_dir, list(layer_ids), num_layers=num_layers, max_model_len=cfg.verifier.max_model_len,
-                            storage_path=scratch_dir / "capture", **capture_engine_kwargs(cfg)) as capture:
+    with HiddenStateCapture(verifier_dir, list(layer_ids), num_layers=num_layers, storage_path=scratch_dir / "capture",
+                            **capture_sizing(max(len(s) for s in sequences)), **capture_engine_kwargs(cfg)) as capture:
         return [sample["hidden_states"] for sample in capture.capture(sequences)]
 
 
@@ -112,6 +114,9 @@ def predict_served(plan: ReplayPlan, token_ids: Sequence[tuple[Sequence[int] | N
     return {
         **{k: v for k, v in reference.items() if k.startswith("predicted")},
         "num_drafts": reference.get("num_drafts"),
+        # By served answer (the pairs above, which keep the prompts' order where every answer came with its ids).
+        "per_prompt_mean_acceptance_length": reference.get("per_sequence_mean_acceptance_length"),
+        "per_prompt_num_drafts": reference.get("per_sequence_num_drafts"),
         "readings": {name: {k: r.get(k) for k in ("predicted_mean_acceptance_length", "predicted_per_position_acceptance",
                                                   "num_drafts", "first_draft_kl")} for name, r in results.items()},
         "prediction_capture_s": round(capture_s, 1),
@@ -120,12 +125,13 @@ def predict_served(plan: ReplayPlan, token_ids: Sequence[tuple[Sequence[int] | N
 
 
 def diagnosis(plan: ReplayPlan, report: dict[str, Any], prediction: dict[str, Any]) -> dict[str, Any] | None:
-    """The verdict with a cause (eagle_pipeline.predict.diagnose) for a report with eagle3 served and predicted."""
+    """The verdict with a cause (eagle_pipeline.predict.diagnose) for a report with eagle3 served and predicted;
+    the engine facts of the served run (report["engine"]) are what an engine verdict names."""
     served = (report.get("modes", {}).get("eagle3") or {})
     if not served.get("per_position_acceptance") or not prediction.get("readings"):
         return None
     texts = {r.name: r.text for r in plan.readings}
     result = dx.diagnose(served["per_position_acceptance"], served.get("num_drafts"), prediction["readings"], texts,
-                         plan.reference, plan.findings)
+                         plan.reference, plan.findings, engine=report.get("engine"))
     result["layer_convention"] = dx.layer_convention(prediction["readings"], plan.reference)
     return result

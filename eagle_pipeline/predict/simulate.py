@@ -101,6 +101,8 @@ class AcceptanceCounts:
     # KL of draft position 0 from the target's distribution, summed over answer rows, and the rows counted.
     first_draft_kl_sum: float = 0.0
     first_draft_kl_rows: int = 0
+    # sequence index -> [drafts, accepted]: each conversation's own figures, beside the engine's per request.
+    per_sequence: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.accepted_per_pos:
@@ -115,6 +117,9 @@ class AcceptanceCounts:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
+        tally = self.per_sequence.setdefault(sequence, [0, 0])
+        tally[0] += 1
+        tally[1] += num_accepted
         if self.chains is not None:
             self.chains.append((sequence, start, num_accepted))
 
@@ -138,7 +143,15 @@ class AcceptanceCounts:
             "num_speculative_tokens": self.num_speculative_tokens,
             "first_draft_kl": (self.first_draft_kl_sum / self.first_draft_kl_rows
                                if self.first_draft_kl_rows else None),
+            # Per conversation, by sequence index (None: no chain fitted in it).
+            "per_sequence_mean_acceptance_length": [
+                1 + self.per_sequence[i][1] / self.per_sequence[i][0] if i in self.per_sequence else None
+                for i in range(self._sequence_count())],
+            "per_sequence_num_drafts": [self.per_sequence.get(i, [0, 0])[0] for i in range(self._sequence_count())],
         }
+
+    def _sequence_count(self) -> int:
+        return max(self.num_sequences, max(self.per_sequence, default=-1) + 1)
 
 
 @torch.no_grad()

@@ -25,21 +25,26 @@ BASELINE_DIR = "baseline"
 ANSWERS = "answers.json"
 
 
-def save_baseline(stage_dir: Path, shaped_by: dict[str, Any], report: dict[str, Any],
-                  captured: tuple[list[torch.Tensor], list[int]] | None) -> None:
+def save_baseline_answers(stage_dir: Path, shaped_by: dict[str, Any], report: dict[str, Any]) -> None:
+    """The no-speculation answers, written as soon as they are served (before any prediction can fail)."""
+    folder = stage_dir / BASELINE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(folder / ANSWERS, {"shaped_by": shaped_by, "texts": report["texts"]["none"],
+                                         "token_ids": report["token_ids"]["none"], "summary": report["modes"]["none"],
+                                         "captured_layer_ids": None})
+
+
+def save_baseline_states(stage_dir: Path, captured: tuple[list[torch.Tensor], list[int]]) -> None:
+    """The answers' captured hidden states beside them, and the ids they hold in answers.json."""
     from safetensors.torch import save_file
 
     folder = stage_dir / BASELINE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    layer_ids = None
-    if captured is not None:
-        states, layer_ids = captured
-        for i, hidden in enumerate(states):
-            atomic.write_with(folder / f"hs_{i}.safetensors",
-                              lambda tmp, h=hidden: save_file({"hidden_states": h.contiguous()}, str(tmp)))
-    atomic.write_json(folder / ANSWERS, {"shaped_by": shaped_by, "texts": report["texts"]["none"],
-                                         "token_ids": report["token_ids"]["none"], "summary": report["modes"]["none"],
-                                         "captured_layer_ids": layer_ids})
+    states, layer_ids = captured
+    for i, hidden in enumerate(states):
+        atomic.write_with(folder / f"hs_{i}.safetensors",
+                          lambda tmp, h=hidden: save_file({"hidden_states": h.contiguous()}, str(tmp)))
+    answers = json.loads((folder / ANSWERS).read_text())
+    atomic.write_json(folder / ANSWERS, {**answers, "captured_layer_ids": list(layer_ids)})
 
 
 def load_baseline(stage_dir: Path, shaped_by: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +57,19 @@ def load_baseline(stage_dir: Path, shaped_by: dict[str, Any]) -> dict[str, Any]:
         if baseline["shaped_by"].get(key) != value:
             raise BadInput(f"serve.baseline: {path} was served with another {key}; serve without speculation again "
                            f"(leave serve.baseline out) or point at a baseline of the same settings")
+    baseline["dir"] = str(path.parent)
+    return baseline
+
+
+def kept_baseline(stage_dir: Path, shaped_by: dict[str, Any]) -> dict[str, Any] | None:
+    """This stage folder's own baseline when an earlier run of the same settings left one, else None."""
+    path = Path(stage_dir) / BASELINE_DIR / ANSWERS
+    try:
+        baseline = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(baseline, dict) or baseline.get("shaped_by") != shaped_by:
+        return None
     baseline["dir"] = str(path.parent)
     return baseline
 

@@ -21,6 +21,9 @@ class RequestResult:
     # The ids the server rendered and generated (vLLM's `return_token_ids`): what an offline replay needs.
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    # vLLM's per-request acceptance (`--per-request-spec-decode-metrics summary`: the response's
+    # `metrics.speculative_decoding`), None where the server does not speculate or report it.
+    spec_decode: dict | None = None
 
 
 @dataclass
@@ -90,6 +93,7 @@ def run_prompts(
             finish_reason=choice.finish_reason,
             prompt_token_ids=getattr(response, "prompt_token_ids", None),
             token_ids=getattr(choice, "token_ids", None),
+            spec_decode=spec_decode_metrics(response),
         )
 
     started = time.perf_counter()
@@ -103,3 +107,16 @@ def run_prompts(
         pool.shutdown(wait=False, cancel_futures=True)
     return PromptRun(requests=results, wall_s=time.perf_counter() - started)
 
+
+
+def spec_decode_metrics(response) -> dict | None:
+    """The response's `metrics.speculative_decoding` (vLLM's SpeculativeDecodingMetrics) as a dict, or None."""
+    metrics = getattr(response, "metrics", None)
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict):
+        metrics = metrics.model_dump() if hasattr(metrics, "model_dump") else dict(vars(metrics))
+    spec = metrics.get("speculative_decoding")
+    if spec is not None and not isinstance(spec, dict):
+        spec = spec.model_dump() if hasattr(spec, "model_dump") else dict(vars(spec))
+    return spec

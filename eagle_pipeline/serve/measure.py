@@ -17,9 +17,11 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, run_prompts
 from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.serve.spec_metrics import (
+    PER_REQUEST_FLAGS,
     acceptance_stats,
     metrics_delta,
     ratio,
+    request_acceptance,
     scrape_spec_metrics,
     wait_for_counted_tokens,
 )
@@ -54,6 +56,7 @@ def summarize_mode(m: ModeMeasurement) -> dict:
     }
     if m.speculative_config is not None:
         summary.update(acceptance_stats(m.metrics))
+        summary["per_prompt"] = [request_acceptance(r.spec_decode) for r in run.requests]
     summary.update(m.extra)
     return summary
 
@@ -195,8 +198,10 @@ def measure_modes(
     measurements: dict[str, ModeMeasurement] = {}
     for mode in modes:
         log(f"[{mode}] starting vLLM server (log: {Path(log_dir) / f'server-{mode}.log'})")
+        # Speculating servers also answer each request with its own acceptance (vLLM refuses the flag otherwise).
+        flags = [*extra_args, *(PER_REQUEST_FLAGS if configs[mode] is not None else ())]
         server = VllmServer(target_dir, port=port, speculative_config=configs[mode], max_model_len=max_model_len,
-                            dtype=dtype, extra_args=extra_args, log_path=Path(log_dir) / f"server-{mode}.log",
+                            dtype=dtype, extra_args=flags, log_path=Path(log_dir) / f"server-{mode}.log",
                             env=env, startup_timeout_s=startup_timeout_s)
         with server:
             log(f"[{mode}] server healthy after {server.start_seconds:.1f} s; warm-up request")

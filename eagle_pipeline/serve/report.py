@@ -15,6 +15,45 @@ from eagle_pipeline.json_files import read_json_object
 
 # The fields docs/contracts.md promises in report.json, with the types a reader may rely on.
 REQUIRED_FIELDS = {"num_prompts": int, "num_speculative_tokens": int, "per_position_acceptance": list, "tokens_per_s": dict}
+# The served measurements in full (texts and token ids too), written before the prediction: a rerun of the same
+# inputs after a failed prediction reads them instead of serving again.
+SERVED_RECORD = "served.json"
+WORST_PROMPTS = 5
+
+
+def write_served(stage_dir: str | os.PathLike, inputs: dict, report: dict) -> None:
+    atomic.write_json(Path(stage_dir) / SERVED_RECORD, {"inputs": inputs, "report": report})
+
+
+def read_served(stage_dir: str | os.PathLike, inputs: dict) -> dict | None:
+    """The served report an earlier run of exactly these inputs recorded, else None."""
+    path = Path(stage_dir) / SERVED_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("inputs") != inputs or not isinstance(record.get("report"), dict):
+        return None
+    report = record["report"]
+    report["token_ids"] = {mode: [tuple(pair) for pair in pairs] for mode, pairs in report.get("token_ids", {}).items()}
+    return report
+
+
+def per_prompt_acceptance(report: dict) -> list[dict]:
+    """Served (vLLM's per-request metrics) and predicted (the replay) mean acceptance length per eval prompt."""
+    served = (report.get("modes", {}).get("eagle3") or {}).get("per_prompt") or []
+    predicted = report.get("predicted_per_prompt_mean_acceptance_length") or []
+    predicted_drafts = report.get("predicted_per_prompt_num_drafts") or []
+    ids = report.get("prompt_ids") or []
+    rows = []
+    for i in range(max(len(served), len(predicted))):
+        got = served[i] if i < len(served) else None
+        rows.append({"index": i, "id": ids[i] if i < len(ids) else None,
+                     "served_mean_acceptance_length": got and got["mean_acceptance_length"],
+                     "served_num_drafts": got and got["num_drafts"],
+                     "predicted_mean_acceptance_length": predicted[i] if i < len(predicted) else None,
+                     "predicted_num_drafts": predicted_drafts[i] if i < len(predicted_drafts) else None})
+    return rows
 
 
 def write_report_json(path: str | os.PathLike, report: dict) -> None:
@@ -104,9 +143,24 @@ def render_report_md(report: dict) -> str:
                   f"| predicted | {format_number(report.get('predicted_mean_acceptance_length'))} | "
                   + " | ".join(format_number(v, 3) for v in predicted) + " |",
                   f"| served | {format_number(report.get('mean_acceptance_length'))} | " + " | ".join(format_number(v, 3) for v in served) + " |"]
+    engine = report.get("engine") or {}
+    if engine.get("summary"):
+        lines += ["", "## Engine (eagle3, as vLLM logged it)", "", engine["summary"] + f" (log: {engine.get('log')})."]
     diagnosis = report.get("diagnosis")
     if diagnosis:
         lines += ["", "## Diagnosis", "", diagnosis["line"]]
+        probe = diagnosis.get("engine_probe") or []
+        if probe:
+            lines += ["", "Engine variants served with the drafter (serve.engine_variants), until one serves as "
+                      "predicted:", "", "| variant | settings | served per position | mean acceptance length | "
+                      "predicted per position | serves as predicted |", "|---|---|---|---|---|---|"]
+            for row in probe:
+                served_cells = (f"did not start: {row['error']}" if row.get("error")
+                                else "/".join(format_number(v, 2) for v in row.get("served") or []))
+                lines.append(f"| {row['index']} | {row['text']} | {served_cells} | "
+                             f"{format_number(row.get('mean_acceptance_length'))} | "
+                             f"{'/'.join(format_number(v, 2) for v in row.get('predicted') or [])} | "
+                             f"{'yes' if row.get('agrees') else 'no'} |")
         convention = (diagnosis.get("layer_convention") or {}).get("convention")
         if convention:
             lines += ["", f"Layer convention of the drafter's ids (best fit at ids, ids - 1, ids + 1): {convention}."]
@@ -119,6 +173,17 @@ def render_report_md(report: dict) -> str:
                 per_position = "/".join(format_number(v, 2) for v in r.get("predicted_per_position_acceptance") or [])
                 lines.append(f"| {name} | {format_number(r.get('predicted_mean_acceptance_length'))} | {per_position} | "
                              f"{format_number(r.get('first_draft_kl'), 4)} |")
+    prompts = [row for row in report.get("per_prompt") or [] if row["served_mean_acceptance_length"] is not None]
+    if prompts:
+        worst = sorted(prompts, key=lambda row: (row["served_mean_acceptance_length"], row["index"]))[:WORST_PROMPTS]
+        lines += ["", f"## Worst prompts (eagle3, served per request beside the replay; {len(worst)} of {len(prompts)})", "",
+                  "Served: vLLM's per-request metrics; predicted: the replay of the same answer, which leaves out its "
+                  "last drafts (fewer than the speculative tokens left to verify). report.json `per_prompt` has every prompt.",
+                  "", "| prompt | served mean acceptance length | drafts | predicted | drafts |", "|---|---|---|---|---|"]
+        for row in worst:
+            lines.append(f"| {row['id'] if row['id'] is not None else row['index']} | "
+                         f"{format_number(row['served_mean_acceptance_length'])} | {format_number(row['served_num_drafts'])} | "
+                         f"{format_number(row['predicted_mean_acceptance_length'])} | {format_number(row['predicted_num_drafts'])} |")
     spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
     if spec_modes:
         width = max(len(modes[name]["per_position_acceptance"]) for name in spec_modes)

@@ -9,6 +9,12 @@ The counters are the ones vLLM exports from `vllm/v1/spec_decode/metrics.py` (`S
 
 Mean acceptance length = 1 + accepted / drafts (the 1 is the token the target adds on every step);
 acceptance rate = accepted / draft tokens; per-position acceptance = accepted_per_pos[i] / drafts.
+
+Per request, a server started with `--per-request-spec-decode-metrics summary` answers each request with
+`metrics.speculative_decoding` (`vllm/entrypoints/generate/base/protocol.py`, SpeculativeDecodingMetrics, filled
+from `vllm/v1/metrics/stats.py` RequestSpecDecodeMetrics): `acceptance_histogram[j]` = verification steps that
+accepted exactly j drafts, `num_spec_steps` = drafts, `num_accepted_draft_tokens`; `request_acceptance` turns
+it into the same figures for that one request.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import time
 import urllib.request
 from typing import Any
 
+# Asks a speculating server for each request's own acceptance (vLLM refuses it on one that does not speculate).
+PER_REQUEST_FLAGS = ("--per-request-spec-decode-metrics", "summary")
 SPEC_COUNTERS = {
     "num_drafts": "vllm:spec_decode_num_drafts_total",
     "num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
@@ -99,3 +107,16 @@ def acceptance_stats(metrics: dict) -> dict:
         "mean_acceptance_length": (1.0 + metrics["num_accepted_tokens"] / drafts) if drafts else None,
         "per_position_acceptance": [a / drafts for a in metrics["accepted_per_pos"]] if drafts else [],
     }
+
+
+def request_acceptance(spec: dict | None) -> dict | None:
+    """One request's acceptance from its `metrics.speculative_decoding`: {mean_acceptance_length, num_drafts,
+    per_position_acceptance}, or None without metrics or drafts."""
+    if not spec or not spec.get("num_spec_steps"):
+        return None
+    histogram = [int(n) for n in spec.get("acceptance_histogram") or []]
+    drafts = int(spec["num_spec_steps"])
+    # A step that accepted j drafts accepted positions 0..j-1.
+    per_pos = [sum(histogram[j] for j in range(i + 1, len(histogram))) / drafts for i in range(len(histogram) - 1)]
+    return {"mean_acceptance_length": 1.0 + int(spec.get("num_accepted_draft_tokens", 0)) / drafts,
+            "num_drafts": drafts, "per_position_acceptance": per_pos}
