@@ -157,3 +157,12 @@ def finished_small_run(shared_run_folder):
     """The shared smoke run with all six stages done: (config, run_dir)."""
     config = build_shared_run(shared_run_folder, FIRST_STAGES + LAST_STAGES)
     return config, shared_run_folder / "data" / "t"
+
+
+def copy_of_run(reference: Path, root: Path, run_name: str) -> tuple[Path, Path]:
+    """A copy of the finished run `reference` under `root`, and a smoke config that points at it: (config, run_dir)."""
+    import shutil
+
+    run_dir = root / "data" / run_name
+    shutil.copytree(reference, run_dir, symlinks=True)
+    return write_smoke_config(root / "run.yaml", data_root=str(root / "data"), run_name=run_name), run_dir

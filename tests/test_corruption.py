@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from conftest import REPO, ok, run_stage, stage_module, write_smoke_config
+from conftest import REPO, copy_of_run, ok, run_stage, stage_module
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -116,11 +116,7 @@ REPORT_DAMAGES = (truncate, garbage, json_list, no_status, delete)
 @pytest.fixture(scope="module")
 def run(finished_small_run, tmp_path_factory):
     """A copy of the finished small run: (config, run_dir)."""
-    _, reference = finished_small_run
-    root = tmp_path_factory.mktemp("corruption")
-    run_dir = root / "data" / "c"
-    shutil.copytree(reference, run_dir, symlinks=True)
-    return write_smoke_config(root / "run.yaml", data_root=str(root / "data"), run_name="c"), run_dir
+    return copy_of_run(finished_small_run[1], tmp_path_factory.mktemp("corruption"), "c")
 
 
 def resolve(run_dir: Path, file: str) -> Path:

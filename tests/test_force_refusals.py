@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_stage, write_smoke_config
+from conftest import copy_of_run, run_stage
 
 
 @pytest.fixture(scope="module")
 def run(finished_small_run, tmp_path_factory):
     """A copy of the finished smoke run: (config, run_dir)."""
-    _, reference = finished_small_run
-    root = tmp_path_factory.mktemp("force")
-    run_dir = root / "data" / "f"
-    shutil.copytree(reference, run_dir, symlinks=True)
-    return write_smoke_config(root / "run.yaml", data_root=str(root / "data"), run_name="f"), run_dir
+    return copy_of_run(finished_small_run[1], tmp_path_factory.mktemp("force"), "f")
 
 
 def folder_bytes(folder: Path) -> dict[str, str]:
