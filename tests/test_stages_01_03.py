@@ -109,3 +109,23 @@ def _verifier_dir():
     from eagle_pipeline.embedded import materialize
 
     return materialize("smollm2-135m-instruct")
+
+
+def test_stage_01_measures_each_prompt_as_the_engine_renders_it(small_run):
+    """The length stage 01 drops prompts by (eagle_pipeline/prompt_fit.py) is the length of the prompt ids vLLM
+    rendered for it; the smoke run's prompts all fit, so none is dropped and the list is empty."""
+    _, config, run_dir = small_run
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    from eagle_pipeline.prompt_fit import template_counter
+
+    folder = run_dir / "01_generate_data"
+    conversations = load_from_disk(str(folder / "conversations"))
+    tokenizer = AutoTokenizer.from_pretrained(str(_verifier_dir()))
+    counted = template_counter(tokenizer, None, {})([c["messages"][:-1] for c in conversations])
+    assert counted == [len(c["prompt_token_ids"]) for c in conversations]
+    counts = manifest(folder)["counts"]
+    assert counts["dropped_prompts"] == 0 and (folder / "dropped_prompts.jsonl").read_text() == ""
+    assert 0 <= counts["truncated_share"] <= 1
+    assert counts["truncated_share"] == conversations["finish_reason"].count("length") / len(conversations)
