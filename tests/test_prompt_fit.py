@@ -271,3 +271,19 @@ def test_stage_01_warns_and_records_when_too_many_answers_hit_the_limit(run_conf
     assert "3 of 3 answers (100%)" in warning and "generation.max_tokens (256)" in warning
     assert ("thinking traces are being cut" in warning) is reasoning
     assert warning in capsys.readouterr().err
+
+
+def test_the_count_is_the_engines_prompt_ids_for_a_remote_code_tokenizer(tmp_path):
+    """Kimi-K2.5's Python tokenizer (tiktoken, its own template with the thinking switch) counts the same way."""
+    from kimi_standin import write_tokenizer
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path)
+    kimi = AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=True)
+    conversations = [[{"role": "user", "content": "Name a colour."}],
+                     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                      {"role": "user", "content": "Tell me about rivers."}]]
+    for kwargs in ({"thinking": False}, {}):
+        expected = [len(kimi.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs))
+                    for c in conversations]
+        assert template_counter(kimi, None, kwargs)(conversations) == expected
