@@ -17,6 +17,8 @@ Output in <data_root>/<run_name>/02_extract_hidden/:
     manifest.json                 inputs (verifier, tokenizer, chat template, layer ids, ...), counts, tokens/s
 A sample's file is checked (token ids, shape, finite values) before it is written, atomically; a rerun
 keeps every file whose token ids still match its row and captures the rest.
+With hidden_states.mode: online it writes data/ without hidden_states: stage 04 captures the states live from vLLM
+capture servers and discards them after use (docs/online.md).
 """
 
 import os
@@ -122,6 +124,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     total_tokens = sum(r["seq_len"] for r in rows)
     need = estimate_bytes(total_tokens, num_states, hidden_size, hs_cfg.storage_dtype)
 
+    if dry_run and hs_cfg.mode == "online":
+        return print_online_plan(stage, verifier, layout, rows)
     if dry_run:
         print(f"stage 02: capture hidden states of {len(rows)} conversations ({total_tokens} tokens)")
         print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden {hidden_size}), "
@@ -144,6 +148,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "storage_dtype": hs_cfg.storage_dtype,
         "max_seq_len": hs_cfg.max_seq_len,
     }
+    if hs_cfg.mode == "online":  # only then, so that offline runs keep their recorded inputs
+        inputs["mode"] = "online"
     data_dir = stage.dir / "data"
     hs_dir = data_dir / SAMPLES_DIR
 
@@ -156,7 +162,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size, hs_cfg.storage_dtype) + later
 
     stage.check_unchanged(inputs, samples=len(rows))  # a changed input is named before a want of disk
-    if not stage.already_complete(inputs, samples=len(rows)):  # refused for want of disk before anything is written
+    if hs_cfg.mode == "offline" and not stage.already_complete(inputs, samples=len(rows)):  # refused for want of disk before anything is written
         todo = samples_to_capture(rows, hs_dir, num_states, hidden_size)
         check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples and {later_what}")
     if stage.start(inputs, samples=len(rows)) is Start.ALREADY_COMPLETE:
@@ -165,6 +171,8 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     hs_dir.mkdir(parents=True, exist_ok=True)
     write_dataset(rows, data_dir)
+    if hs_cfg.mode == "online":
+        return finish_online(stage, rows, verifier, layout)
 
     # -- resume: keep files whose token ids still match their row -------------------------------------
     # Again after start(), which removes recorded files that no longer match the manifest.
@@ -234,6 +242,39 @@ def run(stage: Stage, dry_run: bool) -> None:
         f"stage 02 done: {len(rows)} samples ({len(todo)} captured now), {total_tokens} tokens, "
         f"{stored / 1e6:.1f} MB ({counts['bytes_per_token']} B/token), {counts['capture_tokens_per_s']} tokens/s -> {stage.dir}"
     )
+
+
+def print_online_plan(stage: Stage, verifier: Verifier, layout, rows: list[dict]) -> None:
+    """Dry run of an online run: the dataset only; the states are stage 04's to capture."""
+    total_tokens = sum(r["seq_len"] for r in rows)
+    print(f"stage 02: the training dataset of {len(rows)} conversations ({total_tokens} tokens), no hidden states "
+          f"(hidden_states.mode: online: stage 04 captures them live and discards them)")
+    print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden {layout.hidden_size}); "
+          f"aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}, which stage 04's capture "
+          f"servers will hand over as [seq, {layout.num_hidden_states}, {layout.hidden_size}]")
+    print(f"  disk: the dataset only (token ids and loss masks) under {stage.dir}")
+
+
+def finish_online(stage: Stage, rows: list[dict], verifier: Verifier, layout) -> None:
+    """An online run's stage 02 ends with the dataset: token ids and loss masks, in the format stage 04 reads,
+    and no states (stage 04 asks its capture servers for them; eagle_pipeline/online/)."""
+    total_tokens = sum(r["seq_len"] for r in rows)
+    plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length", "tokens")
+    counts = {
+        "samples": len(rows),
+        "captured_now": 0,
+        "tokens": total_tokens,
+        "assistant_tokens": sum(sum(r["loss_mask"]) for r in rows),
+        "target_vocab_size": verifier.vocab_size,
+        "hidden_size": layout.hidden_size,
+        "layer_ids": list(layout.layer_ids),
+        "num_hidden_states": layout.num_hidden_states,
+        "stored_bytes": 0,
+    }
+    stage.finish(counts, output_fingerprint=value_fingerprint([r["input_ids"] for r in rows]),
+                 extra={"resolved": layout.to_json(), "hidden_states_mode": "online"})
+    print(f"stage 02 done: {len(rows)} samples, {total_tokens} tokens, no hidden states stored "
+          f"(hidden_states.mode: online) -> {stage.dir}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ acceptance length (`train.select_by`, or by validation loss). Validation holds o
 train.val_ratio of the samples) and, with `train.early_stop_patience`, training ends once that many epochs
 bring no better checkpoint.
 Killed and rerun, training resumes from the last complete checkpoint (optimizer and step included).
+With hidden_states.mode: online the states are not read from stage 02 but captured live: stage 04 starts (or
+connects to) vLLM capture servers and trains through speculators' own online dataset, which discards each
+sample's states after use (eagle_pipeline/online/, docs/online.md).
 
 Embedded default (CPU, minutes):
     python 04_train.py --config configs/tiny.yaml
@@ -20,6 +23,7 @@ Output in <data_root>/<run_name>/04_train/: checkpoints/<epoch>/ (speculators fo
 metrics.csv, loss_curves.png, tensorboard/, manifest.json (tokens/s, peak memory, final accuracies).
 """
 
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.disk_plan import DraftDims, drafter_params, training_bytes
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
+from eagle_pipeline.online.settings import OnlineTraining
 from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.stage import (
     Stage,
@@ -82,6 +87,20 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[releas
     return drafter, {"convention": convention, "written": drafter.written_layer_ids, "hf": ids}
 
 
+def online_session(cfg, stage: Stage, train_run: TrainRun, verifier: Verifier, layout):
+    """Stage 04's online part around training (eagle_pipeline/online/session.py), for the rows and validation
+    split this run trains on."""
+    from datasets import load_from_disk
+
+    from eagle_pipeline.online.session import OnlineSession
+    from eagle_pipeline.train.topic_split import dataset_topics, split_by_topic
+
+    data = load_from_disk(str(train_run.data_dir)).with_format(None)
+    rows = [{"input_ids": ids, "seq_len": n} for ids, n in zip(data["input_ids"], data["seq_len"])]
+    split = split_by_topic(dataset_topics(train_run.data_dir), cfg.train.val_ratio, cfg.seed)  # as runner.prepare splits
+    return OnlineSession(cfg, stage.dir, train_run, verifier, layout, rows, split.val_rows)
+
+
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     check_preconditions(cfg, stage.number)
@@ -94,11 +113,16 @@ def run(stage: Stage, dry_run: bool) -> None:
     else:
         hidden_manifest, layout = require_sample_layout(cfg)
         vocab_manifest = require_complete(cfg, 3)
+        stored_mode = hidden_manifest.get("hidden_states_mode", "offline")
+        if stored_mode != cfg.hidden_states.mode:
+            raise BadInput(f"hidden_states.mode: {cfg.hidden_states.mode}, but stage 02 prepared its data for mode "
+                           f"{stored_mode}; rerun 02_extract_hidden.py --force with this config, or set mode: {stored_mode}")
     layer_ids = list(layout.layer_ids)
     dims = DraftDims.for_run(cfg, verifier)
     hidden, heads, kv_heads, head_dim, inter = dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate
     params = drafter_params(dims, verifier.hidden_size, len(layer_ids), cfg.vocab.draft_vocab_size, verifier.vocab_size)
     need = training_bytes(cfg, verifier, layout)
+    online = cfg.hidden_states.mode == "online"
     if t.num_gpus == 0:
         launcher = "in-process on the CPU"
     else:
@@ -120,6 +144,10 @@ def run(stage: Stage, dry_run: bool) -> None:
             if record:
                 init_note = f" (flat, {record['convention']} ids {record['written']} = HF {record['hf']})"
         print(f"  init_from {t.init_from or '(scratch)'}{init_note}; checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
+        if online:
+            from eagle_pipeline.online.session import plan_lines
+
+            print("\n".join(plan_lines(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)))
         return
 
     init_from = cfg.resolve_path(t.init_from) if t.init_from else None
@@ -137,18 +165,27 @@ def run(stage: Stage, dry_run: bool) -> None:
     }
     if layer_id_record:  # only then, so that other runs keep their recorded inputs
         inputs["init_from_layer_ids"] = layer_id_record
+    if online:  # fp8 in flight changes what the drafter learns from; where the states come from does not
+        inputs["online_transfer"] = cfg.hidden_states.transfer
     vocab_dir = cfg.stage_dir("03_build_vocab_map")
     train_run = TrainRun(
         data_dir=cfg.stage_dir("02_extract_hidden") / "data", d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
         verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
         storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
         init_from_dir=stage.dir / INIT_FROM_DIR if released else None,
+        online=OnlineTraining.from_config(cfg.hidden_states) if online else None,
     )
     samples = hidden_manifest["counts"]["samples"]
     stage.check_unchanged(inputs, samples)  # a changed input is named before the slower checks below
     if not stage.already_complete(inputs, samples):  # checked before anything is written
-        check_disk(stage.dir, need, "drafter checkpoints")
-        check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)
+        in_flight = 0
+        if online and cfg.hidden_states.transfer != "mooncake":  # a local server's states in flight land in stage.dir
+            from eagle_pipeline.online.session import window_bound
+
+            in_flight = window_bound(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
+        check_disk(stage.dir, need + in_flight, "drafter checkpoints" + (" and the states in flight" if in_flight else ""))
+        if not online:  # an online run's states are checked as they arrive (speculators) and at each server's probe
+            check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)
         check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
@@ -164,18 +201,24 @@ def run(stage: Stage, dry_run: bool) -> None:
             released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids, ttt_steps=t.ttt_steps)
         print(f"train.init_from: {released.path} ({layer_id_record['convention']} ids {layer_id_record['written']} "
               f"= HF {layer_id_record['hf']}) -> {written['dir']} (speculators layout, the target's embedding)")
-    if t.num_gpus == 0:
-        summary = runner.train_drafter(t, train_run)
-    else:
-        command = launch.torchrun_command(t, train_run)
-        print("running:", " ".join(command))
-        result = subprocess.run(command, cwd=REPO_ROOT)  # each rank imports eagle_pipeline from the repository
-        if result.returncode != 0:
-            reason = stopped_reason(stage.dir)  # the ranks stopped themselves (a loss that is not finite)
-            if reason:
-                raise BadInput(reason)
-            raise RuntimeError(f"torch.distributed.run exited with {result.returncode}")
-        summary = runner.finalize_training(t, train_run)
+    session = online_session(cfg, stage, train_run, verifier, layout) if online else contextlib.nullcontext()
+    with session:  # online: capture servers up and checked, kept validation rows captured, states in flight watched
+        if t.num_gpus == 0:
+            summary = runner.train_drafter(t, train_run)
+        else:
+            command = launch.torchrun_command(t, train_run)
+            print("running:", " ".join(command))
+            result = subprocess.run(command, cwd=REPO_ROOT)  # each rank imports eagle_pipeline from the repository
+            if result.returncode != 0:
+                reason = stopped_reason(stage.dir)  # the ranks stopped themselves (a loss that is not finite)
+                if reason:
+                    raise BadInput(reason)
+                from eagle_pipeline.online.failure import CaptureUnavailable, capture_failure
+
+                if online and capture_failure(stage.dir):  # a capture server stayed away
+                    raise CaptureUnavailable(capture_failure(stage.dir))
+                raise RuntimeError(f"torch.distributed.run exited with {result.returncode}")
+            summary = runner.finalize_training(t, train_run)
 
     final_val = summary.get("final_val") or {}
     counts = {
@@ -191,6 +234,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "peak_rss_mb": summary.get("peak_rss_mb"),
         "drafter_parameters": params,
     }
+    if online:
+        counts["online"] = session.summary()
     stage.finish(counts, output_fingerprint=value_fingerprint([summary["last"], summary["best"]]))
     best = summary["best"] or {}
     val_loss, predicted = best.get("val_loss"), best.get("predicted_acceptance_length")

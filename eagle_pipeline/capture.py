@@ -66,19 +66,39 @@ def speculative_config(layer_ids: Sequence[int], num_layers: int) -> dict[str, A
     }
 
 
-def kv_transfer_config(storage_path: str | os.PathLike, device_type: str) -> dict[str, Any]:
-    """The hidden-states connector for this device: upstream's on CUDA, the patched CPU one on CPU."""
-    config: dict[str, Any] = {
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(storage_path)},
-    }
-    if device_type == "cpu":
-        config["kv_connector"] = "CpuHiddenStatesConnector"
-        config["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
-    elif device_type == "cuda":
-        config["kv_connector"] = "ExampleHiddenStatesConnector"
-    else:
+CPU_HS_CONNECTORS_MODULE = "patches.cpu_hs_connectors"
+# The connector (class, module; None: vLLM's own) of each transfer (hidden_states.transfer) on each device: files
+# in bf16 (vLLM's), files in fp8 and a Mooncake store (speculators' hs_connectors), each with a CPU variant in
+# patches/ where upstream's needs CUDA streams.
+CONNECTORS: dict[tuple[str, str], tuple[str, str | None]] = {
+    ("file", "cuda"): ("ExampleHiddenStatesConnector", None),
+    ("file", "cpu"): ("CpuHiddenStatesConnector", CPU_CONNECTOR_MODULE),
+    ("fp8", "cuda"): ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector"),
+    ("fp8", "cpu"): ("CpuFp8HiddenStatesConnector", CPU_HS_CONNECTORS_MODULE),
+    ("mooncake", "cuda"): ("MooncakeHiddenStatesConnector", "hs_connectors.mooncake_hidden_states_connector"),
+    ("mooncake", "cpu"): ("CpuMooncakeHiddenStatesConnector", CPU_HS_CONNECTORS_MODULE),
+}
+
+
+def kv_transfer_config(storage_path: str | os.PathLike | None, device_type: str, transfer: str = "file",
+                       mooncake: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The hidden-states connector for this device and transfer: upstream's on CUDA, the patched CPU one on CPU.
+    `storage_path` is where file and fp8 connectors write; `mooncake` (MooncakeStoreConfig's fields) is where the
+    Mooncake connector puts them."""
+    if device_type not in ("cpu", "cuda"):
         raise RuntimeError(f"hidden-state capture supports CPU and CUDA platforms, not {device_type!r}")
+    connector, module = CONNECTORS[(transfer, device_type)]
+    if transfer == "mooncake":
+        if mooncake is None:
+            raise ValueError("the Mooncake connector needs the store's settings")
+        extra: dict[str, Any] = {"mooncake": dict(mooncake)}
+    else:
+        if storage_path is None:
+            raise ValueError(f"the {transfer} connector needs a storage path")
+        extra = {"shared_storage_path": str(storage_path)}
+    config: dict[str, Any] = {"kv_role": "kv_producer", "kv_connector_extra_config": extra, "kv_connector": connector}
+    if module is not None:
+        config["kv_connector_module_path"] = module
     return config
 
 

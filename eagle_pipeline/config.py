@@ -189,11 +189,49 @@ class GenerationConfig(Section):
                                        "stage 01 warns (and records it in its manifest)")
 
 
+class MooncakeSettings(Section):
+    """The Mooncake store that carries hidden states from the capture servers to the trainer when
+    hidden_states.transfer is mooncake (docs/online.md)."""
+
+    master: Optional[str] = Field(None, description="host:port of a running Mooncake master; None: stage 04 starts a "
+                                                    "master and a store on this host")
+    store_gib: float = Field(4.0, gt=0, le=65536, description="memory of the store stage 04 starts beside its master: "
+                                                              "the states in flight live there")
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake's transport between the hosts")
+    device: str = Field("", description="RDMA device names, e.g. mlx5_0,mlx5_1; empty: Mooncake picks")
+    local_hostname: Optional[str] = Field(None, description="this host's address as the store's peers reach it; None: "
+                                                            "127.0.0.1 with a local master, else the host name's address")
+
+    @field_validator("master")
+    @classmethod
+    def _host_and_port(cls, address):
+        if address is not None:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{address!r} must be host:port, e.g. 10.0.0.5:50051")
+        return address
+
+
 class HiddenStatesConfig(Section):
     layer_ids: Optional[list[int]] = Field(None, description="aux layer ids (HF hidden_states indices); default (2, L//2, L-3)")
     storage_dtype: StorageDtype = Field(StorageDtype.BFLOAT16, description="bfloat16, or fp8 with per-token scales (half the disk)")
     max_seq_len: int = Field(2048, ge=8, lt=MAX_TOKENS)
     batch_size: int = Field(16, ge=1, le=MAX_COUNT)
+    # offline: stage 02 stores every sample's states; online: stage 04 asks vLLM capture servers for each sample's
+    # states while it trains, through speculators' own online dataset, and discards them (docs/online.md).
+    mode: Literal["offline", "online"] = Field("offline", description="offline: stage 02 stores the states; online: "
+                                                                      "stage 04 captures them live and discards them")
+    transfer: Literal["file", "fp8", "mooncake"] = Field(
+        "file", description="online: how states reach the trainer: files on a disk both share, fp8-quantized files "
+                            "(half the bytes), or a Mooncake store (no shared disk)")
+    online_window: int = Field(2, ge=1, le=MAX_PARALLEL, description="online: samples whose states exist at once per "
+                               "training rank (1: the trainer asks in turn with its steps; N: N loader processes ask ahead)")
+    capture_endpoints: list[str] = Field(default_factory=list, description="online: base URLs (http://host:port/v1) of "
+                                         "capture servers started elsewhere, one per training rank in turn; empty: "
+                                         "stage 04 starts one on this host")
+    capture_retry_s: float = Field(300.0, ge=1, le=86400, description="online: how long a sample's capture is retried "
+                                   "while its server does not answer (a restart); then training stops naming the server")
+    mooncake: MooncakeSettings = Field(default_factory=MooncakeSettings)
 
     @field_validator("layer_ids")
     @classmethod
@@ -203,6 +241,36 @@ class HiddenStatesConfig(Section):
         if problem:
             raise ValueError(problem)
         return ids
+
+    @field_validator("capture_endpoints")
+    @classmethod
+    def _endpoint_urls(cls, urls):
+        from urllib.parse import urlparse
+
+        for url in urls:
+            parsed = urlparse(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+                raise ValueError(f"{url!r} must be a server's base URL with its port, e.g. http://10.0.0.5:8000/v1")
+        if len(set(urls)) != len(urls):
+            raise ValueError("names a server twice; list each capture server once")
+        return urls
+
+    @model_validator(mode="after")
+    def _online_keys_need_online(self):
+        if self.mode == "offline":
+            if self.transfer == "fp8":
+                raise cross_field("transfer", "fp8 quantizes states in flight, which mode: offline has none of; "
+                                              "to store them in fp8 set storage_dtype: fp8")
+            if self.transfer != "file" or self.capture_endpoints or self.mooncake.master:
+                raise cross_field("mode", "offline stores the states and captures nothing live; set mode: online to "
+                                          "use transfer, capture_endpoints or mooncake")
+        elif self.storage_dtype != StorageDtype.BFLOAT16:
+            raise cross_field("storage_dtype", "online stores no states (only a few validation rows, kept in the "
+                                               "transfer's precision); to quantize the states in flight set transfer: fp8")
+        if self.mooncake.master and self.transfer != "mooncake":
+            raise cross_field("mooncake", f"a Mooncake master is set but transfer is {self.transfer}; set transfer: "
+                                          f"mooncake or leave mooncake.master out")
+        return self
 
 
 class VocabConfig(Section):

@@ -152,6 +152,24 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
     }
 
 
+def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any], kv_transfer_config: dict[str, Any],
+                          served_model_names: list[str], max_model_len: int, listen_host: str | None = None) -> dict[str, Any]:
+    """`VllmServer` arguments for a hidden-state capture server of the target (online training): the served
+    target's settings (`server_kwargs`) with the capture method and connector (eagle_pipeline/capture.py), no
+    prefix caching (each request is a one-off prefill whose states must be its own), a batch of one longest
+    sequence, the names it answers to (speculators asks for the first), and `listen_host` for servers that other
+    hosts reach."""
+    kwargs = server_kwargs(cfg)
+    flags = ["--kv-transfer-config", json.dumps(kv_transfer_config), "--no-enable-prefix-caching",
+             "--served-model-name", *served_model_names]
+    if "max_num_batched_tokens" not in cfg.verifier.engine_args:  # verifier.engine_args may size the batch otherwise
+        flags += ["--max-num-batched-tokens", str(max_model_len)]
+    if listen_host is not None:
+        flags += ["--host", listen_host]  # after serve_flags' own --host: the last one counts
+    return {**kwargs, "max_model_len": max_model_len, "speculative_config": speculative_config,
+            "extra_args": [*kwargs["extra_args"], *flags]}
+
+
 def capture_engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """`HiddenStateCapture` arguments (beyond model, layers and length) for the verifier in this config."""
     v = cfg.verifier

@@ -156,7 +156,10 @@ def folder_bytes(folder: Path) -> int:
 
 
 def planned_hidden_state_bytes(cfg: RunConfig) -> tuple[int, str] | None:
-    """What stage 02 will write in all, once stage 01 has finished and stage 02 has not; None otherwise."""
+    """What stage 02 will write in all, once stage 01 has finished and stage 02 has not; None otherwise (and in
+    online mode, where stage 02 stores no states)."""
+    if cfg.hidden_states.mode == "online":
+        return None
     from eagle_pipeline.samples import estimate_bytes
     from eagle_pipeline.stage import STAGES, planned_sample_layout, read_manifest
     from eagle_pipeline.verifier import Verifier

@@ -64,6 +64,8 @@ def _check_training_data(train: TrainConfig, run: TrainRun, hidden_size: int) ->
             f"save_to_disk), as speculators' prepare-data does; rerun stage 02"
         )
     # Both splits are non-empty by construction (topic_split.py), given two topics; that is checked there.
+    if run.online is not None:  # no stored states: the capture servers are checked instead (eagle_pipeline/online/)
+        return
     first = sample_path(data / SAMPLES_DIR, 0)
     if not first.is_file():
         raise BadInput(f"{first}: hidden states are missing; run stage 02 first")

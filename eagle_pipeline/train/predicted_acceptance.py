@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.samples import SAMPLES_DIR, read_sample, sample_path
+from eagle_pipeline.online.kept import stored_sample_path
+from eagle_pipeline.samples import read_sample
 from eagle_pipeline.train.topic_split import read_split
 
 PREDICTED_LENGTH = "predicted_acceptance_length"
@@ -47,14 +48,15 @@ def prompt_length(loss_mask) -> int:
 
 
 def validation_conversations(data_dir: Path, out_dir: Path, limit: int) -> list[tuple[Any, Any, int]]:
-    """The first `limit` validation rows (split.json's order) as (token ids, hidden states, prompt length)."""
+    """The first `limit` validation rows (split.json's order) as (token ids, hidden states, prompt length): the
+    states stage 02 stored, or in an online run those stage 04 kept (eagle_pipeline/online/kept.py)."""
     from datasets import load_from_disk
 
     rows = read_split(out_dir)["val_rows"][:limit]
     data = load_from_disk(str(data_dir)).with_format(None)
     conversations = []
     for row in rows:
-        sample = read_sample(sample_path(data_dir / SAMPLES_DIR, row))
+        sample = read_sample(stored_sample_path(data_dir, out_dir, row))
         start = prompt_length(data[row]["loss_mask"])
         if start < len(sample["token_ids"]) - 1:  # an answer to draft
             conversations.append((sample["token_ids"], sample["hidden_states"].float(), start))

@@ -18,6 +18,9 @@ import numpy as np
 from eagle_pipeline import atomic
 from eagle_pipeline.config import TrainConfig, resolve_path
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.online.failure import online_rank
+from eagle_pipeline.online.kept import KEPT_DIR, link_kept_states
+from eagle_pipeline.online.settings import speculators_flags, with_flags
 from eagle_pipeline.train.checkpoints import (
     BEST_FILE,
     complete_checkpoints,
@@ -68,7 +71,9 @@ def prepare(train: TrainConfig, run: TrainRun) -> None:
     for name in remove_torn_checkpoints(run.checkpoint_dir):
         logger.warning("Removed incomplete checkpoint %s (the run was stopped while writing it).", name)
     atomic.write_json(run.out_dir / DRAFT_CONFIG_FILE, draft_config)
-    write_split_view(run.data_dir, run.out_dir, split)
+    view = write_split_view(run.data_dir, run.out_dir, split)
+    if run.online is not None:  # stage 02 stored no states: the view links only the validation rows kept online
+        link_kept_states(view, split.train_rows + split.val_rows, run.out_dir / KEPT_DIR)
     truncate_metrics(run.out_dir / METRICS_CSV, newest_checkpoint(run.checkpoint_dir))
 
 
@@ -125,6 +130,8 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
         argv += ["--from-pretrained", str(run.init_from_dir or resolve_path(train.init_from))]
     else:
         argv += ["--draft-config", str(run.out_dir / DRAFT_CONFIG_FILE)]
+    if run.online is not None:  # speculators' online dataset asks the capture servers for every other sample
+        argv = with_flags(argv, speculators_flags(run.online, _rank()))
     return argv
 
 
@@ -222,7 +229,8 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
             # speculators always asks its loaders for pinned memory, which means nothing without an accelerator.
             warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
             try:
-                main(SpeculatorsTrainConfig.resolve(argv))
+                with online_rank(run.online, run.out_dir, _rank()):
+                    main(SpeculatorsTrainConfig.resolve(argv))
             except StopTraining as stop:
                 logger.info("Stopped early: %s.", stop)
                 from speculators.train.distributed import maybe_destroy_distributed

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagle_pipeline.config import TrainConfig
+from eagle_pipeline.online.settings import OnlineTraining
 from eagle_pipeline.samples import StorageDtype
 
 # TrainConfig fields that may change between a run and its resumption without invalidating its
@@ -41,6 +42,8 @@ class TrainRun:
     max_steps: int | None = None  # stop after this many optimizer steps (short runs)
     # train.init_from rewritten in speculators' layout when it is a flat released drafter (released_drafter.py).
     init_from_dir: Path | None = None
+    # hidden_states.mode: online: the capture servers every rank asks for states (eagle_pipeline/online/).
+    online: OnlineTraining | None = None
 
     def __post_init__(self) -> None:
         for name in ("data_dir", "d2t_path", "t2d_path", "verifier_dir", "out_dir"):
@@ -49,6 +52,8 @@ class TrainRun:
             self.init_from_dir = Path(os.fspath(self.init_from_dir)).expanduser().resolve()
         self.layer_ids = [int(i) for i in self.layer_ids]
         self.storage_dtype = StorageDtype(self.storage_dtype)
+        if isinstance(self.online, dict):  # read back from launch.json
+            self.online = OnlineTraining(**self.online)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -1,0 +1,66 @@
+"""One capture round trip through speculators' own code, as its online dataset makes it
+(`ArrowDataset._generate_hidden_states_once`): a completion request of `max_tokens=1` for the sample's token
+ids (`speculators.data_generation.vllm_client.generate_hidden_states`), the states fetched through the run's
+transfer (`hs_connectors`), checked (`check_hidden_states`: token ids, shape, finite values) and deleted.
+
+Stage 04 uses it where it needs states outside training: the probe of each capture server and the few
+validation rows it keeps (eagle_pipeline/online/endpoints.py, kept.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle_pipeline.online.settings import OnlineTraining
+
+
+def transfer_for(online: OnlineTraining, samples_dir: Path) -> Any:
+    """The hs_connectors transfer that speculators' backend of the same name builds for a trainer."""
+    from hs_connectors import FileTransfer, FP8Transfer, MooncakeTransfer
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+
+    if online.transfer == "file":
+        return FileTransfer(Path(samples_dir))
+    if online.transfer == "fp8":
+        return FP8Transfer(Path(samples_dir))
+    store = MooncakeHiddenStatesStore(MooncakeStoreConfig.from_dict(online.mooncake))
+    return MooncakeTransfer(store)
+
+
+class CaptureClient:
+    """Hidden states of token id sequences from one capture server."""
+
+    def __init__(self, endpoint: str, model: str, transfer: Any, request_timeout_s: float = 120.0, retries: int = 0):
+        import openai
+
+        self.endpoint, self.model, self.transfer = endpoint, model, transfer
+        self.request_timeout_s, self.retries = request_timeout_s, retries
+        self._client = openai.OpenAI(base_url=endpoint, api_key="EMPTY", max_retries=0)
+        self._setup = False
+
+    def capture(self, input_ids: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """`hidden_states` [seq, n_aux + 1, H] and `token_ids` [seq] of one sequence, and the server's
+        `kv_transfer_params` for it (which say which connector delivered them)."""
+        from speculators.data_generation.offline import check_hidden_states
+        from speculators.data_generation.vllm_client import generate_hidden_states
+
+        if not self._setup:
+            self.transfer.setup()
+            self._setup = True
+        ids = [int(i) for i in input_ids]
+        handle, params = generate_hidden_states(self._client, self.model, {"input_ids": ids},
+                                                timeout=self.request_timeout_s, max_retries=self.retries)
+        try:
+            sample = self.transfer.get_generated(params)
+            if sample is None:
+                raise RuntimeError(f"{self.endpoint}: the states of request {handle} were not where the server said "
+                                   f"({params}); is its storage path shared with this host?")
+            check_hidden_states(sample, ids)
+            return {"hidden_states": sample["hidden_states"], "token_ids": sample["token_ids"].long()}, params
+        finally:
+            with contextlib.suppress(FileNotFoundError):  # a file the server never wrote
+                self.transfer.delete(handle)

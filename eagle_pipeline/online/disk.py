@@ -1,0 +1,48 @@
+"""What the states in flight hold while an online run trains, sampled on a thread of the stage process: the
+bytes under the capture servers' storage folder (file and fp8 transfers) or allocated in the Mooncake store. The
+peak goes in stage 04's manifest beside the bound the window sets (eagle_pipeline/online/session.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+# Often enough to see a sample that lives for one training step (a fraction of a second on the CPU).
+SAMPLE_INTERVAL_S = 0.05
+
+
+class PeakWatch:
+    """`with PeakWatch(measure) as watch:` calls `measure()` every SAMPLE_INTERVAL_S until the block ends;
+    `watch.peak` is the largest value it returned. A failing measurement counts as nothing held."""
+
+    def __init__(self, measure: Callable[[], int], interval_s: float = SAMPLE_INTERVAL_S):
+        self.measure = measure
+        self.interval_s = interval_s
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="online-peak-watch", daemon=True)
+
+    def __enter__(self) -> "PeakWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _sample(self) -> None:
+        try:
+            value = int(self.measure())
+        except Exception:  # noqa: BLE001 - a server or store going away while it is watched holds nothing
+            value = 0
+        self.peak = max(self.peak, value)
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self._sample()
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))

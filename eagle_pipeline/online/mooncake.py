@@ -1,0 +1,197 @@
+"""The Mooncake store that carries hidden states from capture servers to trainers (hidden_states.transfer:
+mooncake): a master, which places objects, and a store, a process that holds the memory they live in, both
+from the `mooncake-transfer-engine-non-cuda` wheel (requirements/online.txt). The capture server's connector puts
+each sample there and the trainer's client gets and removes it; neither contributes memory of its own (a global
+segment of 0), so a capture server that dies and restarts takes no sample with it.
+
+Stage 04 starts a master and a store on this host when `hidden_states.mooncake.master` is not set; otherwise they
+run elsewhere (started by `python -m eagle_pipeline.online.serve_capture` on the capture host, or by the user).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from eagle_pipeline.config import MooncakeSettings
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.parent_death import signal_on_parent_death
+
+MASTER_PROGRAM = "mooncake_master"
+STORE_PROGRAM = "mooncake_client"
+# Peers find each other through the master's handshake: no metadata server (etcd, HTTP) to run.
+METADATA_SERVER = "P2PHANDSHAKE"
+# The trainer's and the connector's own staging memory for one transfer; the states themselves live in the store.
+CLIENT_BUFFER_BYTES = 256 * 2**20
+INSTALL_HINT = "pip install -r requirements/online.txt (and apt-get install libibverbs1, which its binaries load)"
+
+
+def mooncake_problem() -> str | None:
+    """Why the Mooncake transfer cannot run on this host, or None."""
+    if importlib.util.find_spec("mooncake") is None:
+        return "the mooncake package is not installed"
+    for program in (MASTER_PROGRAM, STORE_PROGRAM):
+        if program_path(program) is None:
+            return f"its {program} program is not installed beside {sys.executable}"
+    try:  # the wheel's binaries and its Python module link against it even for TCP
+        ctypes.CDLL("libibverbs.so.1")
+    except OSError:
+        return "libibverbs.so.1 (rdma-core) is missing"
+    return None
+
+
+def require_mooncake() -> None:
+    problem = mooncake_problem()
+    if problem:
+        raise BadInput(f"hidden_states.transfer: mooncake, but {problem}; {INSTALL_HINT}, or use transfer: file")
+
+
+def program_path(name: str) -> Path | None:
+    """One of the wheel's programs: installed beside this interpreter (the environment's bin/)."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return beside
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def local_address(settings: MooncakeSettings, master: str) -> str:
+    """The address this host's Mooncake clients give their peers."""
+    if settings.local_hostname:
+        return settings.local_hostname
+    host = master.rpartition(":")[0]
+    if host in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def client_config(settings: MooncakeSettings, master: str, writer_threads: int = 4) -> dict[str, Any]:
+    """hs_connectors' MooncakeStoreConfig fields for a client of this store (a capture server's connector or a
+    trainer): no memory of its own in the store."""
+    return {
+        "local_hostname": local_address(settings, master),
+        "metadata_server": METADATA_SERVER,
+        "master_server_address": master,
+        "global_segment_size": 0,
+        "local_buffer_size": CLIENT_BUFFER_BYTES,
+        "protocol": settings.protocol,
+        "device_name": settings.device,
+        "num_writer_threads": writer_threads,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    signal_on_parent_death(signal.SIGTERM)
+
+
+def read_metrics(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
+    """The master's Prometheus counters and gauges without labels, by name."""
+    with urllib.request.urlopen(metrics_url, timeout=timeout) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                pass
+    return values
+
+
+class MooncakeServices:
+    """`with MooncakeServices(settings, log_dir) as services:` runs a master and a store on this host until the
+    block ends; `services.master` is the address clients use, `services.metrics_url` the master's metrics (the
+    store's capacity and what is allocated in it)."""
+
+    def __init__(self, settings: MooncakeSettings, log_dir: Path, host: str = "127.0.0.1", start_timeout_s: float = 60.0):
+        self.settings = settings
+        self.log_dir = Path(log_dir)
+        self.host = host
+        self.start_timeout_s = start_timeout_s
+        self.processes: list[subprocess.Popen] = []
+        self.master = ""
+        self.metrics_url = ""
+
+    def __enter__(self) -> "MooncakeServices":
+        require_mooncake()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        rpc_port, metrics_port, store_port = _free_port(), _free_port(), _free_port()
+        bind = "0.0.0.0" if self.host != "127.0.0.1" else "127.0.0.1"
+        self.master = f"{self.host}:{rpc_port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        try:
+            self._start("mooncake-master", [str(program_path(MASTER_PROGRAM)), f"--rpc_port={rpc_port}",
+                                            f"--rpc_address={bind}", f"--metrics_port={metrics_port}"])
+            self._wait(lambda: read_metrics(self.metrics_url) is not None, "the Mooncake master")
+            store_gib = self.settings.store_gib
+            self._start("mooncake-store", [
+                str(program_path(STORE_PROGRAM)), f"--master_server_address={self.master}",
+                f"--metadata_server={METADATA_SERVER}", f"--host={local_address(self.settings, self.master)}",
+                f"--port={store_port}", f"--global_segment_size={int(store_gib * 2**30)}",
+                f"--protocol={self.settings.protocol}", f"--device_names={self.settings.device}",
+            ])
+            self._wait(lambda: read_metrics(self.metrics_url).get("master_total_capacity_bytes", 0) > 0,
+                       "the Mooncake store to join its master")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def allocated_bytes(self) -> int:
+        """Bytes the store holds now (the states in flight)."""
+        return int(read_metrics(self.metrics_url).get("master_allocated_bytes", 0))
+
+    def _start(self, name: str, command: list[str]) -> None:
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            log.write(f"$ {' '.join(command)}\n".encode())
+            log.flush()
+            self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                   start_new_session=True, preexec_fn=_die_with_parent))
+
+    def _wait(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            for process in self.processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{' '.join(process.args[:1])} exited with {process.returncode} while waiting for "
+                                       f"{what}; its log is in {self.log_dir}")
+            try:
+                if ready():
+                    return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gave up waiting for {what} after {self.start_timeout_s:.0f} s; logs in {self.log_dir}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """The store first (it leaves the master), then the master; SIGKILL after a grace period."""
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.processes = []

@@ -1,0 +1,219 @@
+"""Stage 04's online part (hidden_states.mode: online), around the training it feeds:
+
+1. the Mooncake master and store, when the transfer is mooncake and no master is named (mooncake.py);
+2. the capture servers: those named in hidden_states.capture_endpoints, or one started on this host (servers.py);
+3. each server checked for the target, the layer ids and the connector, and probed with one sample (endpoints.py);
+4. the validation rows the replays read, captured once and kept (kept.py);
+5. while training runs, the bytes the states in flight hold, sampled (disk.py);
+6. afterwards: the peak, the servers' capture counters, restarts, and leftovers of the transfer folder removed.
+
+The ranks get what they need as `TrainRun.online` (settings.py) and ask the servers themselves, through
+speculators' online dataset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from eagle_pipeline.capture import ENGINE_DTYPE_BYTES, capture_sizing, kv_transfer_config, speculative_config
+from eagle_pipeline.layer_ids import capture_layer_ids
+from eagle_pipeline.online import mooncake as mc
+from eagle_pipeline.online.client import CaptureClient, transfer_for
+from eagle_pipeline.online.disk import PeakWatch
+from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
+from eagle_pipeline.online.kept import KEPT_DIR, capture_kept, keep_count, kept_storage
+from eagle_pipeline.online.servers import CaptureServer, capture_label, capture_metrics, engine_fingerprint, parse_label
+from eagle_pipeline.online.settings import OnlineTraining
+from eagle_pipeline.preconditions import folder_bytes
+
+log = logging.getLogger(__name__)
+
+SCRATCH_DIR = "capture_scratch"  # where the file and fp8 connectors of local servers write the states in flight
+
+
+# A sample file's safetensors header and its lock file, with room to spare.
+FILE_OVERHEAD_BYTES = 4096
+
+
+def sample_bytes(cfg, num_states: int, hidden_size: int, tokens: int) -> int:
+    """Bytes of one sample in flight: its states in the engine's dtype (fp8 and a 4-byte scale per token for the
+    fp8 transfer) and its int64 token ids, and the file's overhead."""
+    if cfg.hidden_states.transfer == "fp8":
+        per_token = num_states * hidden_size + 4
+    else:
+        per_token = num_states * hidden_size * ENGINE_DTYPE_BYTES.get(cfg.verifier.dtype, 2)
+    return tokens * (per_token + 8) + FILE_OVERHEAD_BYTES
+
+
+def training_ranks(cfg) -> int:
+    return max(1, cfg.train.num_gpus)
+
+
+def window_bound(cfg, num_states: int, hidden_size: int, longest: int) -> int:
+    """At most this many bytes of states in flight: the window's samples on every rank, each the longest."""
+    return cfg.hidden_states.online_window * training_ranks(cfg) * sample_bytes(cfg, num_states, hidden_size, longest)
+
+
+def plan_lines(cfg, num_states: int, hidden_size: int, longest: int) -> list[str]:
+    """What a dry run of stage 04 says about the online part."""
+    hs = cfg.hidden_states
+    servers = ", ".join(hs.capture_endpoints) if hs.capture_endpoints else "one started on this host by stage 04"
+    store = ""
+    if hs.transfer == "mooncake":
+        store = (f"; Mooncake master {hs.mooncake.master}" if hs.mooncake.master else
+                 f"; a Mooncake master and a {hs.mooncake.store_gib:g} GiB store started on this host")
+    bound = window_bound(cfg, num_states, hidden_size, longest)
+    where = "in the Mooncake store" if hs.transfer == "mooncake" else "on disk"
+    return [
+        f"  online: hidden states captured live by vLLM and discarded after use (transfer {hs.transfer}{store})",
+        f"  capture servers: {servers}",
+        f"  window: {hs.online_window} sample(s) in flight per rank x {training_ranks(cfg)} rank(s): at most "
+        f"~{bound / 1e9:.3f} GB {where} at once (longest sample {longest} tokens, "
+        f"{(sample_bytes(cfg, num_states, hidden_size, 1) - FILE_OVERHEAD_BYTES) / 1e3:.1f} KB/token)",
+        f"  every epoch captures every sample again; a server silent for {hs.capture_retry_s:g} s stops training "
+        f"(rerun resumes from the last checkpoint)",
+    ]
+
+
+class OnlineSession:
+    """`with OnlineSession(...) as session:` readies everything an online run's training needs, sets
+    `train_run.online`, and watches the states in flight until the block ends; `session.summary()` is the
+    manifest's `online` block."""
+
+    def __init__(self, cfg, stage_dir: Path, train_run, verifier, layout, rows: list[dict[str, Any]],
+                 val_rows: list[int], engine_timeout_s: float | None = None):
+        self.cfg, self.stage_dir, self.train_run = cfg, Path(stage_dir), train_run
+        self.verifier, self.layout, self.rows, self.val_rows = verifier, layout, rows, val_rows
+        self.startup_timeout_s = engine_timeout_s or cfg.serve.startup_timeout_s
+        self.longest = max(r["seq_len"] for r in rows)
+        self.scratch = self.stage_dir / SCRATCH_DIR
+        self.kept_dir = self.stage_dir / KEPT_DIR
+        self.servers: list[CaptureServer] = []
+        self.services: mc.MooncakeServices | None = None
+        self.watch: PeakWatch | None = None
+        self.online: OnlineTraining | None = None
+        self.facts: dict[str, Any] = {}
+        self.transfer_folders: set[Path] = set()
+        self._stack = contextlib.ExitStack()
+
+    # -- what this run needs of a server ------------------------------------------------------------------
+    def expected(self) -> ExpectedCapture:
+        label = capture_label(target=self.verifier.fingerprints()["verifier"],
+                              capture_ids=capture_layer_ids(self.layout.layer_ids, self.layout.num_layers),
+                              transfer=self.cfg.hidden_states.transfer, hidden_size=self.layout.hidden_size,
+                              engine=engine_fingerprint(self.cfg))
+        return ExpectedCapture(served_model=str(self.train_run.verifier_dir), label=parse_label(label),
+                               longest_sequence=self.longest)
+
+    def local_server_kwargs(self, mooncake_client: dict[str, Any] | None) -> dict[str, Any]:
+        from eagle_pipeline.engine import capture_server_kwargs
+
+        expected = self.expected()
+        label = ";".join(["eagle-capture", *(f"{k}={v}" for k, v in expected.label.items())])
+        return {"target_dir": self.verifier.path, **capture_server_kwargs(
+            self.cfg, speculative_config=speculative_config(self.layout.layer_ids, self.layout.num_layers),
+            kv_transfer_config=kv_transfer_config(self.scratch, self.cfg.device, self.cfg.hidden_states.transfer,
+                                                  mooncake_client),
+            served_model_names=[expected.served_model, label],
+            max_model_len=capture_sizing(self.longest)["max_model_len"])}
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def __enter__(self) -> "OnlineSession":
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        try:
+            self._read_capture_counters()
+        finally:
+            self._stack.close()  # the watch, then the servers, then the Mooncake services
+        if self.scratch.is_dir():  # states a stopped request left behind
+            self.facts["leftover_files"] = sum(1 for _ in self.scratch.glob("*.safetensors"))
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _start(self) -> None:
+        hs = self.cfg.hidden_states
+        mooncake_client = None
+        if hs.transfer == "mooncake":
+            mc.require_mooncake()
+            master = hs.mooncake.master
+            if master is None:
+                self.services = self._stack.enter_context(mc.MooncakeServices(hs.mooncake, self.stage_dir / "logs"))
+                master = self.services.master
+            mooncake_client = mc.client_config(hs.mooncake, master)
+        else:
+            shutil.rmtree(self.scratch, ignore_errors=True)  # what an earlier, stopped run left in flight
+            self.scratch.mkdir(parents=True)
+        endpoints = list(hs.capture_endpoints)
+        if not endpoints:
+            kwargs = self.local_server_kwargs(mooncake_client)
+            server = self._stack.enter_context(CaptureServer(kwargs, self.stage_dir / "logs" / "capture-server.log",
+                                                             startup_timeout_s=self.startup_timeout_s))
+            self.servers.append(server)
+            endpoints = [server.endpoint]
+        self.online = self.train_run.online or OnlineTraining.from_config(hs)
+        self.online.endpoints, self.online.mooncake = endpoints, mooncake_client
+        expected = self.expected()
+        kept = {row: self.rows[row]["input_ids"] for row in self.val_rows[:keep_count(self.cfg)]}
+        probe_ids = next(iter(kept.values()), self.rows[0]["input_ids"])
+        transfer = transfer_for(self.online, self.train_run.split_dir / "hidden_states")
+        clients = []
+        for endpoint in endpoints:
+            self.facts.setdefault("servers", []).append(check_endpoint(endpoint, expected))
+            client = CaptureClient(endpoint, expected.served_model, transfer)
+            probe_s, params = probe_endpoint(client, probe_ids, num_states=self.layout.num_hidden_states,
+                                             hidden_size=self.layout.hidden_size, transfer=hs.transfer)
+            self.facts["servers"][-1]["probe_s"] = round(probe_s, 3)
+            if "hidden_states_path" in params:  # the folder this server's states land in, as this host sees it
+                self.transfer_folders.add(Path(params["hidden_states_path"]).parent)
+            clients.append(client)
+        self.facts["kept_captured_now"] = capture_kept(
+            clients[0], kept, self.kept_dir, num_states=self.layout.num_hidden_states,
+            hidden_size=self.layout.hidden_size, storage_dtype=kept_storage(hs.transfer))
+        self.facts["kept_rows"] = sorted(kept)
+        self.train_run.online = self.online  # every rank reads it from launch.json (or in this process)
+        if self.services is not None:
+            self.watch = self._stack.enter_context(PeakWatch(self.services.allocated_bytes))
+        elif self.transfer_folders:
+            self.watch = self._stack.enter_context(PeakWatch(lambda: sum(map(folder_bytes, self.transfer_folders))))
+        # else: a Mooncake store elsewhere, whose master's metrics this host does not know where to read
+
+    def _read_capture_counters(self) -> None:
+        """Each server's prompt tokens and prefill seconds (vLLM's own counters, since it last started)."""
+        for endpoint in self.online.endpoints if self.online else []:
+            with contextlib.suppress(Exception):
+                self.facts.setdefault("capture", []).append(capture_metrics(endpoint))
+
+    def summary(self) -> dict[str, Any]:
+        """The `online` block of stage 04's manifest."""
+        hs = self.cfg.hidden_states
+        capture = self.facts.get("capture") or []
+        tokens = sum(c["prompt_tokens"] for c in capture)
+        seconds = sum(c["prefill_seconds"] for c in capture)
+        return {
+            "transfer": hs.transfer,
+            "endpoints": self.online.endpoints if self.online else [],
+            "started_here": {"capture_servers": len(self.servers), "mooncake": self.services is not None},
+            "window": hs.online_window,
+            "window_bound_bytes": window_bound(self.cfg, self.layout.num_hidden_states, self.layout.hidden_size,
+                                               self.longest),
+            ("store_peak_bytes" if hs.transfer == "mooncake" else "disk_peak_bytes"):
+                self.watch.peak if self.watch is not None else None,
+            "kept_rows": self.facts.get("kept_rows", []),
+            "kept_captured_now": self.facts.get("kept_captured_now", 0),
+            "kept_bytes": folder_bytes(self.kept_dir),
+            "server_restarts": sum(s.restarts for s in self.servers),
+            "capture_tokens": int(tokens),
+            "capture_prefill_s": round(seconds, 2),
+            "capture_tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+            "leftover_files": self.facts.get("leftover_files", 0),
+            "servers": self.facts.get("servers", []),
+        }
