@@ -349,8 +349,8 @@ def _plant(out: Path, fault: str) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def serve_folder(tmp_path: Path, run_dir: Path, drafter: Path, name: str):
-    config = write_smoke_config(tmp_path / f"{name}.yaml", data_root=str(tmp_path / "data"), run_name=name)
+def serve_folder(tmp_path: Path, run_dir: Path, drafter: Path, name: str, **overrides):
+    config = write_smoke_config(tmp_path / f"{name}.yaml", data_root=str(tmp_path / "data"), run_name=name, **overrides)
     result = run_stage("06_serve_test.py", config, "--set", f"serve.drafter={drafter}",
                        "--set", f"serve.baseline={run_dir / '06_serve_test'}", "--set", "serve.ngram_baseline=false",
                        timeout=900)
@@ -359,12 +359,23 @@ def serve_folder(tmp_path: Path, run_dir: Path, drafter: Path, name: str):
     return result, report
 
 
+def print_table_row(folder: str, result, report: dict) -> None:
+    """One row of docs/measurements.md's sabotage table, printed for `pytest -s ... | grep '^sabotage row'`."""
+    diagnosis = report["diagnosis"]
+    served = "/".join(f"{v:.2f}" for v in report["per_position_acceptance"])
+    predicted = "/".join(f"{v:.2f}" for v in report["predicted_per_position_acceptance"])
+    found = next((f"{row['index']} ({row['text']})" for row in diagnosis.get("engine_probe") or [] if row["agrees"]), "-")
+    print(f"sabotage row | {folder} | {served} | {predicted} | exit {result.returncode}, {diagnosis['status']}, "
+          f"{diagnosis['cause']} | {found} |")
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_intact_drafter_served_and_predicted_agree(strong_drafter, tmp_path):
     intact, _, run_dir = strong_drafter
     result, report = serve_folder(tmp_path, run_dir, intact, "intact")
     assert report is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    print_table_row("intact", result, report)
     diagnosis = report["diagnosis"]
     # The drafter is strong: the sabotage below has something to destroy.
     assert report["predicted_per_position_acceptance"][0] >= 0.6, diagnosis["line"]
@@ -395,6 +406,7 @@ def test_served_sabotage_is_named(strong_drafter, tmp_path, faults, cause, notes
     broken = sabotaged(intact, tmp_path / name, faults)
     result, report = serve_folder(tmp_path, run_dir, broken, name)
     assert report is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    print_table_row(name, result, report)
     diagnosis = report["diagnosis"]
     assert [f["name"] for f in diagnosis["findings"] if not f["fault"]] == notes, diagnosis["line"]
     if notes:
@@ -413,6 +425,37 @@ def test_served_sabotage_is_named(strong_drafter, tmp_path, faults, cause, notes
     assert result.returncode == 1, result.stdout[-3000:]
     assert diagnosis["cause"] == cause, diagnosis["line"]
     assert "DIAGNOSIS FAIL" in result.stdout
+
+
+# tests/engine_fault/sitecustomize.py: in every process of a run whose env puts it on PYTHONPATH, vLLM's EAGLE-3
+# drafter gets noise instead of the target's states in its fc input, unless the variable says "off".
+ENGINE_FAULT = {"PYTHONPATH": str(Path(__file__).parent / "engine_fault"), "EAGLE_TEST_ENGINE_FAULT": "fc_noise"}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_fault_in_the_engine_alone_is_named_as_the_engine_and_the_variant_without_it_is_found(strong_drafter, tmp_path):
+    """The intact folder, served by an engine that computes its drafter wrongly: no reading of the config is to
+    blame, and of the engine variants the one that switches the fault off serves as predicted."""
+    intact, _, run_dir = strong_drafter
+    variant = {"env": {"EAGLE_TEST_ENGINE_FAULT": "off"}}
+    result, report = serve_folder(tmp_path, run_dir, intact, "engine-fault", env=ENGINE_FAULT,
+                                  serve={"engine_variants": [variant]})
+    assert report is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    print_table_row("intact, engine fault planted (fc input noise)", result, report)
+    diagnosis = report["diagnosis"]
+    assert result.returncode == 1 and "DIAGNOSIS FAIL" in result.stdout, result.stdout[-3000:]
+    assert diagnosis["status"] == "engine" and diagnosis["cause"] == "engine", diagnosis["line"]
+    # The same folder and replay as the intact test: predicted high, served far below.
+    assert report["predicted_per_position_acceptance"][0] >= 0.6 > report["per_position_acceptance"][0] + 0.3, diagnosis["line"]
+    assert "model runner V1" in diagnosis["line"] and "EAGLE_TEST_ENGINE_FAULT=fc_noise" in diagnosis["line"]
+    probe = diagnosis["engine_probe"]
+    assert len(probe) == 1 and probe[0]["agrees"] and diagnosis["engine_variant"] == variant, diagnosis["line"]
+    assert "engine variant 1 (env EAGLE_TEST_ENGINE_FAULT=off) serves as predicted" in diagnosis["line"]
+    markdown = (tmp_path / "data" / "engine-fault" / "06_serve_test" / "report.md").read_text()
+    assert "| 1 | env EAGLE_TEST_ENGINE_FAULT=off |" in markdown and "## Worst prompts" in markdown
+    # vLLM's per-request acceptance for every eval prompt, beside the replay's.
+    assert all(row["served_mean_acceptance_length"] is not None for row in report["per_prompt"])
 
 
 def test_a_drafter_folder_without_config_is_bad_input_naming_the_key(tmp_path):

@@ -812,3 +812,39 @@ def test_report_lists_the_worst_prompts_the_engine_and_the_probe():
     assert "target attention backend FLASHINFER_MLA (log: x.log)" in markdown
     assert "| 1 | verifier.model_runner=v1 | did not start: ValueError: no |" in markdown
     assert "| 2 | env F=off | 0.79 | 1.79 | 0.80 | yes |" in markdown
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_rerun_after_the_stage_died_past_serving_predicts_without_serving_again(finished_small_run, tmp_path):
+    """Stage 06 killed once the served measurements are written: its rerun reads them and only predicts."""
+    from conftest import REPO, run_stage, write_smoke_config
+
+    _, run_dir = finished_small_run
+    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="resume",
+                                serve={"drafter": str(run_dir / "05_convert" / "vllm"), "baseline": str(run_dir / "06_serve_test"),
+                                       "ngram_baseline": False})
+    stage = tmp_path / "data" / "resume" / "06_serve_test"
+    first = subprocess.Popen([sys.executable, str(REPO / "06_serve_test.py"), "--config", str(config)], cwd=REPO,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (stage / "served.json").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (stage / "served.json").exists(), "the served measurements were never written"
+        # Served first: the report without the prediction is already there.
+        assert "predicted_mean_acceptance_length" not in json.loads((stage / "report.json").read_text())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert json.loads((stage / "manifest.json").read_text())["status"] == "running"
+
+    rerun = run_stage("06_serve_test.py", config, timeout=900)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "predicting without serving again" in rerun.stdout and "starting vLLM server" not in rerun.stdout
+    starts = [line for line in (stage / "logs" / "server-eagle3.log").read_text().splitlines() if line.startswith("$ ")]
+    assert len(starts) == 1  # the first run's server, and no other
+    report = json.loads((stage / "report.json").read_text())
+    assert report["diagnosis"]["status"] == "agrees" and report["predicted_mean_acceptance_length"] is not None

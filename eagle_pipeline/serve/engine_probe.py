@@ -11,6 +11,7 @@ Each variant costs one server start and one pass over the evaluation prompts (do
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ def variant_config(cfg: RunConfig, variant: Mapping[str, Any]) -> RunConfig:
 
 def describe(variant: Mapping[str, Any]) -> str:
     """A variant as one short phrase: `verifier.attention_backend=TRITON_MLA, env FAULT=off`."""
-    parts = [f"{key}={value}" for key, value in variant.items() if key != "env"]
+    parts = [f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in variant.items() if key != "env"]
     parts += [f"env {name}={value}" for name, value in (variant.get("env") or {}).items()]
     return ", ".join(parts)
 
