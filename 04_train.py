@@ -90,13 +90,10 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[releas
 def online_session(cfg, stage: Stage, train_run: TrainRun, verifier: Verifier, layout):
     """Stage 04's online part around training (eagle_pipeline/online/session.py), for the rows and validation
     split this run trains on."""
-    from datasets import load_from_disk
-
-    from eagle_pipeline.online.session import OnlineSession
+    from eagle_pipeline.online.session import OnlineSession, dataset_rows
     from eagle_pipeline.train.topic_split import dataset_topics, split_by_topic
 
-    data = load_from_disk(str(train_run.data_dir)).with_format(None)
-    rows = [{"input_ids": ids, "seq_len": n} for ids, n in zip(data["input_ids"], data["seq_len"])]
+    rows = dataset_rows(train_run.data_dir)
     split = split_by_topic(dataset_topics(train_run.data_dir), cfg.train.val_ratio, cfg.seed)  # as runner.prepare splits
     return OnlineSession(cfg, stage.dir, train_run, verifier, layout, rows, split.val_rows)
 
@@ -186,6 +183,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         check_disk(stage.dir, need + in_flight, "drafter checkpoints" + (" and the states in flight" if in_flight else ""))
         if not online:  # an online run's states are checked as they arrive (speculators) and at each server's probe
             check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)
+        elif cfg.hidden_states.capture_endpoints:  # servers elsewhere: the target, layer ids and connector each serves
+            from eagle_pipeline.online.session import check_named_endpoints, dataset_rows
+
+            check_named_endpoints(cfg, verifier, layout, dataset_rows(train_run.data_dir))
         check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.

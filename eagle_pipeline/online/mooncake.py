@@ -120,10 +120,12 @@ class MooncakeServices:
     block ends; `services.master` is the address clients use, `services.metrics_url` the master's metrics (the
     store's capacity and what is allocated in it)."""
 
-    def __init__(self, settings: MooncakeSettings, log_dir: Path, host: str = "127.0.0.1", start_timeout_s: float = 60.0):
+    def __init__(self, settings: MooncakeSettings, log_dir: Path, host: str = "127.0.0.1", rpc_port: int | None = None,
+                 start_timeout_s: float = 60.0):
         self.settings = settings
         self.log_dir = Path(log_dir)
-        self.host = host
+        self.host = host  # the address clients reach the master at; other than 127.0.0.1, it listens on every interface
+        self.rpc_port = rpc_port
         self.start_timeout_s = start_timeout_s
         self.processes: list[subprocess.Popen] = []
         self.master = ""
@@ -132,7 +134,7 @@ class MooncakeServices:
     def __enter__(self) -> "MooncakeServices":
         require_mooncake()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        rpc_port, metrics_port, store_port = _free_port(), _free_port(), _free_port()
+        rpc_port, metrics_port, store_port = self.rpc_port or _free_port(), _free_port(), _free_port()
         bind = "0.0.0.0" if self.host != "127.0.0.1" else "127.0.0.1"
         self.master = f"{self.host}:{rpc_port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"

@@ -67,6 +67,37 @@ def capture_metrics(endpoint: str, timeout: float = 10.0) -> dict[str, float]:
     return totals
 
 
+def served_model_name(verifier) -> str:
+    """The name speculators' dataset asks a capture server for: the verifier's path as the trainer resolves it
+    (eagle_pipeline/train/settings.py, TrainRun.verifier_dir)."""
+    return str(Path(verifier.path).expanduser().resolve())
+
+
+def run_label(cfg, verifier, layout) -> str:
+    """The capture label of a server that captures what this run trains on."""
+    from eagle_pipeline.layer_ids import capture_layer_ids
+
+    return capture_label(target=verifier.fingerprints()["verifier"],
+                         capture_ids=capture_layer_ids(layout.layer_ids, layout.num_layers),
+                         transfer=cfg.hidden_states.transfer, hidden_size=layout.hidden_size,
+                         engine=engine_fingerprint(cfg))
+
+
+def server_kwargs_for(cfg, verifier, layout, *, storage: Path | None, mooncake_client: dict[str, Any] | None,
+                      longest_sequence: int, listen_host: str | None = None) -> dict[str, Any]:
+    """`CaptureServer` arguments of a capture server for this run: the capture method and connector
+    (eagle_pipeline/capture.py) in the target's server (eagle_pipeline/engine.py), sized for `longest_sequence`,
+    answering to the verifier's path and the run's capture label."""
+    from eagle_pipeline.capture import capture_sizing, kv_transfer_config, speculative_config
+    from eagle_pipeline.engine import capture_server_kwargs
+
+    return {"target_dir": verifier.path, **capture_server_kwargs(
+        cfg, speculative_config=speculative_config(layout.layer_ids, layout.num_layers),
+        kv_transfer_config=kv_transfer_config(storage, cfg.device, cfg.hidden_states.transfer, mooncake_client),
+        served_model_names=[served_model_name(verifier), run_label(cfg, verifier, layout)],
+        max_model_len=capture_sizing(longest_sequence)["max_model_len"], listen_host=listen_host)}
+
+
 class CaptureServer:
     """`with CaptureServer(server_kwargs, log_path) as server:` starts a capture server on a free port (or
     `port`) and keeps it up until the block ends: a server that dies is started again on the same port, up to

@@ -19,14 +19,20 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.capture import ENGINE_DTYPE_BYTES, capture_sizing, kv_transfer_config, speculative_config
-from eagle_pipeline.layer_ids import capture_layer_ids
+from eagle_pipeline.capture import ENGINE_DTYPE_BYTES
 from eagle_pipeline.online import mooncake as mc
 from eagle_pipeline.online.client import CaptureClient, transfer_for
 from eagle_pipeline.online.disk import PeakWatch
 from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
 from eagle_pipeline.online.kept import KEPT_DIR, capture_kept, keep_count, kept_storage
-from eagle_pipeline.online.servers import CaptureServer, capture_label, capture_metrics, engine_fingerprint, parse_label
+from eagle_pipeline.online.servers import (
+    CaptureServer,
+    capture_metrics,
+    parse_label,
+    run_label,
+    served_model_name,
+    server_kwargs_for,
+)
 from eagle_pipeline.online.settings import OnlineTraining
 from eagle_pipeline.preconditions import folder_bytes
 
@@ -79,6 +85,23 @@ def plan_lines(cfg, num_states: int, hidden_size: int, longest: int) -> list[str
     ]
 
 
+def dataset_rows(data_dir: Path) -> list[dict[str, Any]]:
+    """Stage 02's rows as the online part needs them: token ids and lengths."""
+    from datasets import load_from_disk
+
+    data = load_from_disk(str(data_dir)).with_format(None)
+    return [{"input_ids": ids, "seq_len": n} for ids, n in zip(data["input_ids"], data["seq_len"])]
+
+
+def check_named_endpoints(cfg, verifier, layout, rows: list[dict[str, Any]]) -> None:
+    """hidden_states.capture_endpoints checked before anything is written (the session checks them again, and
+    probes them, once it runs)."""
+    expected = ExpectedCapture(served_model=served_model_name(verifier), label=parse_label(run_label(cfg, verifier, layout)),
+                               longest_sequence=max(r["seq_len"] for r in rows))
+    for endpoint in cfg.hidden_states.capture_endpoints:
+        check_endpoint(endpoint, expected)
+
+
 class OnlineSession:
     """`with OnlineSession(...) as session:` readies everything an online run's training needs, sets
     `train_run.online`, and watches the states in flight until the block ends; `session.summary()` is the
@@ -102,24 +125,9 @@ class OnlineSession:
 
     # -- what this run needs of a server ------------------------------------------------------------------
     def expected(self) -> ExpectedCapture:
-        label = capture_label(target=self.verifier.fingerprints()["verifier"],
-                              capture_ids=capture_layer_ids(self.layout.layer_ids, self.layout.num_layers),
-                              transfer=self.cfg.hidden_states.transfer, hidden_size=self.layout.hidden_size,
-                              engine=engine_fingerprint(self.cfg))
-        return ExpectedCapture(served_model=str(self.train_run.verifier_dir), label=parse_label(label),
+        return ExpectedCapture(served_model=served_model_name(self.verifier),
+                               label=parse_label(run_label(self.cfg, self.verifier, self.layout)),
                                longest_sequence=self.longest)
-
-    def local_server_kwargs(self, mooncake_client: dict[str, Any] | None) -> dict[str, Any]:
-        from eagle_pipeline.engine import capture_server_kwargs
-
-        expected = self.expected()
-        label = ";".join(["eagle-capture", *(f"{k}={v}" for k, v in expected.label.items())])
-        return {"target_dir": self.verifier.path, **capture_server_kwargs(
-            self.cfg, speculative_config=speculative_config(self.layout.layer_ids, self.layout.num_layers),
-            kv_transfer_config=kv_transfer_config(self.scratch, self.cfg.device, self.cfg.hidden_states.transfer,
-                                                  mooncake_client),
-            served_model_names=[expected.served_model, label],
-            max_model_len=capture_sizing(self.longest)["max_model_len"])}
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def __enter__(self) -> "OnlineSession":
@@ -154,7 +162,8 @@ class OnlineSession:
             self.scratch.mkdir(parents=True)
         endpoints = list(hs.capture_endpoints)
         if not endpoints:
-            kwargs = self.local_server_kwargs(mooncake_client)
+            kwargs = server_kwargs_for(self.cfg, self.verifier, self.layout, storage=self.scratch,
+                                       mooncake_client=mooncake_client, longest_sequence=self.longest)
             server = self._stack.enter_context(CaptureServer(kwargs, self.stage_dir / "logs" / "capture-server.log",
                                                              startup_timeout_s=self.startup_timeout_s))
             self.servers.append(server)
