@@ -142,9 +142,11 @@ def run(stage: Stage, dry_run: bool) -> None:
                 init_note = f" (flat, {record['convention']} ids {record['written']} = HF {record['hf']})"
         print(f"  init_from {t.init_from or '(scratch)'}{init_note}; checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
         if online:
+            from eagle_pipeline.online.memory_plan import run_plan_lines
             from eagle_pipeline.online.session import plan_lines
 
-            print("\n".join(plan_lines(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)))
+            print("\n".join(plan_lines(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
+                            + run_plan_lines(cfg, verifier, layout)))
         return
 
     init_from = cfg.resolve_path(t.init_from) if t.init_from else None

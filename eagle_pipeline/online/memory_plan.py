@@ -1,0 +1,205 @@
+"""Whether an online run's target and trainer fit on the same GPUs (co-located), from arithmetic a dry run prints.
+
+Co-located: the capture server holds `verifier.gpu_memory_utilization` of every GPU (the target's weights, its
+prefill activations, its CUDA context and a KV cache that holds the capture sequences in flight) and the trainer,
+its drafter sharded with FSDP over the same GPUs, lives in the rest. The alternative, time-sliced (vLLM's sleep
+mode parking the target between capture and training chunks), is not what speculators' online dataset does: it
+asks the server for each sample while training runs, so a parked target would stall it. When co-location does
+not fit, the capture belongs on another host (hidden_states.capture_endpoints, docs/online.md).
+
+Every figure is an estimate whose parts are printed; the constants below are the assumptions, sized for a
+Kimi-K2.5-class target on Blackwell GPUs and meant to be checked against `nvidia-smi` on the first run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+# vLLM's prefill activations for one batch of the longest capture sequence, profiled by vLLM at start-up (an
+# MoE target of hidden 7168 at 4k tokens: a few GiB; CUDA graphs matter little to prefill-only capture).
+VLLM_ACTIVATIONS_GIB = 3.0
+# What a CUDA process holds outside PyTorch's allocator: context, cuBLAS workspaces, NCCL buffers.
+CUDA_CONTEXT_GIB = 1.5
+# Room left free on every GPU for fragmentation and what the estimate misses.
+MARGIN_FRACTION = 0.05
+
+
+def activation_bytes_per_token(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                               draft_vocab: int, vocab: int, ttt_steps: int) -> int:
+    """Activation bytes a training token holds for the backward pass: per TTT step its decoder layer (q/k/v,
+    attention and o_proj outputs, gate/up/act of the MLP, in bf16) and its draft logits (bf16 and a float32
+    log-softmax and its gradient); once, the teacher's logits over the target vocabulary (bf16) and their softmax
+    over the draft vocabulary (float32)."""
+    layer = 2 * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 4 * hidden + 3 * intermediate)
+    logits = (2 + 4 + 4) * draft_vocab
+    teacher = 2 * vocab + 4 * draft_vocab
+    return ttt_steps * (layer + logits) + teacher
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    weights_bytes: int  # the checkpoint's weight files on disk
+    layers: int
+    hidden_size: int
+    vocab_size: int
+    kv_bytes_per_token: int  # the target's KV cache per token on one GPU (MLA: latent + rope, every layer)
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    draft_vocab: int
+    trainable_params: int
+    frozen_params: int  # the target's embedding and lm_head that speculators' drafter carries
+
+    @classmethod
+    def for_run(cls, cfg, verifier, n_aux: int) -> "DrafterShape":
+        from eagle_pipeline.disk_plan import DraftDims, drafter_params
+
+        dims = DraftDims.for_run(cfg, verifier)
+        params = drafter_params(dims, verifier.hidden_size, n_aux, cfg.vocab.draft_vocab_size, verifier.vocab_size)
+        embedding = verifier.vocab_size * dims.hidden  # counted in drafter_params, frozen
+        return cls(hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
+                   intermediate=dims.intermediate, draft_vocab=cfg.vocab.draft_vocab_size,
+                   trainable_params=params - embedding,
+                   frozen_params=embedding + verifier.vocab_size * verifier.hidden_size)
+
+
+def target_shape(verifier_dir: Path, text_config: dict, tensor_parallel: int, kv_dtype_bytes: int = 2) -> TargetShape:
+    """The target's figures from its folder: weight files on disk and its config."""
+    weights = sum(p.stat().st_size for p in Path(verifier_dir).glob("*.safetensors"))
+    layers = int(text_config["num_hidden_layers"])
+    if text_config.get("kv_lora_rank"):  # MLA: every GPU holds the whole compressed latent of every layer
+        per_layer = int(text_config["kv_lora_rank"]) + int(text_config.get("qk_rope_head_dim", 0))
+    else:  # grouped-query attention: keys and values, heads split over the GPUs
+        heads = int(text_config.get("num_key_value_heads", text_config["num_attention_heads"]))
+        head_dim = int(text_config.get("head_dim") or text_config["hidden_size"] // text_config["num_attention_heads"])
+        per_layer = 2 * max(1, heads // tensor_parallel) * head_dim
+    return TargetShape(weights_bytes=weights, layers=layers, hidden_size=int(text_config["hidden_size"]),
+                       vocab_size=int(text_config["vocab_size"]), kv_bytes_per_token=per_layer * layers * kv_dtype_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    gpu_bytes: int
+    gpus: int
+    utilization: float
+    vllm: dict[str, float]  # bytes per GPU by part; vLLM gives its KV cache whatever its share leaves
+    trainer: dict[str, float]
+    per_sequence_bytes: float  # the KV and capture cache of one longest capture sequence
+    concurrent_requests: int  # sequences the ranks may ask for at once (window x ranks)
+
+    @property
+    def vllm_bytes(self) -> float:
+        return self.utilization * self.gpu_bytes
+
+    @property
+    def trainer_bytes(self) -> float:
+        return sum(self.trainer.values())
+
+    @property
+    def sequences_in_cache(self) -> int:
+        """Longest capture sequences vLLM's cache holds at once (the others wait for room)."""
+        return max(0, int(self.vllm["KV and capture cache"] // self.per_sequence_bytes))
+
+    @property
+    def margin_bytes(self) -> float:
+        return self.gpu_bytes - self.vllm_bytes - self.trainer_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.sequences_in_cache >= 1 and self.margin_bytes >= MARGIN_FRACTION * self.gpu_bytes
+
+    def fitting_utilization(self) -> float | None:
+        """The largest gpu_memory_utilization (in hundredths) that leaves the trainer and the margin their room,
+        if it holds one capture sequence; None where none does."""
+        fixed = sum(v for k, v in self.vllm.items() if k != "KV and capture cache")
+        low = (fixed + self.per_sequence_bytes) / self.gpu_bytes
+        high = int((1 - MARGIN_FRACTION - self.trainer_bytes / self.gpu_bytes) * 100) / 100
+        return high if high >= low else None
+
+    def lines(self) -> list[str]:
+        def parts(named: dict[str, float]) -> str:
+            return " + ".join(f"{name} {value / GIB:.1f}" for name, value in named.items())
+
+        verdict = "co-located: fits" if self.fits else "co-located: does NOT fit"
+        held = min(self.sequences_in_cache, self.concurrent_requests)
+        out = [
+            f"  memory plan ({verdict}), per GPU of {self.gpu_bytes / GIB:.1f} GiB, each shared by the capture server "
+            f"(tensor parallel over {self.gpus}) and one of {self.gpus} training ranks:",
+            f"    capture server, verifier.gpu_memory_utilization {self.utilization:.2f} = {self.vllm_bytes / GIB:.1f} GiB: "
+            f"{parts(self.vllm)}; the cache holds {held} of the {self.concurrent_requests} longest sequences the ranks "
+            f"may ask for at once ({self.per_sequence_bytes / GIB:.2f} GiB each; the others wait)",
+            f"    trainer (FSDP): {parts(self.trainer)} = {self.trainer_bytes / GIB:.1f} GiB",
+            f"    left free: {self.margin_bytes / GIB:.1f} GiB (wanted: {MARGIN_FRACTION:.0%} = "
+            f"{MARGIN_FRACTION * self.gpu_bytes / GIB:.1f} GiB)",
+        ]
+        if not self.fits:
+            fitting = self.fitting_utilization()
+            fix = f"set verifier.gpu_memory_utilization {fitting:.2f}" if fitting else "lower train.total_seq_len"
+            out.append(f"    to fit: {fix}, or capture on another host (hidden_states.capture_endpoints; docs/online.md)")
+        return out
+
+
+def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: TargetShape, drafter: DrafterShape,
+                num_states: int, longest_sequence: int, total_seq_len: int, ttt_steps: int, window: int) -> MemoryPlan:
+    """The co-located plan: what the capture server and one training rank hold on each GPU."""
+    hidden_state_bytes = num_states * target.hidden_size * 2  # the capture's own cache group, bf16
+    fixed = {
+        "weights": target.weights_bytes / gpus,
+        "prefill activations": VLLM_ACTIVATIONS_GIB * GIB,
+        "CUDA context": CUDA_CONTEXT_GIB * GIB,
+    }
+    vllm = {**fixed, "KV and capture cache": max(0.0, utilization * gpu_bytes - sum(fixed.values()))}
+    # Master weights (fp32) of every parameter, fp32 gradients and AdamW's two fp32 moments of the trainable ones,
+    # sharded over the ranks; the largest unit (the embedding or lm_head) gathered whole for its forward.
+    states = (4 * (drafter.trainable_params + drafter.frozen_params) + 12 * drafter.trainable_params) / gpus
+    largest_unit = 4 * target.vocab_size * max(drafter.hidden, target.hidden_size)
+    per_token = activation_bytes_per_token(drafter.hidden, drafter.heads, drafter.kv_heads, drafter.head_dim,
+                                           drafter.intermediate, drafter.draft_vocab, target.vocab_size, ttt_steps)
+    trainer = {"sharded states": states, "gathered unit": largest_unit,
+               "activations": total_seq_len * per_token, "CUDA context": CUDA_CONTEXT_GIB * GIB}
+    return MemoryPlan(gpu_bytes=gpu_bytes, gpus=gpus, utilization=utilization, vllm=vllm, trainer=trainer,
+                      per_sequence_bytes=(longest_sequence + 1) * (target.kv_bytes_per_token + hidden_state_bytes),
+                      concurrent_requests=window * gpus)
+
+
+def gpu_memory_bytes() -> int | None:
+    """The smallest GPU's memory on this host (nvidia-smi), None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return min(int(line) for line in out.split()) * 2**20
+    except (subprocess.SubprocessError, OSError, ValueError):
+        return None
+
+
+def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[str]:
+    """What stage 04's dry run prints about GPU memory for an online run whose capture server shares this host's
+    GPUs with the trainer (device cuda, no capture_endpoints); nothing for other runs."""
+    hs = cfg.hidden_states
+    if cfg.device != "cuda" or hs.capture_endpoints or cfg.train.num_gpus == 0:
+        return []
+    gpu_bytes = gpu_bytes or gpu_memory_bytes()
+    if gpu_bytes is None:
+        return ["  memory plan: no nvidia-smi here to read the GPUs' memory from; run this dry run on the GPU host"]
+    gpus = cfg.verifier.tensor_parallel_size
+    if cfg.train.num_gpus != gpus:
+        return [f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
+                f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size"]
+    plan = plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=cfg.verifier.gpu_memory_utilization,
+                       target=target_shape(verifier.path, verifier.text_config(), gpus),
+                       drafter=DrafterShape.for_run(cfg, verifier, len(layout.layer_ids)),
+                       num_states=layout.num_hidden_states, longest_sequence=hs.max_seq_len,
+                       total_seq_len=cfg.train.total_seq_len, ttt_steps=cfg.train.ttt_steps, window=hs.online_window)
+    return plan.lines()
