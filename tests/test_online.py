@@ -1,0 +1,462 @@
+"""Online training's logic, without engines (the real thing, capture servers and Mooncake included, is in
+tests/test_online_vllm.py): its config keys, the capture connectors and server arguments, speculators' flags,
+the checks of a capture server (against a stand-in HTTP server), the kept validation rows, the peak watch, a
+capture server's failure named, the GPU memory plan, and the CPU connector patch's fingerprints."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from conftest import write_config
+
+from eagle_pipeline.capture import kv_transfer_config
+from eagle_pipeline.config import load_config
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.online import failure, kept, memory_plan, settings
+from eagle_pipeline.online.disk import PeakWatch
+from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
+from eagle_pipeline.online.servers import capture_label, parse_label
+from eagle_pipeline.online.session import plan_lines, sample_bytes, window_bound
+from eagle_pipeline.samples import sample_path, write_sample
+
+# ---------------------------------------------------------------- config keys
+
+
+def _load(tmp_path, **hidden_states):
+    return load_config(write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "d"), run_name="t",
+                                    hidden_states=hidden_states))
+
+
+def test_offline_is_the_default_and_online_keys_load(tmp_path):
+    assert _load(tmp_path).hidden_states.mode == "offline"
+    cfg = _load(tmp_path, mode="online", transfer="mooncake", online_window=4, capture_retry_s=60,
+                capture_endpoints=["http://10.0.0.5:8000/v1"], mooncake={"master": "10.0.0.5:50051", "store_gib": 8})
+    assert cfg.hidden_states.capture_endpoints == ["http://10.0.0.5:8000/v1"]
+    assert cfg.hidden_states.mooncake.master == "10.0.0.5:50051"
+
+
+@pytest.mark.parametrize("keys,message", [
+    ({"transfer": "fp8"}, r"hidden_states\.transfer: fp8 quantizes states in flight.*storage_dtype: fp8"),
+    ({"transfer": "mooncake"}, r"hidden_states\.mode: offline stores the states.*set mode: online"),
+    ({"capture_endpoints": ["http://h:1/v1"]}, r"hidden_states\.mode: offline"),
+    ({"mode": "online", "storage_dtype": "fp8"}, r"hidden_states\.storage_dtype: online stores no states.*transfer: fp8"),
+    ({"mode": "online", "capture_endpoints": ["http://h/v1"]}, r"capture_endpoints: 'http://h/v1' must be a server's base URL with its port"),
+    ({"mode": "online", "capture_endpoints": ["ftp://h:1"]}, r"capture_endpoints: 'ftp://h:1' must be"),
+    ({"mode": "online", "capture_endpoints": ["http://h:1/v1", "http://h:1/v1"]}, r"capture_endpoints: names a server twice"),
+    ({"mode": "online", "mooncake": {"master": "h:1"}}, r"hidden_states\.mooncake: a Mooncake master is set but transfer is file"),
+    ({"mode": "online", "transfer": "mooncake", "mooncake": {"master": "nohost"}}, r"mooncake\.master: 'nohost' must be host:port"),
+    ({"mode": "online", "transfer": "mooncake", "mooncake": {"master": "h:70000"}}, r"mooncake\.master: 'h:70000' must be host:port"),
+    ({"mode": "online", "online_window": 0}, r"hidden_states\.online_window"),
+    ({"mode": "sometimes"}, r"hidden_states\.mode"),
+])
+def test_online_keys_are_refused_naming_the_key(tmp_path, keys, message):
+    with pytest.raises(BadInput, match=message):
+        _load(tmp_path, **keys)
+
+
+# ---------------------------------------------------------------- the capture connectors and server
+
+
+@pytest.mark.parametrize("transfer,device,connector,module", [
+    ("file", "cpu", "CpuHiddenStatesConnector", "patches.cpu_hidden_states_connector"),
+    ("file", "cuda", "ExampleHiddenStatesConnector", None),
+    ("fp8", "cpu", "CpuFp8HiddenStatesConnector", "patches.cpu_hs_connectors"),
+    ("fp8", "cuda", "FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector"),
+    ("mooncake", "cpu", "CpuMooncakeHiddenStatesConnector", "patches.cpu_hs_connectors"),
+    ("mooncake", "cuda", "MooncakeHiddenStatesConnector", "hs_connectors.mooncake_hidden_states_connector"),
+])
+def test_each_transfer_has_its_connector_on_each_device(tmp_path, transfer, device, connector, module):
+    store = {"master_server_address": "h:1"}
+    config = kv_transfer_config(tmp_path, device, transfer, store)
+    assert config["kv_connector"] == connector and config["kv_role"] == "kv_producer"
+    assert config.get("kv_connector_module_path") == module
+    expected_extra = {"mooncake": store} if transfer == "mooncake" else {"shared_storage_path": str(tmp_path)}
+    assert config["kv_connector_extra_config"] == expected_extra
+
+
+def test_a_connector_without_its_destination_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="Mooncake connector needs the store's settings"):
+        kv_transfer_config(None, "cpu", "mooncake")
+    with pytest.raises(ValueError, match="fp8 connector needs a storage path"):
+        kv_transfer_config(None, "cpu", "fp8")
+
+
+def test_capture_server_flags(tmp_path):
+    from eagle_pipeline.engine import capture_server_kwargs
+
+    cfg = _load(tmp_path, mode="online")
+    kwargs = capture_server_kwargs(cfg, speculative_config={"method": "extract_hidden_states"},
+                                   kv_transfer_config={"kv_connector": "X"}, served_model_names=["/m", "eagle-capture;a=b"],
+                                   max_model_len=70, listen_host="0.0.0.0")
+    flags = kwargs["extra_args"]
+    assert kwargs["max_model_len"] == 70 and kwargs["speculative_config"] == {"method": "extract_hidden_states"}
+    assert json.loads(flags[flags.index("--kv-transfer-config") + 1]) == {"kv_connector": "X"}
+    assert "--no-enable-prefix-caching" in flags
+    assert flags[flags.index("--served-model-name") + 1:flags.index("--served-model-name") + 3] == ["/m", "eagle-capture;a=b"]
+    assert flags[flags.index("--max-num-batched-tokens") + 1] == "70"
+    assert flags[-2:] == ["--host", "0.0.0.0"]  # after serve_flags' own --host: the one that counts
+    sized = capture_server_kwargs(load_config(write_config(tmp_path / "e.yaml", data_root=str(tmp_path / "d"), run_name="t",
+                                                           verifier={"engine_args": {"max_num_batched_tokens": 512}})),
+                                  speculative_config={}, kv_transfer_config={}, served_model_names=["/m"], max_model_len=70)
+    assert sized["extra_args"].count("--max-num-batched-tokens") == 1  # verifier.engine_args' own, not ours
+
+
+# ---------------------------------------------------------------- speculators' flags
+
+
+def test_request_retries_cover_each_round_trips_share_of_the_retry_time():
+    for retry_s in (1, 8, 30, 120, 300, 3600):
+        retries = settings.request_retries(retry_s)
+        waits = [settings.RETRY_BACKOFF_BASE ** a for a in range(1, retries + 1)]
+        share = retry_s / (1 + settings.ROUND_TRIP_RETRIES)
+        assert sum(waits) >= share and (retries == 1 or sum(waits[:-1]) < share), (retry_s, retries)
+
+
+def test_the_window_is_the_loader_processes_or_the_trainer_itself():
+    assert settings.loader_workers(1) == 0 and settings.loader_workers(4) == 4
+
+
+def test_with_flags_replaces_given_values_and_appends_the_rest():
+    argv = ["--on-missing", "raise", "--num-workers", "0", "--seed", "1"]
+    assert settings.with_flags(argv, {"--on-missing": "generate", "--vllm-endpoint": "http://h:1/v1"}) == [
+        "--on-missing", "generate", "--num-workers", "0", "--seed", "1", "--vllm-endpoint", "http://h:1/v1"]
+
+
+def test_speculators_reads_the_online_flags_as_its_online_dataset_settings(tmp_path):
+    """The flags go through speculators' own config resolution: each rank its endpoint, the backend's own flags."""
+    from speculators.train.config import TrainConfig
+
+    online = settings.OnlineTraining(endpoints=["http://a:1/v1", "http://b:2/v1"], transfer="mooncake", window=3,
+                                     retry_s=120, mooncake={"master_server_address": "m:50051", "metadata_server": "P2PHANDSHAKE",
+                                                            "protocol": "tcp", "device_name": "", "global_segment_size": 0,
+                                                            "local_buffer_size": 2**28})
+    base = ["--verifier-name-or-path", str(tmp_path), "--data-path", str(tmp_path), "--draft-vocab-size", "8",
+            "--hidden-states-backend", "file", "--on-missing", "raise", "--num-workers", "0"]
+    for rank, endpoint in ((0, "http://a:1/v1"), (1, "http://b:2/v1"), (2, "http://a:1/v1")):
+        resolved = TrainConfig.resolve(settings.with_flags(base, settings.speculators_flags(online, rank)))
+        assert resolved.generation.vllm_endpoint == endpoint
+        assert resolved.generation.on_missing == "generate"
+        assert resolved.generation.max_retries == settings.request_retries(120)
+        assert resolved.generation.max_consecutive_generation_failures == 1
+        assert resolved.data.hidden_states_backend == "mooncake" and resolved.data.num_workers == 3
+        assert resolved._backend_args["mooncake_master"] == "m:50051"
+        assert resolved._backend_args["mooncake_global_segment_gib"] == 0
+
+
+def test_a_train_run_carries_its_online_settings_through_launch_json(tmp_path):
+    from eagle_pipeline.train.settings import TrainRun
+
+    online = settings.OnlineTraining(endpoints=["http://a:1/v1"], transfer="file", window=2, retry_s=30)
+    run = TrainRun(data_dir=tmp_path, d2t_path=tmp_path / "d", t2d_path=tmp_path / "t", verifier_dir=tmp_path,
+                   out_dir=tmp_path, layer_ids=[1], seed=0, storage_dtype="bfloat16", device="cpu", online=online)
+    again = TrainRun(**json.loads(json.dumps(run.to_json())))
+    assert again.online == online
+    assert TrainRun(**{**run.to_json(), "online": None}).online is None
+
+
+# ---------------------------------------------------------------- checking a capture server
+
+
+LABEL = parse_label(capture_label(target="f" * 64, capture_ids=[2, 15, 27, 30], transfer="file", hidden_size=576,
+                                  engine="e" * 64))
+
+
+def test_a_label_says_what_a_server_captures():
+    assert LABEL == {"target": "f" * 16, "layers": "2,15,27,30", "transfer": "file", "hidden": "576", "engine": "e" * 16}
+    assert parse_label("/models/smollm2") is None
+
+
+class _FakeVllm(BaseHTTPRequestHandler):
+    models: list = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        body = json.dumps({"object": "list", "data": self.models}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    """A stand-in that answers /v1/models with `handler.models`; yields (endpoint, handler class)."""
+    handler = type("Handler", (_FakeVllm,), {"models": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}/v1", handler
+    server.shutdown()
+
+
+def _label(**changes) -> str:
+    fields = {**LABEL, **changes}
+    return ";".join(["eagle-capture", *(f"{k}={v}" for k, v in fields.items())])
+
+
+EXPECTED = ExpectedCapture(served_model="/models/smollm2", label=LABEL, longest_sequence=60)
+
+
+def test_a_capture_server_of_this_run_passes(fake_server):
+    endpoint, handler = fake_server
+    handler.models = [{"id": "/models/smollm2", "max_model_len": 61}, {"id": _label(), "max_model_len": 61}]
+    assert check_endpoint(endpoint, EXPECTED)["label"] == LABEL
+
+
+@pytest.mark.parametrize("models,message", [
+    ([{"id": "/elsewhere/smollm2"}], r"serves '/elsewhere/smollm2' first, but the trainer asks for '/models/smollm2'.*--served-model-name"),
+    ([{"id": "/models/smollm2"}], r"has no capture label .*not started as a capture server"),
+    ([{"id": "/models/smollm2"}, {"id": _label(layers="1,15,27,30")}],
+     r"captures layers '1,15,27,30' but this run needs '2,15,27,30' \(hidden_states\.layer_ids\)"),
+    ([{"id": "/models/smollm2"}, {"id": _label(transfer="mooncake")}], r"captures transfer 'mooncake' but this run needs 'file'"),
+    ([{"id": "/models/smollm2"}, {"id": _label(target="0" * 16)}], r"captures target '0{16}' but .*\(verifier\.path\)"),
+    ([{"id": "/models/smollm2"}, {"id": _label(engine="0" * 16)}], r"captures engine .*verifier\.dtype"),
+    ([{"id": "/models/smollm2", "max_model_len": 40}, {"id": _label()}], r"takes sequences of up to 39 tokens but .* has 60"),
+])
+def test_a_mismatched_capture_server_is_refused_in_one_line_naming_it(fake_server, models, message):
+    endpoint, handler = fake_server
+    handler.models = models
+    with pytest.raises(BadInput, match=message) as refused:
+        check_endpoint(endpoint, EXPECTED)
+    assert endpoint in str(refused.value) and "\n" not in str(refused.value)
+    assert str(refused.value).startswith("hidden_states.capture_endpoints: ")
+
+
+def test_a_capture_server_that_does_not_answer_is_named():
+    with pytest.raises(BadInput, match=r"capture_endpoints: http://127\.0\.0\.1:9/v1 does not answer as a vLLM server"):
+        check_endpoint("http://127.0.0.1:9/v1", EXPECTED, timeout=2)
+
+
+class _Client:
+    endpoint = "http://h:1/v1"
+
+    def __init__(self, sample=None, params=None, error=None):
+        self.sample, self.params, self.error = sample, params, error
+
+    def capture(self, ids):
+        if self.error:
+            raise self.error
+        return self.sample, self.params
+
+
+def test_the_probe_checks_what_arrives_and_how():
+    ids = [5, 6, 7]
+    good = {"hidden_states": torch.zeros(3, 4, 8), "token_ids": torch.tensor(ids)}
+    seconds, params = probe_endpoint(_Client(good, {"hidden_states_path": "/x"}), ids, num_states=4, hidden_size=8, transfer="file")
+    assert seconds >= 0 and params == {"hidden_states_path": "/x"}
+    manifest = {"handle": "k", "version": 1, "tensors": {}, "metadata": {}}
+    probe_endpoint(_Client(good, manifest), ids, num_states=4, hidden_size=8, transfer="mooncake")
+    with pytest.raises(BadInput, match=r"answered with a file path, but this run's transfer is mooncake"):
+        probe_endpoint(_Client(good, {"hidden_states_path": "/x"}), ids, num_states=4, hidden_size=8, transfer="mooncake")
+    with pytest.raises(BadInput, match=r"captured states of shape \[3, 4, 8\], expected \[3, 3, 8\]"):
+        probe_endpoint(_Client(good, {"hidden_states_path": "/x"}), ids, num_states=3, hidden_size=8, transfer="file")
+    with pytest.raises(BadInput, match=r"h:1/v1 did not deliver a sample through transfer file \(RuntimeError: gone\)"):
+        probe_endpoint(_Client(error=RuntimeError("gone")), ids, num_states=4, hidden_size=8, transfer="file")
+
+
+# ---------------------------------------------------------------- kept rows, the view, the replay's reader
+
+
+def test_kept_rows_are_linked_into_the_view_and_read_by_the_replay(tmp_path):
+    from eagle_pipeline.samples import SAMPLES_DIR
+
+    kept_dir, view = tmp_path / "04_train" / kept.KEPT_DIR, tmp_path / "04_train" / "split_data"
+    (view / SAMPLES_DIR).mkdir(parents=True)
+    sample = {"hidden_states": torch.randn(3, 4, 8), "token_ids": torch.tensor([1, 2, 3])}
+    write_sample(kept_dir, 7, sample, [1, 2, 3], num_states=4)
+    # The view written for stage 02's states, which an online run never stored: dangling links.
+    order = [2, 5, 7]
+    for new_row, old_row in enumerate(order):
+        os.symlink(f"../../../02/hs_{old_row}.safetensors", sample_path(view / SAMPLES_DIR, new_row))
+    assert kept.link_kept_states(view, order, kept_dir) == 1
+    assert sorted(p.name for p in (view / SAMPLES_DIR).iterdir()) == ["hs_2.safetensors"]
+    assert (view / SAMPLES_DIR / "hs_2.safetensors").resolve() == sample_path(kept_dir, 7).resolve()
+    stage02 = tmp_path / "02" / "data"
+    assert kept.stored_sample_path(stage02, tmp_path / "04_train", 7) == sample_path(kept_dir, 7)
+    write_sample(stage02 / SAMPLES_DIR, 7, sample, [1, 2, 3], num_states=4)
+    assert kept.stored_sample_path(stage02, tmp_path / "04_train", 7) == sample_path(stage02 / SAMPLES_DIR, 7)
+
+
+def test_kept_rows_are_captured_once_and_stale_ones_removed(tmp_path):
+    calls = []
+
+    class Client:
+        def capture(self, ids):
+            calls.append(list(ids))
+            return {"hidden_states": torch.ones(len(ids), 4, 8), "token_ids": torch.tensor(ids)}, {}
+
+    rows = {3: [1, 2, 3], 9: [4, 5]}
+    kwargs = {"num_states": 4, "hidden_size": 8, "storage_dtype": kept.kept_storage("fp8")}
+    assert kept.capture_kept(Client(), rows, tmp_path, **kwargs) == 2
+    assert kept.capture_kept(Client(), rows, tmp_path, **kwargs) == 0 and len(calls) == 2
+    assert kept.capture_kept(Client(), {9: [4, 5]}, tmp_path, **kwargs) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hs_9.safetensors"]
+
+
+def test_the_replays_rows_decide_how_many_are_kept(tmp_path):
+    cfg = _load(tmp_path, mode="online")
+    assert kept.keep_count(cfg) == max(cfg.train.predict_conversations, cfg.convert.parity_prompts)
+    cfg.convert.parity = "vllm"
+    assert kept.keep_count(cfg) == cfg.train.predict_conversations
+
+
+# ---------------------------------------------------------------- the window and its peak
+
+
+def test_the_window_bounds_the_states_in_flight(tmp_path):
+    cfg = _load(tmp_path, mode="online", online_window=3)  # tiny.yaml: float32 engine, 4 states of 576
+    one = sample_bytes(cfg, 4, 576, 100)
+    assert one == 100 * (4 * 576 * 4 + 8) + 4096
+    assert window_bound(cfg, 4, 576, 100) == 3 * one
+    fp8 = _load(tmp_path, mode="online", transfer="fp8")
+    assert sample_bytes(fp8, 4, 576, 100) < one / 3
+    text = "\n".join(plan_lines(cfg, 4, 576, 100))
+    assert "3 sample(s) in flight per rank x 1 rank(s)" in text and "one started on this host" in text
+
+
+def test_the_peak_watch_keeps_the_largest_value_it_saw():
+    values = iter([1, 5, 2] + [0] * 1000)
+    with PeakWatch(lambda: next(values), interval_s=0.001) as watch:
+        time.sleep(0.1)
+    assert watch.peak == 5 and watch.samples >= 3
+    with PeakWatch(lambda: 1 / 0, interval_s=0.001) as broken:
+        time.sleep(0.01)
+    assert broken.peak == 0
+
+
+# ---------------------------------------------------------------- a server that stays away
+
+
+ONLINE = settings.OnlineTraining(endpoints=["http://a:1/v1", "http://b:2/v1"], transfer="file", window=1, retry_s=30)
+
+
+def test_the_circuit_breaker_becomes_a_failure_naming_the_ranks_server(tmp_path):
+    breaker = RuntimeError("Hidden-state generation circuit breaker tripped on 1 rank(s) during training. "
+                           "Local error: APIConnectionError: Connection error.")
+    with pytest.raises(failure.CaptureUnavailable, match=r"capture server http://b:2/v1 delivered no hidden states.*"
+                                                         r"capture_retry_s 30 s\).*Connection error.*rerun stage 04"):
+        with failure.online_rank(ONLINE, tmp_path, rank=1):
+            raise breaker
+    assert "http://b:2/v1" in failure.capture_failure(tmp_path)
+    with failure.online_rank(ONLINE, tmp_path, rank=0):  # a new attempt forgets the last one's failure
+        pass
+    assert failure.capture_failure(tmp_path) is None
+    with pytest.raises(RuntimeError, match="shape mismatch"), failure.online_rank(ONLINE, tmp_path, rank=0):
+        raise RuntimeError("shape mismatch")
+    with pytest.raises(RuntimeError, match="circuit breaker"), failure.online_rank(None, tmp_path, rank=0):
+        raise breaker  # offline runs are left alone
+
+
+def test_speculators_still_names_its_circuit_breaker_as_the_failure_expects():
+    import inspect
+
+    from speculators.train.recovery import BatchRecoveryCoordinator
+
+    assert failure.CIRCUIT_BREAKER in inspect.getsource(BatchRecoveryCoordinator.synchronize)
+
+
+# ---------------------------------------------------------------- the GPU memory plan
+
+
+def kimi_plan(total_seq_len: int, utilization: float) -> memory_plan.MemoryPlan:
+    """Kimi-K2.5 INT4 (~600 GB of weights, MLA) on 8 GPUs of 96 GB (97,887 MiB as nvidia-smi reports them), with
+    configs/kimi-k2.5.yaml's drafter."""
+    from eagle_pipeline.disk_plan import DraftDims, drafter_params
+
+    vocab, hidden = 163840, 7168
+    params = drafter_params(DraftDims(hidden, 64, 64, 128, 18432), hidden, 3, 32000, vocab)
+    target = memory_plan.TargetShape(weights_bytes=600 * 10**9, layers=61, hidden_size=hidden, vocab_size=vocab,
+                                     kv_bytes_per_token=(512 + 64) * 61 * 2)
+    drafter = memory_plan.DrafterShape(hidden=hidden, heads=64, kv_heads=64, head_dim=128, intermediate=18432,
+                                       draft_vocab=32000, trainable_params=params - vocab * hidden,
+                                       frozen_params=2 * vocab * hidden)
+    return memory_plan.plan_memory(gpu_bytes=97887 * 2**20, gpus=8, utilization=utilization, target=target,
+                                   drafter=drafter, num_states=4, longest_sequence=total_seq_len,
+                                   total_seq_len=total_seq_len, ttt_steps=3, window=1)
+
+
+def test_kimi_on_one_host_fits_co_located_with_packs_of_2048_not_4096():
+    fits = kimi_plan(2048, 0.80)
+    assert fits.fits and fits.sequences_in_cache >= fits.concurrent_requests == 8
+    assert 69 < fits.vllm["weights"] / memory_plan.GIB < 70
+    assert fits.margin_bytes >= memory_plan.MARGIN_FRACTION * fits.gpu_bytes
+    assert "co-located: fits" in fits.lines()[0] and "to fit" not in "\n".join(fits.lines())
+    too_long = kimi_plan(4096, 0.80)
+    assert not too_long.fits and too_long.fitting_utilization() is None
+    assert "lower train.total_seq_len" in too_long.lines()[-1]
+    greedy = kimi_plan(2048, 0.85)  # vLLM takes the whole share: too little left for the trainer
+    assert not greedy.fits and greedy.fitting_utilization() == 0.81
+    assert "set verifier.gpu_memory_utilization 0.81" in greedy.lines()[-1]
+
+
+def test_the_targets_kv_per_token_is_read_from_its_config(tmp_path):
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 10)
+    mla = memory_plan.target_shape(tmp_path, {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 8,
+                                              "kv_lora_rank": 512, "qk_rope_head_dim": 64}, tensor_parallel=8)
+    assert mla.kv_bytes_per_token == 576 * 61 * 2 and mla.weights_bytes == 10
+    gqa = memory_plan.target_shape(tmp_path, {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 8,
+                                              "num_attention_heads": 9, "num_key_value_heads": 3}, tensor_parallel=1)
+    assert gqa.kv_bytes_per_token == 2 * 3 * 64 * 30 * 2
+
+
+# ---------------------------------------------------------------- the CPU connectors' patch
+
+
+def test_cpu_connector_patch_matches_installed_upstream():
+    """Fails when hs_connectors' code that the CPU connectors rely on changes: re-check patches/cpu_hs_connectors.py."""
+    from patches import cpu_hs_connectors as patch
+    from patches.upstream import changed_sources
+
+    assert changed_sources(patch.UPSTREAM_SOURCE_SHA256) == []
+    assert patch.CpuFp8HiddenStatesConnector._write_tensors is patch.FP8HiddenStatesConnector._write_tensors
+    assert patch.CpuFp8HiddenStatesConnector._submit_async_write is patch.CpuHiddenStatesConnector._submit_async_write
+    streams = patch.CpuMooncakeHiddenStatesConnector._device(None)
+    stream, event = streams.Stream(), streams.Event()
+    event.record()
+    stream.wait_event(event)
+    with streams.stream(stream):
+        pass
+
+
+def test_cpu_connector_patch_refuses_other_releases(monkeypatch):
+    import hs_connectors
+
+    from patches import cpu_hs_connectors as patch
+
+    monkeypatch.setattr(hs_connectors, "__version__", "0.10.0")
+    with pytest.raises(RuntimeError, match=r"patches/cpu_hs_connectors\.py targets hs_connectors 0\.9\.0 but 0\.10\.0 is installed"):
+        importlib.reload(patch)
+    monkeypatch.undo()
+    importlib.reload(patch)
+
+
+def test_mooncake_clients_hold_no_store_memory_of_their_own(tmp_path):
+    from eagle_pipeline.online import mooncake
+
+    cfg = _load(tmp_path, mode="online", transfer="mooncake")
+    client = mooncake.client_config(cfg.hidden_states.mooncake, "127.0.0.1:50051")
+    assert client["global_segment_size"] == 0 and client["local_hostname"] == "127.0.0.1"
+    assert client["metadata_server"] == "P2PHANDSHAKE" and client["master_server_address"] == "127.0.0.1:50051"
+    from hs_connectors.mooncake_store import MooncakeStoreConfig
+
+    assert set(client) == set(MooncakeStoreConfig.__dataclass_fields__)  # every field hs_connectors reads, no other
+    remote = mooncake.client_config(cfg.hidden_states.mooncake.model_copy(update={"local_hostname": "10.0.0.2"}), "10.0.0.5:1")
+    assert remote["local_hostname"] == "10.0.0.2"
+
+
+def test_a_missing_mooncake_is_named_with_its_install(monkeypatch):
+    from eagle_pipeline.online import mooncake
+
+    monkeypatch.setattr(mooncake, "program_path", lambda name: None)
+    with pytest.raises(BadInput, match=r"hidden_states\.transfer: mooncake, but its mooncake_master program is not "
+                                       r"installed.*requirements/online\.txt.*libibverbs1"):
+        mooncake.require_mooncake()
