@@ -208,15 +208,18 @@ def diagnose(served: Sequence[float | None], served_drafts: int | None, predicti
     faults = [f for f in findings if f["fault"]]
     gap = (f"served acceptance per position {_fmt(s)} is short of predicted {_fmt(p)} (tolerance {_fmt(tol)})")
     if short_positions(s, p, tol):
+        def distance(name: str) -> float:
+            return sum(abs(a - b) for a, b in zip(s, candidates[name]))
+
         reproducing = [name for name, c in candidates.items() if all(abs(a - b) <= t for a, b, t in zip(s, c, tol))]
-        out["closest"] = min(candidates, key=lambda name: sum(abs(a - b) for a, b in zip(s, candidates[name])), default=None)
+        out["closest"] = min(candidates, key=distance, default=None)
         # Served acceptance indistinguishable from none is what every fault that breaks the drafter gives, the
         # engine's own among them: a reading that also accepts nothing is no evidence for itself.
         accepts_nothing = all(a <= t for a, t in zip(s, tol))
         if accepts_nothing:
             out["also_accepting_nothing"], reproducing = reproducing, []
         if reproducing:
-            cause = min(reproducing, key=lambda name: sum(abs(a - b) for a, b in zip(s, candidates[name])))
+            cause = min(reproducing, key=distance)
             out.update(status="config", cause=cause, cause_text=texts[cause], reproduced=True)
             line = f"{gap}; cause: {texts[cause]} (re-simulated {_fmt(candidates[cause])})"
         elif faults:
