@@ -8,6 +8,9 @@
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh log CONFIG [STAGE] # follow a stage's log (Ctrl-C stops following)
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh log setup          # follow the setup log until setup ends
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh status CONFIG      # table of every stage from the manifests
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh capture CONFIG [--port P] [--set k=v]  # sync, then a capture server
+#                                                                 # for online training on another host, detached
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh capture-stop CONFIG  # stop that capture server
 # EAGLE_REMOTE_DIR (default eagle3-pipeline, relative to the remote home) is where the code lives there.
 # One job per run: a second `run` of a run that is still running is refused, and sync (so also run and
 # setup) is refused while any job started from that folder runs. Configs edited on the host are kept;
@@ -35,6 +38,9 @@ merge_configs='rm -rf .sync && mkdir -p .sync && tar -C .sync -xf - && (cd .sync
     elif [ "$overwrite" = 1 ]; then cp -p ".sync/$f" "$f" && echo "overwrote host'"'"'s $f"
     else echo "kept host'"'"'s $f (differs from local); pass --configs to overwrite"; fi
   done; rm -rf .sync'
+
+# Runs on the host: whether process $1 lives (a zombie no parent reaps does not count).
+capture_running='running() { [ -r /proc/$1/stat ] && [ "$(sed "s/.*) //" /proc/$1/stat | cut -d" " -f1)" != Z ]; }'
 
 case "$cmd" in
   sync)
@@ -88,6 +94,28 @@ case "$cmd" in
     [ $# -ge 1 ] || { echo "usage: remote.sh status CONFIG" >&2; exit 2; }
     on_host ".venv/bin/python scripts/status.py --config $(quote "$@")" ;;
 
+  capture)
+    # A vLLM capture server for a trainer on another host (hidden_states.mode: online, docs/online.md); its log says
+    # the endpoint to put in hidden_states.capture_endpoints there.
+    [ $# -ge 1 ] || { echo "usage: remote.sh capture CONFIG [--port P] [--set k=v ...]" >&2; exit 2; }
+    config="$1"; shift
+    name="$(basename "$config" .yaml)"; extra=""
+    [ $# -eq 0 ] || extra="$(quote "$@")"
+    "$0" sync
+    on_host "$capture_running; mkdir -p logs && pid=logs/capture-$name.pid && log=logs/capture-$name.log && \
+      if [ -f \$pid ] && running \$(cat \$pid); then \
+        echo \"error: a capture server of $config already runs on $host (pid \$(cat \$pid)); remote.sh capture-stop $config first\" >&2; exit 2; fi; \
+      setsid nohup .venv/bin/python -m eagle_pipeline.online.serve_capture --config $(quote "$config") $extra > \$log 2>&1 < /dev/null & \
+      echo \$! > \$pid; echo \"capture server of $config starting on $host (pid \$!); its endpoint appears in \$log once it serves\"" ;;
+
+  capture-stop)
+    [ $# -eq 1 ] || { echo "usage: remote.sh capture-stop CONFIG" >&2; exit 2; }
+    name="$(basename "$1" .yaml)"
+    # SIGTERM to its process group: the capture server stops vLLM (and a Mooncake master and store it started).
+    on_host "$capture_running; pid=logs/capture-$name.pid; if [ -f \$pid ] && running \$(cat \$pid); then \
+        kill -TERM -- -\$(cat \$pid); rm -f \$pid; echo \"stopped the capture server of $1 on $host\"; \
+      else rm -f \$pid; echo \"error: no capture server of $1 runs on $host\" >&2; exit 2; fi" ;;
+
   *)
-    sed -n '2,15p' "$0"; exit 2 ;;
+    sed -n '2,18p' "$0"; exit 2 ;;
 esac

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -460,3 +461,41 @@ def test_a_missing_mooncake_is_named_with_its_install(monkeypatch):
     with pytest.raises(BadInput, match=r"hidden_states\.transfer: mooncake, but its mooncake_master program is not "
                                        r"installed.*requirements/online\.txt.*libibverbs1"):
         mooncake.require_mooncake()
+
+
+# ---------------------------------------------------------------- remote.sh capture
+
+
+def test_remote_capture_starts_the_capture_server_detached_and_capture_stop_finds_it_gone(tmp_path):
+    """`remote.sh capture` runs eagle_pipeline.online.serve_capture detached on the host, logging there; this
+    one's config is offline, so the server refuses at once, in one line, and capture-stop finds nothing running."""
+    import subprocess
+
+    from conftest import REPO
+
+    env = {**os.environ, "EAGLE_HOST": "local", "EAGLE_REMOTE_DIR": str(tmp_path / "host"), "HF_HUB_OFFLINE": "1"}
+
+    def remote(*args):
+        return subprocess.run([str(REPO / "scripts" / "remote.sh"), *args], env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    assert remote("sync").returncode == 0
+    os.symlink(REPO / ".venv", tmp_path / "host" / ".venv")
+    config = write_config(tmp_path / "host" / "configs" / "offline.yaml", data_root=str(tmp_path / "d"), run_name="t")
+    started = remote("capture", "configs/offline.yaml", "--port", "18999")
+    assert started.returncode == 0, started.stderr
+    assert "capture server of configs/offline.yaml starting on local" in started.stdout
+    log = tmp_path / "host" / "logs" / "capture-offline.log"
+    deadline = time.monotonic() + 120
+    while "error:" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, "the capture server never answered"
+        time.sleep(0.5)
+    assert log.read_text().strip().splitlines()[-1] == (
+        "error: hidden_states.mode: a capture server serves online runs; set mode: online in the config")
+    assert config.is_file()
+    pid = int((tmp_path / "host" / "logs" / "capture-offline.pid").read_text())
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]:
+        assert time.monotonic() < deadline, "the refused capture server did not exit"
+        time.sleep(0.2)
+    stopped = remote("capture-stop", "configs/offline.yaml")
+    assert stopped.returncode == 2 and "error: no capture server of configs/offline.yaml runs on local" in stopped.stderr
