@@ -231,6 +231,11 @@ class HiddenStatesConfig(Section):
                                          "stage 04 starts one on this host")
     capture_retry_s: float = Field(300.0, ge=1, le=86400, description="online: how long a sample's capture is retried "
                                    "while its server does not answer (a restart); then training stops naming the server")
+    # A capture server stage 04 starts on GPUs the trainer also uses takes only its share of them; stage 04's dry run
+    # prints the memory plan that says whether the two fit (eagle_pipeline/online/memory_plan.py).
+    capture_gpu_memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1, description="online, cuda: the share of each GPU a capture server started by stage 04 takes "
+                                      "(the trainer uses the rest); None: verifier.gpu_memory_utilization")
     mooncake: MooncakeSettings = Field(default_factory=MooncakeSettings)
 
     @field_validator("layer_ids")
@@ -261,9 +266,9 @@ class HiddenStatesConfig(Section):
             if self.transfer == "fp8":
                 raise cross_field("transfer", "fp8 quantizes states in flight, which mode: offline has none of; "
                                               "to store them in fp8 set storage_dtype: fp8")
-            if self.transfer != "file" or self.capture_endpoints or self.mooncake.master:
+            if self.transfer != "file" or self.capture_endpoints or self.mooncake.master or self.capture_gpu_memory_utilization:
                 raise cross_field("mode", "offline stores the states and captures nothing live; set mode: online to "
-                                          "use transfer, capture_endpoints or mooncake")
+                                          "use transfer, capture_endpoints, capture_gpu_memory_utilization or mooncake")
         elif self.storage_dtype != StorageDtype.BFLOAT16:
             raise cross_field("storage_dtype", "online stores no states (only a few validation rows, kept in the "
                                                "transfer's precision); to quantize the states in flight set transfer: fp8")

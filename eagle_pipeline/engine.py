@@ -164,6 +164,9 @@ def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any],
              "--served-model-name", *served_model_names]
     if "max_num_batched_tokens" not in cfg.verifier.engine_args:  # verifier.engine_args may size the batch otherwise
         flags += ["--max-num-batched-tokens", str(max_model_len)]
+    share = cfg.hidden_states.capture_gpu_memory_utilization
+    if cfg.device == "cuda" and share is not None:  # after server_args' verifier.gpu_memory_utilization: the last counts
+        flags += ["--gpu-memory-utilization", str(share)]
     if listen_host is not None:
         flags += ["--host", listen_host]  # after serve_flags' own --host: the last one counts
     return {**kwargs, "max_model_len": max_model_len, "speculative_config": speculative_config,

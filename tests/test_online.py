@@ -47,6 +47,7 @@ def test_offline_is_the_default_and_online_keys_load(tmp_path):
     ({"transfer": "fp8"}, r"hidden_states\.transfer: fp8 quantizes states in flight.*storage_dtype: fp8"),
     ({"transfer": "mooncake"}, r"hidden_states\.mode: offline stores the states.*set mode: online"),
     ({"capture_endpoints": ["http://h:1/v1"]}, r"hidden_states\.mode: offline"),
+    ({"capture_gpu_memory_utilization": 0.8}, r"hidden_states\.mode: offline"),
     ({"mode": "online", "storage_dtype": "fp8"}, r"hidden_states\.storage_dtype: online stores no states.*transfer: fp8"),
     ({"mode": "online", "capture_endpoints": ["http://h/v1"]}, r"capture_endpoints: 'http://h/v1' must be a server's base URL with its port"),
     ({"mode": "online", "capture_endpoints": ["ftp://h:1"]}, r"capture_endpoints: 'ftp://h:1' must be"),
@@ -107,6 +108,14 @@ def test_capture_server_flags(tmp_path):
                                                            verifier={"engine_args": {"max_num_batched_tokens": 512}})),
                                   speculative_config={}, kv_transfer_config={}, served_model_names=["/m"], max_model_len=70)
     assert sized["extra_args"].count("--max-num-batched-tokens") == 1  # verifier.engine_args' own, not ours
+    gpu = load_config(write_config(tmp_path / "g.yaml", data_root=str(tmp_path / "d"), run_name="t", device="cuda",
+                                   verifier={"gpu_memory_utilization": 0.9},
+                                   hidden_states={"mode": "online", "capture_gpu_memory_utilization": 0.8}))
+    shared = capture_server_kwargs(gpu, speculative_config={}, kv_transfer_config={}, served_model_names=["/m"],
+                                   max_model_len=70)["extra_args"]
+    # The capture server's share comes after the served target's own, and the last one counts.
+    assert shared.index("0.9") < len(shared) - 1 - shared[::-1].index("--gpu-memory-utilization")
+    assert shared[len(shared) - shared[::-1].index("--gpu-memory-utilization")] == "0.8"
 
 
 # ---------------------------------------------------------------- speculators' flags
@@ -396,7 +405,7 @@ def test_kimi_on_one_host_fits_co_located_with_packs_of_2048_not_4096():
     assert "lower train.total_seq_len" in too_long.lines()[-1]
     greedy = kimi_plan(2048, 0.85)  # vLLM takes the whole share: too little left for the trainer
     assert not greedy.fits and greedy.fitting_utilization() == 0.81
-    assert "set verifier.gpu_memory_utilization 0.81" in greedy.lines()[-1]
+    assert "set hidden_states.capture_gpu_memory_utilization 0.81" in greedy.lines()[-1]
 
 
 def test_the_targets_kv_per_token_is_read_from_its_config(tmp_path):

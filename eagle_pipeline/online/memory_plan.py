@@ -1,6 +1,6 @@
 """Whether an online run's target and trainer fit on the same GPUs (co-located), from arithmetic a dry run prints.
 
-Co-located: the capture server holds `verifier.gpu_memory_utilization` of every GPU (the target's weights, its
+Co-located: the capture server holds `hidden_states.capture_gpu_memory_utilization` of every GPU (the target's weights, its
 prefill activations, its CUDA context and a KV cache that holds the capture sequences in flight) and the trainer,
 its drafter sharded with FSDP over the same GPUs, lives in the rest. The alternative, time-sliced (vLLM's sleep
 mode parking the target between capture and training chunks), is not what speculators' online dataset does: it
@@ -135,7 +135,7 @@ class MemoryPlan:
         out = [
             f"  memory plan ({verdict}), per GPU of {self.gpu_bytes / GIB:.1f} GiB, each shared by the capture server "
             f"(tensor parallel over {self.gpus}) and one of {self.gpus} training ranks:",
-            f"    capture server, verifier.gpu_memory_utilization {self.utilization:.2f} = {self.vllm_bytes / GIB:.1f} GiB: "
+            f"    capture server, gpu_memory_utilization {self.utilization:.2f} = {self.vllm_bytes / GIB:.1f} GiB: "
             f"{parts(self.vllm)}; the cache holds {held} of the {self.concurrent_requests} longest sequences the ranks "
             f"may ask for at once ({self.per_sequence_bytes / GIB:.2f} GiB each; the others wait)",
             f"    trainer (FSDP): {parts(self.trainer)} = {self.trainer_bytes / GIB:.1f} GiB",
@@ -144,7 +144,8 @@ class MemoryPlan:
         ]
         if not self.fits:
             fitting = self.fitting_utilization()
-            fix = f"set verifier.gpu_memory_utilization {fitting:.2f}" if fitting else "lower train.total_seq_len"
+            fix = (f"set hidden_states.capture_gpu_memory_utilization {fitting:.2f}" if fitting
+                   else "lower train.total_seq_len")
             out.append(f"    to fit: {fix}, or capture on another host (hidden_states.capture_endpoints; docs/online.md)")
         return out
 
@@ -197,7 +198,8 @@ def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[
     if cfg.train.num_gpus != gpus:
         return [f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
                 f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size"]
-    plan = plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=cfg.verifier.gpu_memory_utilization,
+    share = hs.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
+    plan = plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=share,
                        target=target_shape(verifier.path, verifier.text_config(), gpus),
                        drafter=DrafterShape.for_run(cfg, verifier, len(layout.layer_ids)),
                        num_states=layout.num_hidden_states, longest_sequence=hs.max_seq_len,
