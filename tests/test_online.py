@@ -508,3 +508,11 @@ def test_remote_capture_starts_the_capture_server_detached_and_capture_stop_find
         time.sleep(0.2)
     stopped = remote("capture-stop", "configs/offline.yaml")
     assert stopped.returncode == 2 and "error: no capture server of configs/offline.yaml runs on local" in stopped.stderr
+
+
+def test_the_capture_host_starts_the_mooncake_master_its_config_names_on_it():
+    from eagle_pipeline.online.mooncake import names_this_host
+
+    assert names_this_host("127.0.0.1:50051") and names_this_host("localhost:50051")
+    assert not names_this_host("192.0.2.1:50051")  # TEST-NET-1: never this machine
+    assert not names_this_host("no-such-host.invalid:50051")

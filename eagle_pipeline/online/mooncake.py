@@ -75,6 +75,22 @@ def local_address(settings: MooncakeSettings, master: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def names_this_host(address: str) -> bool:
+    """Whether host:port names this machine (an address of it that a socket can bind), so that the capture host
+    starts the master the config names."""
+    host = address.rpartition(":")[0]
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        return False
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((ip, 0))
+    except OSError:
+        return False
+    return True
+
+
 def client_config(settings: MooncakeSettings, master: str, writer_threads: int = 4) -> dict[str, Any]:
     """hs_connectors' MooncakeStoreConfig fields for a client of this store (a capture server's connector or a
     trainer): no memory of its own in the store."""
