@@ -149,10 +149,11 @@ def run(stage: Stage, dry_run: bool) -> None:
         if baseline is not None:
             report = merge_baseline(report, baseline)
         report["prompt_ids"] = [p["id"] for p in prompts]
-        # Written before predicting: what was served survives a failed prediction, and a rerun reads it.
-        write_served(stage.dir, inputs, report)
+        # Written before predicting: what was served survives a failed prediction, and a rerun reads it;
+        # served.json last, as the mark that the served part is whole.
         if baseline is None:
             save_baseline_answers(stage.dir, shaped_by, report)
+        write_served(stage.dir, inputs, report)
         report["per_prompt"] = per_prompt_acceptance(report)
         write_report(stage.dir, {**report, "verdict": "served; prediction pending" if s.predict else None}, messages)
     else:
