@@ -78,6 +78,8 @@ def plan_without_conversations(stage: Stage) -> None:
     cfg = stage.cfg
     verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    if cfg.hidden_states.mode == "online":
+        return print_online_plan(stage, verifier, layout, num_samples=cfg.data.num_samples, note=not_run_yet_note(cfg, 1))
     max_tokens = cfg.data.num_samples * cfg.hidden_states.max_seq_len
     need = estimate_bytes(max_tokens, layout.num_hidden_states, layout.hidden_size, layout.storage_dtype)
     print(f"stage 02: capture hidden states of {cfg.data.num_samples} conversations")
@@ -244,11 +246,14 @@ def run(stage: Stage, dry_run: bool) -> None:
     )
 
 
-def print_online_plan(stage: Stage, verifier: Verifier, layout, rows: list[dict]) -> None:
+def print_online_plan(stage: Stage, verifier: Verifier, layout, rows: list[dict] | None = None,
+                      num_samples: int | None = None, note: str | None = None) -> None:
     """Dry run of an online run: the dataset only; the states are stage 04's to capture."""
-    total_tokens = sum(r["seq_len"] for r in rows)
-    print(f"stage 02: the training dataset of {len(rows)} conversations ({total_tokens} tokens), no hidden states "
+    size = f"{len(rows)} conversations ({sum(r['seq_len'] for r in rows)} tokens)" if rows else f"{num_samples} conversations"
+    print(f"stage 02: the training dataset of {size}, no hidden states "
           f"(hidden_states.mode: online: stage 04 captures them live and discards them)")
+    if note:
+        print(note)
     print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden {layout.hidden_size}); "
           f"aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}, which stage 04's capture "
           f"servers will hand over as [seq, {layout.num_hidden_states}, {layout.hidden_size}]")

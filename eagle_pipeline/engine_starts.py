@@ -47,5 +47,7 @@ def planned_target_starts(cfg) -> dict[str, int]:
     s = cfg.serve
     served = (s.baseline is None) + s.ngram_baseline + 1  # none (unless a kept baseline answers), n-gram, EAGLE-3
     prediction = int(s.predict and s.baseline is None)  # a kept baseline holds the captured states too
-    return {STAGES[1]: 1, STAGES[2]: 1, STAGES[3]: 0, STAGES[4]: 0,
+    hs = cfg.hidden_states
+    online = hs.mode == "online"  # stage 04 captures instead of stage 02, starting a server unless given some
+    return {STAGES[1]: 1, STAGES[2]: int(not online), STAGES[3]: 0, STAGES[4]: int(online and not hs.capture_endpoints),
             STAGES[5]: 2 if cfg.convert.parity == "vllm" else 0, STAGES[6]: served + prediction}
