@@ -3,7 +3,7 @@
 1. the Mooncake master and store, when the transfer is mooncake and no master is named (mooncake.py);
 2. the capture servers: those named in hidden_states.capture_endpoints, or one started on this host (servers.py);
 3. each server checked for the target, the layer ids and the connector, and probed with one sample (endpoints.py);
-4. the validation rows the replays read, captured once and kept (kept.py);
+4. the validation rows the replays read, captured once, kept (kept.py) and checked for meaning (state_meaning.py);
 5. while training runs, the bytes the states in flight hold, sampled (disk.py);
 6. afterwards: the peak, the servers' capture counters, restarts, and leftovers of the transfer folder removed.
 
@@ -90,7 +90,8 @@ def dataset_rows(data_dir: Path) -> list[dict[str, Any]]:
     from datasets import load_from_disk
 
     data = load_from_disk(str(data_dir)).with_format(None)
-    return [{"input_ids": ids, "seq_len": n} for ids, n in zip(data["input_ids"], data["seq_len"])]
+    return [{"input_ids": ids, "loss_mask": mask, "seq_len": n}
+            for ids, mask, n in zip(data["input_ids"], data["loss_mask"], data["seq_len"])]
 
 
 def check_named_endpoints(cfg, verifier, layout, rows: list[dict[str, Any]]) -> None:
@@ -188,12 +189,32 @@ class OnlineSession:
             clients[0], kept, self.kept_dir, num_states=self.layout.num_hidden_states,
             hidden_size=self.layout.hidden_size, storage_dtype=kept_storage(hs.transfer))
         self.facts["kept_rows"] = sorted(kept)
+        self.facts["meaning_check"] = self._check_meaning(sorted(kept), endpoints[0])
         self.train_run.online = self.online  # every rank reads it from launch.json (or in this process)
         if self.services is not None:
             self.watch = self._stack.enter_context(PeakWatch(self.services.allocated_bytes))
         elif self.transfer_folders:
             self.watch = self._stack.enter_context(PeakWatch(lambda: sum(map(folder_bytes, self.transfer_folders))))
         # else: a Mooncake store elsewhere, whose master's metrics this host does not know where to read
+
+    def _check_meaning(self, rows: list[int], endpoint: str) -> dict[str, Any] | None:
+        """The kept rows' states checked for meaning, as stage 02 checks its own (eagle_pipeline/state_meaning.py): no
+        flat slot, and the final slot through the target's own norm and lm_head predicts the answers the target
+        wrote, which a server of another target, or of the right one computed wrongly, does not."""
+        from eagle_pipeline.samples import read_sample, sample_path
+        from eagle_pipeline.state_meaning import CapturedSample, check_meaning, slot_names, target_head_for
+
+        if not rows:
+            return None
+        samples = []
+        for row in rows:
+            mask = self.rows[row]["loss_mask"]
+            samples.append(CapturedSample(f"row {row} captured by {endpoint}", self.rows[row]["input_ids"],
+                                          read_sample(sample_path(self.kept_dir, row))["hidden_states"],
+                                          [t for t in range(len(mask) - 1) if mask[t + 1]]))
+        return check_meaning(samples, target_head_for(self.verifier), slot_names(self.layout.layer_ids, self.layout.num_layers),
+                             greedy=self.cfg.generation.temperature == 0,
+                             fix="check that the capture server runs this run's target with its engine settings")
 
     def _read_capture_counters(self) -> None:
         """Each server's prompt tokens and prefill seconds (vLLM's own counters, since it last started)."""
@@ -219,6 +240,7 @@ class OnlineSession:
             "kept_rows": self.facts.get("kept_rows", []),
             "kept_captured_now": self.facts.get("kept_captured_now", 0),
             "kept_bytes": folder_bytes(self.kept_dir),
+            "meaning_check": self.facts.get("meaning_check"),
             "server_restarts": sum(s.restarts for s in self.servers),
             "capture_tokens": int(tokens),
             "capture_prefill_s": round(seconds, 2),
