@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from eagle_pipeline.config import load_config
-from eagle_pipeline.engine_starts import planned_target_starts
+from eagle_pipeline.engine_starts import planned_target_starts, probe_starts
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.report import format_number, format_speedup, read_report
 from eagle_pipeline.stage import STAGES, read_stage_records
@@ -73,9 +73,8 @@ def main() -> int:
         for name, count in planned.items():
             print(f"| {name} | {count} |")
         print(f"| total | {sum(planned.values())} |")
-        variants = getattr(cfg.serve, "engine_variants", None) or []
-        if variants:
-            print(f"(stage 06's engine probe adds up to {len(variants)} when it runs)")
+        if cfg.serve.probe_engine == "on_engine_verdict" and probe_starts(cfg):
+            print(f"(stage 06's engine probe adds up to {probe_starts(cfg)} more, only after an engine verdict)")
         return 0
     print("| stage | status | wall time (s) | target engine starts (s) | key figures |\n|---|---|---|---|---|")
     total, starts, start_s = 0.0, 0, 0.0

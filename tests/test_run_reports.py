@@ -70,3 +70,6 @@ def test_the_plan_counts_the_targets_cold_starts_of_a_full_pass():
     result = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(kimi), "--plan"],
                             capture_output=True, text=True, check=True)
     assert "| total | 5 |" in result.stdout
+    variants = len(load_config(kimi).serve.engine_variants)
+    assert variants and f"engine probe adds up to {variants} more, only after an engine verdict" in result.stdout
+    assert planned_target_starts(load_config(kimi, ["serve.probe_engine=always"]))[STAGES[6]] == 3 + variants
