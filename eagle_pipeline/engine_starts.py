@@ -39,15 +39,22 @@ def summary() -> dict[str, Any]:
 
 
 def planned_target_starts(cfg) -> dict[str, int]:
-    """How many times each stage of a full pass of `cfg` starts the target (before any of it has run), the
-    engine probe of stage 06 aside (it serves once per `serve.engine_variants` entry, and only when asked or
-    when served and predicted acceptance disagree with no config mistake to blame)."""
+    """How many times each stage of a full pass of `cfg` starts the target (before any of it has run). Stage
+    06's engine probe counts only where it always runs (`serve.probe_engine: always`): otherwise it serves
+    its `serve.engine_variants` only when served and predicted acceptance disagree with no config mistake to
+    blame (`probe_starts`)."""
     from eagle_pipeline.stage import STAGES
 
     s = cfg.serve
     served = (s.baseline is None) + s.ngram_baseline + 1  # none (unless a kept baseline answers), n-gram, EAGLE-3
     prediction = int(s.predict and s.baseline is None)  # a kept baseline holds the captured states too
+    probe = probe_starts(cfg) if s.probe_engine == "always" else 0
     hs = cfg.hidden_states
     online = hs.mode == "online"  # stage 04 captures instead of stage 02, starting a server unless given some
     return {STAGES[1]: 1, STAGES[2]: int(not online), STAGES[3]: 0, STAGES[4]: int(online and not hs.capture_endpoints),
-            STAGES[5]: 2 if cfg.convert.parity == "vllm" else 0, STAGES[6]: served + prediction}
+            STAGES[5]: 2 if cfg.convert.parity == "vllm" else 0, STAGES[6]: served + prediction + probe}
+
+
+def probe_starts(cfg) -> int:
+    """The most target starts stage 06's engine probe makes: one server per `serve.engine_variants` entry."""
+    return len(cfg.serve.engine_variants) if cfg.serve.predict and cfg.serve.probe_engine != "never" else 0
