@@ -516,3 +516,25 @@ def test_the_capture_host_starts_the_mooncake_master_its_config_names_on_it():
     assert names_this_host("127.0.0.1:50051") and names_this_host("localhost:50051")
     assert not names_this_host("192.0.2.1:50051")  # TEST-NET-1: never this machine
     assert not names_this_host("no-such-host.invalid:50051")
+
+
+def test_the_replays_read_an_online_runs_kept_rows(tmp_path):
+    """The checkpoint replay and stage 05's parity replay (validation_conversations) find the states stage 04
+    kept when stage 02 stored none."""
+    from datasets import Dataset
+
+    from eagle_pipeline.samples import BadSample
+    from eagle_pipeline.train.predicted_acceptance import validation_conversations
+
+    data_dir, out_dir = tmp_path / "02_extract_hidden" / "data", tmp_path / "04_train"
+    Dataset.from_list([{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "seq_len": 4}] * 3).save_to_disk(str(data_dir))
+    out_dir.mkdir()
+    (out_dir / "split.json").write_text(json.dumps({"val_rows": [2, 0]}))
+    states = torch.randn(4, 4, 8)
+    write_sample(out_dir / kept.KEPT_DIR, 2, {"hidden_states": states, "token_ids": torch.tensor([1, 2, 3, 4])},
+                 [1, 2, 3, 4], num_states=4)
+    [(token_ids, hidden, prompt_len)] = validation_conversations(data_dir, out_dir, 1)
+    assert token_ids.tolist() == [1, 2, 3, 4] and prompt_len == 2
+    assert torch.equal(hidden, states.bfloat16().float())
+    with pytest.raises(BadSample, match=r"kept_states/hs_0\.safetensors: missing"):
+        validation_conversations(data_dir, out_dir, 2)  # row 0 was not kept
