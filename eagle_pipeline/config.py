@@ -22,10 +22,10 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from eagle_pipeline.config_file import Origins, read_config_file
@@ -75,6 +75,11 @@ class Section(BaseModel):
         return value
 
 
+# vLLM's names, checked against the installed vLLM when the config loads (check_attention_backend below).
+AttentionBackend = Annotated[str, AfterValidator(lambda name: check_attention_backend(name))]
+KvCacheDtype = Annotated[str, AfterValidator(lambda dtype: check_kv_cache_dtype(dtype))]
+
+
 class VerifierConfig(Section):
     path: str = Field(description="HF model directory of the target, or embedded:<name> for a bundled model")
     trust_remote_code: bool = False
@@ -87,23 +92,13 @@ class VerifierConfig(Section):
     # How vLLM computes the target, for every stage that starts it (01, 02, 05, 06). The same keys for the
     # drafter are serve.drafter_*; stage 06's report records both, so a known-good serving command can be
     # read off it (docs/engines.md, "Engine settings").
-    attention_backend: Optional[str] = Field(None, description="vLLM attention backend of the target, e.g. TRITON_MLA; None: vLLM picks")
-    kv_cache_dtype: str = Field("auto", description="KV-cache dtype of the target: auto, fp8, fp8_e4m3, ...")
+    attention_backend: Optional[AttentionBackend] = Field(None, description="vLLM attention backend of the target, e.g. TRITON_MLA; None: vLLM picks")
+    kv_cache_dtype: KvCacheDtype = Field("auto", description="KV-cache dtype of the target: auto, fp8, fp8_e4m3, ...")
     enforce_eager: bool = Field(False, description="no CUDA graphs or torch.compile (on the CPU build: no graph recompiles at each start)")
     model_runner: Literal["auto", "v1", "v2"] = Field("auto", description="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); auto: vLLM's choice")
     log_level: Optional[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field(
         None, description="vLLM's log level; None: INFO on cuda (a cold start's load time, KV memory and backends), WARNING on cpu")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM engine arguments (not those a key above owns)")
-
-    @field_validator("attention_backend")
-    @classmethod
-    def _known_attention_backend(cls, name):
-        return check_attention_backend(name)
-
-    @field_validator("kv_cache_dtype")
-    @classmethod
-    def _known_kv_cache_dtype(cls, dtype):
-        return check_kv_cache_dtype(dtype)
 
     @field_validator("engine_args")
     @classmethod
@@ -413,8 +408,8 @@ class ServeConfig(Section):
     # A cold start of a ~600 GB target (weights from disk, graph capture on 8 GPUs) takes tens of minutes.
     startup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds a vLLM server may take to become healthy")
     # How vLLM computes the drafter (stage 05's parity and stage 06), beside verifier.attention_backend etc.
-    drafter_attention_backend: Optional[str] = Field(None, description="vLLM attention backend of the drafter; None: vLLM picks")
-    drafter_kv_cache_dtype: Optional[str] = Field(None, description="KV-cache dtype of the drafter; None: the target's")
+    drafter_attention_backend: Optional[AttentionBackend] = Field(None, description="vLLM attention backend of the drafter; None: vLLM picks")
+    drafter_kv_cache_dtype: Optional[KvCacheDtype] = Field(None, description="KV-cache dtype of the drafter; None: the target's")
     # When served acceptance falls short of the replay and no reading of the drafter's config explains it, the
     # engine computes the drafter differently: these engine settings are then served with the drafter in turn,
     # each a dict of ENGINE_VARIANT_KEYS, until one serves as predicted (eagle_pipeline/serve/engine_probe.py).
@@ -432,16 +427,6 @@ class ServeConfig(Section):
             if problem:
                 raise ValueError(f"entry {index}: {problem}")
         return variants
-
-    @field_validator("drafter_attention_backend")
-    @classmethod
-    def _known_drafter_attention_backend(cls, name):
-        return check_attention_backend(name)
-
-    @field_validator("drafter_kv_cache_dtype")
-    @classmethod
-    def _known_drafter_kv_cache_dtype(cls, dtype):
-        return None if dtype is None else check_kv_cache_dtype(dtype)
 
     @model_validator(mode="after")
     def _reachable_acceptance(self):
