@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import statistics
 import sys
@@ -158,7 +159,7 @@ def render(command: str, args: argparse.Namespace, figures: dict, same: dict, en
     rows = []
     for arm, f in figures.items():
         if "error" in f:
-            rows.append(f"| {arm} | n/a ({f['error']}) | | | | | | | |")
+            rows.append(f"| {arm} | n/a ({f['error']}) | | | | | | | | |")
             continue
         s2, s4, online = f["stage02"], f["stage04"], f["stage04"]["online"]
         if online is None:
@@ -172,7 +173,8 @@ def render(command: str, args: argparse.Namespace, figures: dict, same: dict, en
             capture = f"{_num(online['capture_tokens_per_s'])} (server) / {_num(effective)} (over stage 04)"
         val = (s4["final_val"] or {}).get("loss")
         predicted = same["offline_mean"] if arm == "offline" else same["arms"].get(arm, {}).get("mean")
-        rows.append(f"| {arm} | {_num(s2['wall_s'])} | {_num(s4['wall_s'])} | {_num(s4['train_tokens_per_s'])} | "
+        rows.append(f"| {arm} | {_num(s2['wall_s'])} | {_num(s4['wall_s'])} | {_num(s2['wall_s'] + s4['wall_s'])} | "
+                    f"{_num(s4['train_tokens_per_s'])} | "
                     f"{capture} | {held} | {_num(val, '{:.4f}')} | {_num(predicted, '{:.3f}')} |")
     comparisons = []
     for arm, c in same["arms"].items():
@@ -189,9 +191,10 @@ def render(command: str, args: argparse.Namespace, figures: dict, same: dict, en
         command,
         "```",
         "",
-        f"Measured on {env['cpu']} ({env['cores']} cores), {time.strftime('%Y-%m-%d')}, in {minutes:.0f} minutes. One run "
-        "per arm, in turn: on a shared 2-core machine timings move by tens of percent between runs, so read the "
-        "timing columns as orders of magnitude and the drafter columns as the comparison.",
+        f"Measured on {env['cpu']} ({env['cores']} cores), {time.strftime('%Y-%m-%d')}, in {minutes:.0f} minutes, the "
+        f"machine's load average {env['load_start']:.1f} at the start and {env['load_end']:.1f} at the end. One run per "
+        "arm, in turn: on a shared 2-core machine timings move by tens of percent between runs, so read the timing "
+        "columns as orders of magnitude and the drafter columns as the comparison.",
         "",
         f"Setup: `{Path(args.config).name}` with {args.samples} conversations (stage 01 once, copied into every arm), "
         f"{args.epochs} epoch(s), the same seed and the same held-out topics ({same['conversations']} validation "
@@ -199,9 +202,9 @@ def render(command: str, args: argparse.Namespace, figures: dict, same: dict, en
         "this host, a window of one sample (the trainer asks for each in turn with its steps), every epoch "
         "capturing every sample again (`bench/online.py` says what each arm is).",
         "",
-        "| arm | stage 02 s | stage 04 s | trained tokens/s | capture tokens/s | states held at once | val loss (last) | "
-        "predicted acceptance (last) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| arm | stage 02 s | stage 04 s | 02 + 04 s | trained tokens/s | capture tokens/s | states held at once | "
+        "val loss (last) | predicted acceptance (last) |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "Trained tokens/s is speculators' per-step figure, whose step time includes fetching the batch: for the "
@@ -233,7 +236,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     if unknown or "offline" not in chosen:
         raise SystemExit(f"error: --arms: {unknown or 'offline is needed'}; choose among {', '.join(ARMS)}")
     arms.prepare_work_dir(work, WORK_MARKER, made_by="bench.online", kind="online benchmark work folder")
-    started = time.monotonic()
+    started, load_start = time.monotonic(), os.getloadavg()[0]
 
     def log(message: str) -> None:
         print(message, flush=True)
@@ -246,7 +249,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         figures[arm] = {"error": problem} if problem else run_arm(args, arm, work, log)
     draft_tokens = load_config(args.config).train.ttt_steps
     same = compare_drafters(work, figures, draft_tokens)
-    env = machine()
+    env = {**machine(), "load_start": load_start, "load_end": os.getloadavg()[0]}
     minutes = (time.monotonic() - started) / 60
     atomic.write_json(work / "online.json", {"figures": figures, "same_drafter": same, "machine": env, "minutes": minutes})
     command = ".venv/bin/python -m bench.online " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))

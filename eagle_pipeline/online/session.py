@@ -14,7 +14,6 @@ speculators' online dataset.
 from __future__ import annotations
 
 import contextlib
-import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,7 @@ from eagle_pipeline.online.servers import (
 from eagle_pipeline.online.settings import OnlineTraining
 from eagle_pipeline.preconditions import folder_bytes
 
-log = logging.getLogger(__name__)
-
 SCRATCH_DIR = "capture_scratch"  # where the file and fp8 connectors of local servers write the states in flight
-
-
 # A sample file's safetensors header and its lock file, with room to spare.
 FILE_OVERHEAD_BYTES = 4096
 
@@ -86,7 +81,7 @@ def plan_lines(cfg, num_states: int, hidden_size: int, longest: int) -> list[str
 
 
 def dataset_rows(data_dir: Path) -> list[dict[str, Any]]:
-    """Stage 02's rows as the online part needs them: token ids and lengths."""
+    """Stage 02's rows as the online part needs them: token ids, loss masks and lengths."""
     from datasets import load_from_disk
 
     data = load_from_disk(str(data_dir)).with_format(None)
