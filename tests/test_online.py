@@ -538,3 +538,37 @@ def test_the_replays_read_an_online_runs_kept_rows(tmp_path):
     assert torch.equal(hidden, states.bfloat16().float())
     with pytest.raises(BadSample, match=r"kept_states/hs_0\.safetensors: missing"):
         validation_conversations(data_dir, out_dir, 2)  # row 0 was not kept
+
+
+# ---------------------------------------------------------------- bench/online.py's document
+
+
+def test_the_benchmark_document_is_headed_by_its_command_and_judges_each_arm():
+    import argparse
+
+    from bench.online import render
+
+    args = argparse.Namespace(work_dir="runs/online-bench", config="configs/tiny.yaml", samples=100, epochs=2,
+                              engine_dtype="bfloat16")
+    stage02 = {"wall_s": 50.0, "tokens": 30000, "stored_bytes": 10**8, "capture_tokens_per_s": 900.0}
+    online = {"transfer": "file", "capture_tokens": 60000, "capture_tokens_per_s": 1100.0, "window_bound_bytes": 1.4e6,
+              "disk_peak_bytes": 1.3e6, "kept_bytes": 1.5e7}
+    figures = {
+        "offline": {"stage02": stage02, "stage04": {"wall_s": 160.0, "train_tokens_per_s": 250.0, "final_val": {"loss": 11.0},
+                                                    "online": None}},
+        "online_file": {"stage02": {**stage02, "wall_s": 5.0, "stored_bytes": 0},
+                        "stage04": {"wall_s": 220.0, "train_tokens_per_s": 214.0, "final_val": {"loss": 11.0}, "online": online}},
+        "online_mooncake": {"error": "the mooncake package is not installed"},
+    }
+    same = {"conversations": 15, "offline_mean": 1.23, "arms": {
+        "online_file": {"mean": 1.23, "mean_difference": 0.0, "ci95_half_width": 0.0, "weight_relative_difference": 0.0},
+        "online_fp8": {"mean": 1.2, "mean_difference": -0.03, "ci95_half_width": 0.01, "weight_relative_difference": 0.03}}}
+    env = {"cpu": "a CPU", "cores": 2, "load_start": 0.5, "load_end": 1.5}
+    text = render(".venv/bin/python -m bench.online --config configs/tiny.yaml", args, figures, same, env, 17.0)
+    assert text.startswith("# Online against offline training")
+    assert "```bash\n.venv/bin/python -m bench.online --config configs/tiny.yaml\n```" in text
+    assert "| offline | 50 | 160 | 210 | 250 | 900 (stage 02's engine) | 0.10 GB (every sample, on disk) |" in text
+    assert "1.3 MB peak on disk (bound 1.4 MB) + 15.0 MB kept" in text
+    assert "| online_mooncake | n/a (the mooncake package is not installed) |" in text
+    assert "| online_file | +0.000 | ±0.000 | yes | 0.00% |" in text
+    assert "| online_fp8 | -0.030 | ±0.010 | no | 3.00% |" in text  # a difference beyond the interval is named
