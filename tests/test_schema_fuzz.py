@@ -61,6 +61,8 @@ COMPANIONS = {
     "data.self_written.max_words": ["data.self_written.min_words=1"],
     # No replayed conversation leaves nothing to select checkpoints by.
     "train.predict_conversations": ["train.select_by=val_loss"],
+    # A capture server's share of the GPUs is an online run's setting.
+    "hidden_states.capture_gpu_memory_utilization": ["hidden_states.mode=online"],
 }
 
 
