@@ -122,7 +122,7 @@ def test_the_run_summary_has_a_row_per_stage_with_its_key_figures(finished):
     assert "checks all ok" in rows["05_convert"]
     # The target's cold starts, per stage and in all: the answering engine, the capture engine, none in stage 05
     # (its parity replays offline), and stage 06's three servers and its prediction's capture engine.
-    starts = {name: row.split(" | ")[3].strip() for name, row in rows.items()}
+    starts = {name: [cell.strip() for cell in row.strip().strip("|").split("|")][3] for name, row in rows.items()}
     assert [starts[name].split(" ")[0] for name in rows] == ["1", "1", "0", "0", "0", "4", "6"], starts
     manifest = read(run_dir / "06_serve_test" / "manifest.json")
     assert sorted(s["what"] for s in manifest["engine_starts"]["starts"]) == [
