@@ -45,6 +45,22 @@ def run_stage(script: str, config: Path, *args: str, timeout: int = 900,
     )
 
 
+def run_stage_in_process(script: str, config: Path, capsys, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a stage's command line run in this process: a stage that refuses before
+    loading a model answers in milliseconds instead of a fresh interpreter's seconds."""
+    from eagle_pipeline.stage import main
+
+    module = stage_module(script)
+    capsys.readouterr()
+    try:
+        main(int(script[:2]), module.__doc__, module.run, ["--config", str(config), *args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def stage_module(script: str):
     """A stage script loaded as a module, to run its command line in this process: `stage.main(n, m.__doc__, m.run, argv)`."""
     import importlib.util

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, run_stage, stage_module, write_config
+from conftest import REPO, run_stage, run_stage_in_process, stage_module, write_config
 
 L, H, V = 30, 576, 49152  # the embedded verifier
 
@@ -338,7 +338,9 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gets_one_clear_line_and_loses_nothing(tmp_path, case):
+def test_bad_input_gets_one_clear_line_and_loses_nothing(tmp_path, capsys, case):
+    # The stage's command line in this process (stage.main, as `python 0N_stage.py` runs it): every case is
+    # refused before a model loads, so a fresh interpreter per case would only add seconds.
     name, overrides, setup, script, args, expected = case
     root = tmp_path / "data"
     run_dir = root / "r"
@@ -346,12 +348,12 @@ def test_bad_input_gets_one_clear_line_and_loses_nothing(tmp_path, case):
     extra = (setup(run_dir, tmp_path) if setup else None) or []
     extra = extra if isinstance(extra, list) else []
     before = snapshot(root)
-    result = run_stage(script, config, *args, *extra)
-    lines = result.stderr.strip().splitlines()
+    code, _, stderr = run_stage_in_process(script, config, capsys, *args, *extra)
+    lines = [line for line in stderr.strip().splitlines() if not line.startswith(("20", "INFO", "WARNING"))]
     errors = [line for line in lines if line.startswith("error")]
-    assert result.returncode == 2, f"{name}: exit {result.returncode}\n{result.stderr[-2000:]}"
+    assert code == 2, f"{name}: exit {code}\n{stderr[-2000:]}"
     # Progress bars may precede it on stderr; the error itself is one line, the last one.
-    assert len(errors) == 1 and lines[-1] == errors[0] and errors[0].startswith("error: "), f"{name}:\n{result.stderr[-2000:]}"
+    assert len(errors) == 1 and lines[-1] == errors[0] and errors[0].startswith("error: "), f"{name}:\n{stderr[-2000:]}"
     for text in (expected,) if isinstance(expected, str) else expected:
         assert text in errors[0], f"{name}: {errors[0]!r} lacks {text!r}"
     assert snapshot(root) == before, f"{name}: files under the data root changed"

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from conftest import REPO, copy_of_run, ok, run_stage, stage_module
+from conftest import REPO, copy_of_run, ok, run_stage, run_stage_in_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -130,21 +130,6 @@ def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
             for p in run_dir.rglob("*") if p.is_file() and "logs" not in p.relative_to(run_dir).parts}
 
 
-def run_in_process(script: str, config: Path, capsys) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of the stage's command line, run in this process."""
-    from eagle_pipeline.stage import main
-
-    module = stage_module(script)
-    capsys.readouterr()
-    try:
-        main(STAGE_NUMBERS[script], module.__doc__, module.run, ["--config", str(config)])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def run_without_root_powers(script: str, config: Path) -> subprocess.CompletedProcess:
     """The stage as a subprocess; as root, without the capabilities that bypass file permissions."""
     command = [sys.executable, str(REPO / script), "--config", str(config)]
@@ -194,7 +179,7 @@ def test_damaged_file_is_refused_by_its_reader_with_one_line_and_nothing_changes
             result = run_without_root_powers(script, config)
             code, stderr = result.returncode, result.stderr
         else:
-            code, _, stderr = run_in_process(script, config, capsys)
+            code, _, stderr = run_stage_in_process(script, config, capsys)
         assert_one_error_naming(code, stderr, named, f"{file} {damage.__name__} -> {script}")
         assert snapshot(run_dir) == before, f"{file} {damage.__name__}: {script} changed files of the run"
 
@@ -227,7 +212,7 @@ def test_every_stage_is_complete_again_once_the_files_are_back(run, capsys, monk
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = snapshot(run_dir)
     for script, number in STAGE_NUMBERS.items():
-        code, out, err = run_in_process(script, config, capsys)
+        code, out, err = run_stage_in_process(script, config, capsys)
         assert code == 0 and f"stage {number:02d} already complete" in out, f"{script}: exit {code}\n{err[-2000:]}"
     assert snapshot(run_dir) == before
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import copy_of_run, run_stage
+from conftest import copy_of_run, run_stage_in_process
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +63,16 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "script", "overrides", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_force_refuses_before_it_deletes_and_the_dry_run_refuses_alike(run, tmp_path, name, script, overrides, expected):
+def test_force_refuses_before_it_deletes_and_the_dry_run_refuses_alike(run, tmp_path, capsys, name, script, overrides,
+                                                                       expected):
     config, run_dir = run
     folder = run_dir / script.removesuffix(".py")
     before = folder_bytes(folder)
     sets = [a for s in overrides(tmp_path) for a in ("--set", s)]
     for mode in ("--force", "--dry-run"):
-        result = run_stage(script, config, mode, *sets)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2, (mode, result.stdout[-2000:], result.stderr[-2000:])
+        code, out, err = run_stage_in_process(script, config, capsys, mode, *sets)
+        lines = [line for line in err.strip().splitlines() if not line.startswith(("20", "WARNING", "INFO"))]
+        assert code == 2, (mode, out[-2000:], err[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (mode, lines)
         assert folder_bytes(folder) == before, f"{mode} changed {folder}"
     assert json.loads((folder / "manifest.json").read_text())["status"] == "complete"
