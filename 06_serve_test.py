@@ -29,6 +29,7 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.released_drafter import check_weights_whole
 from eagle_pipeline.serve.baseline import (
     kept_baseline,
     load_baseline,
@@ -85,6 +86,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         drafter_dir = cfg.resolve_path(s.drafter)
         if not (drafter_dir / "config.json").is_file():
             raise BadInput(f"serve.drafter: {drafter_dir} has no config.json; point at a flat drafter folder")
+        # Read in full once, dry run too: a torn or NaN drafter is named here, not after three server starts.
+        check_weights_whole(drafter_dir, "serve.drafter")
         converted = None
     else:
         converted = None if dry_run and not is_complete(cfg, 5) else require_complete(cfg, 5)

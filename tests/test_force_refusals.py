@@ -56,6 +56,8 @@ CASES = [
      "the file is torn or not safetensors"),
     ("from-drafter-nan-weights", "03_build_vocab_map.py",
      lambda tmp: [f"vocab.from_drafter={write_bad_drafter(tmp / 'nan', 'nan')}"], "vocab.from_drafter"),
+    ("serve-drafter-nan-weights", "06_serve_test.py", lambda tmp: [f"serve.drafter={write_bad_drafter(tmp / 'nan', 'nan')}"],
+     "serve.drafter"),
     ("reference-dir-missing", "05_convert.py", lambda tmp: [f"convert.reference_dir={tmp / 'nowhere'}"], "convert.reference_dir"),
     ("serve-drafter-missing", "06_serve_test.py", lambda tmp: [f"serve.drafter={tmp / 'nowhere'}"], "serve.drafter"),
     ("serve-baseline-missing", "06_serve_test.py", lambda tmp: [f"serve.baseline={tmp / 'nowhere'}"], "serve.baseline"),
