@@ -4,14 +4,20 @@ checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
-from conftest import ok, run_stage
+from conftest import REPO, ok, run_stage, write_smoke_config
 from fault_injection import (
     SEED,
     assert_complete_and_whole,
@@ -179,3 +185,46 @@ def test_stage_04_refuses_a_disk_without_room_for_its_checkpoints(small_run, run
         assert float(need) > float(free)
         # Refused before anything but its log was written.
         assert sorted(p.name for p in stage.iterdir()) == ["logs"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_rerun_after_the_stage_died_past_serving_predicts_without_serving_again(finished_small_run, tmp_path):
+    """Stage 06 killed once the served measurements are written: its rerun reads them and only predicts. A finished
+    stage 06 whose report.json is lost rebuilds it the same way."""
+    _, run_dir = finished_small_run
+    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="resume",
+                                serve={"drafter": str(run_dir / "05_convert" / "vllm"), "baseline": str(run_dir / "06_serve_test"),
+                                       "ngram_baseline": False})
+    stage = tmp_path / "data" / "resume" / "06_serve_test"
+    first = subprocess.Popen([sys.executable, str(REPO / "06_serve_test.py"), "--config", str(config)], cwd=REPO,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (stage / "served.json").exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (stage / "served.json").exists(), "the served measurements were never written"
+        # Served first: the report without the prediction is already there.
+        assert "predicted_mean_acceptance_length" not in json.loads((stage / "report.json").read_text())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert json.loads((stage / "manifest.json").read_text())["status"] == "running"
+
+    rerun = run_stage("06_serve_test.py", config, timeout=900)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "predicting without serving again" in rerun.stdout and "starting vLLM server" not in rerun.stdout
+    starts = [line for line in (stage / "logs" / "server-eagle3.log").read_text().splitlines() if line.startswith("$ ")]
+    assert len(starts) == 1  # the first run's server, and no other
+    report = json.loads((stage / "report.json").read_text())
+    assert report["diagnosis"]["status"] == "agrees" and report["predicted_mean_acceptance_length"] is not None
+
+    # The report lost from a finished stage: rebuilt from what the stage kept, no server started.
+    (stage / "report.json").unlink()
+    again = run_stage("06_serve_test.py", config, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "starting vLLM server" not in again.stdout
+    assert json.loads((stage / "report.json").read_text())["predicted_mean_acceptance_length"] == report["predicted_mean_acceptance_length"]
+    assert json.loads((stage / "manifest.json").read_text())["engine_starts"]["target_starts"] == 0

@@ -19,7 +19,7 @@ import pytest
 
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
-from eagle_pipeline.serve.measure import ModeMeasurement, measure_modes, speculative_config_for, summarize
+from eagle_pipeline.serve.measure import ModeMeasurement, speculative_config_for, summarize
 from eagle_pipeline.serve.report import write_report
 from eagle_pipeline.serve.server import ServerFailed, VllmServer, _ServerGuard, check_port_free, find_free_port
 from eagle_pipeline.serve.spec_metrics import (
@@ -578,48 +578,6 @@ def test_ctrl_c_while_starting_stops_the_server(tmp_path, target_dir):
     assert _wait_until_gone(marker) == []
 
 
-PROMPTS = [
-    [{"role": "user", "content": "Count from 1 to 15, separated by commas."}],
-    [{"role": "user", "content": "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."}],
-    [{"role": "user", "content": "List the days of the week."}],
-]
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_none_and_ngram_served_for_real(tmp_path, target_dir):
-    marker = uuid.uuid4().hex
-    report = measure_modes(
-        target_dir, None, PROMPTS, num_speculative_tokens=3, modes=("none", "ngram"), max_tokens=32,
-        max_model_len=1024, log_dir=tmp_path, env=_server_env(marker),
-        # float32: in bf16, verifying several positions in one forward pass rounds differently from
-        # one-token decoding, and a near-tied logit flipped one of these prompts after ~8 tokens.
-        dtype="float32",
-        # Skipping torch.compile cuts each start from ~4 min to ~1 min here; the compiled graph computes
-        # the same model, and this test is about plumbing and equality, not speed.
-        extra_args=["--enforce-eager"],
-    )
-    assert _wait_until_gone(marker) == [], "a vLLM process outlived its server"
-
-    assert report["num_prompts"] == 3
-    assert report["tokens_per_s"]["none"] > 0 and report["tokens_per_s"]["ngram"] > 0
-    assert report["tokens_per_s"]["eagle3"] is None and report["speedup"] is None
-    for mode in ("none", "ngram"):
-        # The server counted exactly the tokens the responses report: warm-up excluded, nothing missed.
-        assert report["modes"][mode]["server_generation_tokens"] == report["modes"][mode]["output_tokens"] > 0
-        assert report["modes"][mode]["tpot_ms"] > 0
-    ngram = report["modes"]["ngram"]
-    # These prompts repeat themselves, so n-gram lookup finds drafts and some are accepted.
-    assert ngram["num_drafts"] > 0 and ngram["num_draft_tokens"] == 3 * ngram["num_drafts"]
-    assert 0 < ngram["num_accepted_tokens"] <= ngram["num_draft_tokens"]
-    assert len(ngram["per_position_acceptance"]) == 3
-    assert 1.0 < ngram["mean_acceptance_length"] <= 4.0
-    # Greedy decoding is lossless under speculation: same texts with and without.
-    assert report["greedy_mismatches"] == {"ngram": []}
-    assert report["greedy_match"] is True
-    assert report["texts"]["none"] == report["texts"]["ngram"]
-
-
 def test_engine_settings_reach_every_engine_and_the_environment_reaches_every_process():
     from conftest import SMOKE_CONFIG
 
@@ -812,39 +770,3 @@ def test_report_lists_the_worst_prompts_the_engine_and_the_probe():
     assert "target attention backend FLASHINFER_MLA (log: x.log)" in markdown
     assert "| 1 | verifier.model_runner=v1 | did not start: ValueError: no |" in markdown
     assert "| 2 | env F=off | 0.79 | 1.79 | 0.80 | yes |" in markdown
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_rerun_after_the_stage_died_past_serving_predicts_without_serving_again(finished_small_run, tmp_path):
-    """Stage 06 killed once the served measurements are written: its rerun reads them and only predicts."""
-    from conftest import REPO, run_stage, write_smoke_config
-
-    _, run_dir = finished_small_run
-    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="resume",
-                                serve={"drafter": str(run_dir / "05_convert" / "vllm"), "baseline": str(run_dir / "06_serve_test"),
-                                       "ngram_baseline": False})
-    stage = tmp_path / "data" / "resume" / "06_serve_test"
-    first = subprocess.Popen([sys.executable, str(REPO / "06_serve_test.py"), "--config", str(config)], cwd=REPO,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not (stage / "served.json").exists() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert (stage / "served.json").exists(), "the served measurements were never written"
-        # Served first: the report without the prediction is already there.
-        assert "predicted_mean_acceptance_length" not in json.loads((stage / "report.json").read_text())
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    assert json.loads((stage / "manifest.json").read_text())["status"] == "running"
-
-    rerun = run_stage("06_serve_test.py", config, timeout=900)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert "predicting without serving again" in rerun.stdout and "starting vLLM server" not in rerun.stdout
-    starts = [line for line in (stage / "logs" / "server-eagle3.log").read_text().splitlines() if line.startswith("$ ")]
-    assert len(starts) == 1  # the first run's server, and no other
-    report = json.loads((stage / "report.json").read_text())
-    assert report["diagnosis"]["status"] == "agrees" and report["predicted_mean_acceptance_length"] is not None

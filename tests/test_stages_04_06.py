@@ -86,6 +86,12 @@ def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
     assert report["mean_acceptance_length"] == pytest.approx(1 + eagle["num_accepted_tokens"] / eagle["num_drafts"])
     for mode in ("none", "ngram", "eagle3"):
         assert report["modes"][mode]["server_generation_tokens"] == report["modes"][mode]["output_tokens"] > 0
+        assert report["modes"][mode]["tpot_ms"] > 0
+    # n-gram drafts too, and greedy decoding under it is lossless: the same texts as without speculation.
+    ngram = report["modes"]["ngram"]
+    assert ngram["num_drafts"] > 0 and ngram["num_draft_tokens"] == 3 * ngram["num_drafts"]
+    assert 0 < ngram["num_accepted_tokens"] <= ngram["num_draft_tokens"] and len(ngram["per_position_acceptance"]) == 3
+    assert report["greedy_mismatches"]["ngram"] == []
     assert (run_dir / "06_serve_test" / "report.png").stat().st_size > 1000
     assert "acceptance" in (run_dir / "06_serve_test" / "report.md").read_text().lower()
 
