@@ -359,14 +359,29 @@ class Terminated(KeyboardInterrupt):
 
 
 def disk_full_error(error: BaseException) -> OSError | None:
-    """The ENOSPC behind `error`: itself, or one it was raised from (numpy, safetensors and datasets wrap it)."""
+    """The ENOSPC behind `error`: itself, or one it was raised from (safetensors and datasets wrap it). numpy's
+    `tofile` loses the errno altogether (`OSError: [Errno None] None: <file>`), so a write error without one is
+    taken for a full disk when the file's disk has no room left."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno == errno.ENOSPC:
             return error
+        if isinstance(error, OSError) and error.errno is None and error.filename and no_room_left(Path(error.filename)):
+            return error
         error = error.__cause__ or error.__context__
     return None
+
+
+def no_room_left(path: Path, slack_bytes: int = 1 << 20) -> bool:
+    """Whether the disk that holds `path` (or its nearest existing folder) has less than `slack_bytes` free."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free < slack_bytes
+    except OSError:
+        return False
 
 
 @contextmanager

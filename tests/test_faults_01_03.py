@@ -183,3 +183,23 @@ def test_stage_02_reserves_the_disk_that_stages_04_and_06_write_to_next(small_ru
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "GB of stage 04 checkpoints" in errors[0] and "is free" in errors[0], errors
         assert not (run_dir / "02_extract_hidden" / "data").exists()
+
+
+def test_disk_full_in_stage_03_is_one_disk_full_line_even_when_its_log_cannot_be_written(small_run, run):
+    """numpy wraps the ENOSPC of a full disk in an error of its own, and the stage's log lives on the same disk:
+    still exit 2 and one `error:` line naming the file, and the rerun on a disk with room completes."""
+    _, _, reference = small_run
+    config, run_dir = run
+    link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden")
+    stage = run_dir / "03_build_vocab_map"
+    with tmpfs(stage, 128 * 1024):  # d2t and t2d fit, the token counts do not
+        result = run_stage("03_build_vocab_map.py", config)
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: disk full while writing {stage}"), result.stderr[-3000:]
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        subprocess.run(["mount", "-o", "remount,size=16m", str(stage)], check=True)
+        ok(run_stage("03_build_vocab_map.py", config))
+        assert_complete_and_whole(stage)
+        for name in ("d2t.npy", "t2d.npy", "token_counts.npy"):
+            assert (stage / name).read_bytes() == (reference / "03_build_vocab_map" / name).read_bytes(), name
