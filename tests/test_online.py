@@ -26,6 +26,8 @@ from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, pro
 from eagle_pipeline.online.servers import capture_label, parse_label
 from eagle_pipeline.online.session import plan_lines, sample_bytes, window_bound
 from eagle_pipeline.samples import sample_path, write_sample
+from patches import speculators_capture_stop
+from patches.upstream import source_sha256
 
 # ---------------------------------------------------------------- config keys
 
@@ -372,6 +374,56 @@ def test_speculators_still_names_its_circuit_breaker_as_the_failure_expects():
     from speculators.train.recovery import BatchRecoveryCoordinator
 
     assert failure.CIRCUIT_BREAKER in inspect.getsource(BatchRecoveryCoordinator.synchronize)
+
+
+@pytest.mark.parametrize("qualified_name", sorted(speculators_capture_stop.UPSTREAM_SOURCE_SHA256))
+def test_the_capture_stop_patch_relies_on_the_speculators_it_was_written_for(qualified_name):
+    assert source_sha256(qualified_name) == speculators_capture_stop.UPSTREAM_SOURCE_SHA256[qualified_name]
+
+
+def test_the_capture_stop_patch_refuses_another_speculators(monkeypatch):
+    from patches import speculators_cpu
+
+    monkeypatch.setattr(speculators_cpu, "installed_version", lambda: "0.9.1")
+    with pytest.raises(RuntimeError, match=r"targets speculators 0\.9\.0 but 0\.9\.1 is installed"):
+        speculators_capture_stop.apply()
+
+
+def _four_uncaptured_samples(tmp_path: Path, endpoint: str, guard=None):
+    """speculators' online dataset over four short samples, none stored, each asked of `endpoint` once, and
+    its own DataLoader with one spawned worker putting all four in one batch."""
+    from datasets import Dataset
+    from speculators.train.data import ArrowDataset
+    from speculators.train.dataloader import _setup_dataloader
+
+    rows = {"input_ids": [[1, 2, 3]] * 4, "loss_mask": [[1, 1, 1]] * 4, "seq_len": [3] * 4}
+    Dataset.from_dict(rows).with_format("torch").save_to_disk(str(tmp_path / "data"))
+    dataset = ArrowDataset(max_len=64, datapath=str(tmp_path / "data"), vllm_endpoint=endpoint, model="m",
+                           on_missing="generate", request_timeout=5, max_retries=0, generation_validation_retries=0,
+                           max_consecutive_generation_failures=1)
+    if guard is not None:
+        dataset.generation_recovery = guard
+    return _setup_dataloader(dataset, total_seq_len=64, hidden_size=8, num_workers=1, prefetch_factor=1)
+
+
+def test_a_capture_server_that_fails_stops_training_at_its_first_sample_even_in_a_spawned_loader(tmp_path, capfd):
+    """Upstream leaves the failed samples out of their batch and raises only when the trainer synchronises (every
+    50 steps on several ranks), each sample of the batch first waiting out its retries; patched, the first sample
+    that reaches the limit raises, in the DataLoader worker, and its rank names the server."""
+    from speculators.train.recovery import GenerationRecoveryGuard
+
+    speculators_capture_stop.apply()
+    endpoint = "http://127.0.0.1:9/v1"  # nothing listens there
+    failed = "Hidden-state round trip failed for dataset index"
+    upstream = iter(_four_uncaptured_samples(tmp_path / "upstream", endpoint, GenerationRecoveryGuard(0, 1)))
+    next(upstream)  # a batch, every sample of it left out
+    assert capfd.readouterr().err.count(failed) == 4
+    patched = iter(_four_uncaptured_samples(tmp_path / "patched", endpoint))
+    online = settings.OnlineTraining(endpoints=[endpoint], transfer="file", window=2, retry_s=1)
+    with pytest.raises(failure.CaptureUnavailable, match=f"capture server {endpoint} delivered no hidden states"):
+        with failure.online_rank(online, tmp_path, rank=0):
+            next(patched)
+    assert capfd.readouterr().err.count(failed) == 1
 
 
 # ---------------------------------------------------------------- the GPU memory plan

@@ -2,7 +2,8 @@
 
 speculators' online dataset retries each sample (eagle_pipeline/online/settings.py sizes the retries by
 hidden_states.capture_retry_s); when a sample's retries are spent its circuit breaker raises a RuntimeError
-("Hidden-state generation circuit breaker tripped ...") that names neither the server nor what to do. Each rank
+("Hidden-state generation circuit breaker tripped ...", at once: patches/speculators_capture_stop.py) that names
+neither the server nor what to do. Each rank
 turns it into CaptureUnavailable naming its endpoint, and writes the message into the run folder so that the
 stage, which only sees torch.distributed.run's exit code on GPUs, can say it too. A rerun resumes from the last
 complete checkpoint (eagle_pipeline/train/checkpoints.py): the epoch in progress is trained again, no finished

@@ -179,13 +179,21 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     """Run speculators' trainer for a prepared run in this process (one rank under torch.distributed.run)."""
     import torch
 
-    from patches import speculators_cpu, speculators_packing, speculators_ttt_attention, torch_process_group_timeout
+    from patches import (
+        speculators_capture_stop,
+        speculators_cpu,
+        speculators_packing,
+        speculators_ttt_attention,
+        torch_process_group_timeout,
+    )
 
     # Rank 0 replays each epoch's checkpoint while the other ranks wait at their next collective.
     torch_process_group_timeout.apply(PROCESS_GROUP_TIMEOUT_S)
     speculators_cpu.apply()
     speculators_packing.apply(train.packing)
     speculators_ttt_attention.apply()
+    # Online: a capture server that stays away stops training at the first sample it fails.
+    speculators_capture_stop.apply()
     # speculators trains on the accelerator whenever there is one.
     if run.device == "cpu" and torch.accelerator.is_available():
         raise BadInput("train.num_gpus: 0 trains on the CPU but this host has an accelerator; set it to the GPUs to use")
