@@ -4,20 +4,14 @@ checkpoints."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
-from conftest import REPO, ok, run_stage, write_smoke_config
+from conftest import ok, run_stage
 from fault_injection import (
     SEED,
     assert_complete_and_whole,
@@ -39,22 +33,19 @@ def run(tmp_path):
     return fresh_run(tmp_path)
 
 
-# Longest first: a suite worker is handed its next file while two tests of this one are left (tests/conftest.py).
-
-
-def test_stage_06_killed_while_serving_leaves_no_server_and_reruns_to_a_report(finished_small_run, run, tmp_path):
+def test_stage_06_killed_before_and_after_serving_reruns_to_the_reference_report(finished_small_run, run, tmp_path):
+    """Killed while its server loads and while it serves, stage 06 serves again on its rerun; killed once the
+    served measurements are written, its rerun only predicts. A finished stage 06 whose report.json is lost
+    rebuilds it the same way, without a server."""
     _, reference = finished_small_run
     config, run_dir = run
     link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden", "03_build_vocab_map", "04_train",
                 "05_convert")
     stage = run_dir / "06_serve_test"
     first_log = stage / "logs" / "server-eagle3.log"
-    # One server instead of three, and no offline replay after it: what a kill leaves behind does not depend
-    # on the mode, the answers without speculation come from the uninterrupted run's kept baseline (the same
-    # settings shaped them), and the replay (its own capture engine) is tested in test_predict.py and
-    # test_diagnosis.py.
-    settings = ["--set", f"serve.baseline={reference / '06_serve_test'}", "--set", "serve.ngram_baseline=false",
-                "--set", "serve.predict=false"]
+    # One server instead of three: what a kill leaves behind does not depend on the mode, and the answers
+    # without speculation come from the uninterrupted run's kept baseline (the same settings shaped them).
+    settings = ["--set", f"serve.baseline={reference / '06_serve_test'}", "--set", "serve.ngram_baseline=false"]
     rng = random.Random(SEED + 6)
 
     # While the server's engine loads the weights: API server, engine core and worker all running.
@@ -67,9 +58,15 @@ def test_stage_06_killed_while_serving_leaves_no_server_and_reruns_to_a_report(f
             when=lambda: "[eagle3] server healthy" in (tmp_path / "kill-2.log").read_text(errors="replace"),
             delay=rng.uniform(0.0, 1.0), log_path=tmp_path / "kill-2.log")
     assert not (stage / "report.json").exists()
+    # Past serving, while it predicts: served first, so the report without the prediction is already there.
+    kill_at("06_serve_test.py", config, *settings, stage_dir=stage, when=(stage / "served.json").exists, delay=0.0,
+            log_path=tmp_path / "kill-3.log")
+    assert "predicted_mean_acceptance_length" not in json.loads((stage / "report.json").read_text())
 
-    ok(run_stage("06_serve_test.py", config, *settings, timeout=1800))
+    rerun = ok(run_stage("06_serve_test.py", config, *settings, timeout=1800))
+    assert "predicting without serving again" in rerun.stdout and "starting vLLM server" not in rerun.stdout
     manifest = assert_complete_and_whole(stage)
+    assert manifest["engine_starts"]["target_starts"] == 0  # no server; the kept baseline holds the replay's states
     report = json.loads((stage / "report.json").read_text())
     expected = json.loads((reference / "06_serve_test" / "report.json").read_text())
     for field in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
@@ -79,6 +76,7 @@ def test_stage_06_killed_while_serving_leaves_no_server_and_reruns_to_a_report(f
     assert report["num_prompts"] == expected["num_prompts"] == 3
     assert report["prompt_ids"] == expected["prompt_ids"]
     assert report["greedy_match"] is True and manifest["counts"]["passed"] is True
+    assert report["diagnosis"]["status"] == "agrees" and report["predicted_mean_acceptance_length"] is not None
     responses = [json.loads(line) for line in (stage / "responses.jsonl").read_text().splitlines()]
     want = [json.loads(line) for line in (reference / "06_serve_test" / "responses.jsonl").read_text().splitlines()]
     assert [r["index"] for r in responses] == [0, 1, 2]
@@ -87,6 +85,14 @@ def test_stage_06_killed_while_serving_leaves_no_server_and_reruns_to_a_report(f
     for mode in ("none", "eagle3"):
         assert [r["responses"][mode] for r in responses] == [r["responses"][mode] for r in want], mode
     assert not [port for port in server_ports(stage) if port_in_use(port)]
+
+    # The report lost from a finished stage: rebuilt from what the stage kept, no engine started.
+    (stage / "report.json").unlink()
+    again = ok(run_stage("06_serve_test.py", config, *settings, timeout=900))
+    assert "starting vLLM server" not in again.stdout
+    rebuilt = json.loads((stage / "report.json").read_text())
+    assert rebuilt["predicted_mean_acceptance_length"] == report["predicted_mean_acceptance_length"]
+    assert read_manifest(stage)["engine_starts"]["target_starts"] == 0
 
 
 def test_stage_05_killed_twice_converts_the_same_bytes_and_passes(finished_small_run, run, tmp_path):
@@ -185,46 +191,3 @@ def test_stage_04_refuses_a_disk_without_room_for_its_checkpoints(small_run, run
         assert float(need) > float(free)
         # Refused before anything but its log was written.
         assert sorted(p.name for p in stage.iterdir()) == ["logs"]
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_rerun_after_the_stage_died_past_serving_predicts_without_serving_again(finished_small_run, tmp_path):
-    """Stage 06 killed once the served measurements are written: its rerun reads them and only predicts. A finished
-    stage 06 whose report.json is lost rebuilds it the same way."""
-    _, run_dir = finished_small_run
-    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="resume",
-                                serve={"drafter": str(run_dir / "05_convert" / "vllm"), "baseline": str(run_dir / "06_serve_test"),
-                                       "ngram_baseline": False})
-    stage = tmp_path / "data" / "resume" / "06_serve_test"
-    first = subprocess.Popen([sys.executable, str(REPO / "06_serve_test.py"), "--config", str(config)], cwd=REPO,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not (stage / "served.json").exists() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert (stage / "served.json").exists(), "the served measurements were never written"
-        # Served first: the report without the prediction is already there.
-        assert "predicted_mean_acceptance_length" not in json.loads((stage / "report.json").read_text())
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    assert json.loads((stage / "manifest.json").read_text())["status"] == "running"
-
-    rerun = run_stage("06_serve_test.py", config, timeout=900)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert "predicting without serving again" in rerun.stdout and "starting vLLM server" not in rerun.stdout
-    starts = [line for line in (stage / "logs" / "server-eagle3.log").read_text().splitlines() if line.startswith("$ ")]
-    assert len(starts) == 1  # the first run's server, and no other
-    report = json.loads((stage / "report.json").read_text())
-    assert report["diagnosis"]["status"] == "agrees" and report["predicted_mean_acceptance_length"] is not None
-
-    # The report lost from a finished stage: rebuilt from what the stage kept, no server started.
-    (stage / "report.json").unlink()
-    again = run_stage("06_serve_test.py", config, timeout=900)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "starting vLLM server" not in again.stdout
-    assert json.loads((stage / "report.json").read_text())["predicted_mean_acceptance_length"] == report["predicted_mean_acceptance_length"]
-    assert json.loads((stage / "manifest.json").read_text())["engine_starts"]["target_starts"] == 0
