@@ -318,8 +318,7 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
                     reason="EAGLE-3 on an MLA target starts on vLLM's CPU build only with AMX_MLA, on a CPU with AMX tiles")
-# All six stages again on a second stand-in take 2.5 minutes alone and up to 6 beside the suite's other tests, a
-# share of its 15-minute budget it has no room for: asked for.
+# All six stages again on a second stand-in, several engine starts more than the suite can afford: asked for.
 @pytest.mark.skipif(os.environ.get("EAGLE_TEST_MLA_ON_AMX") != "1",
                     reason="asked for with EAGLE_TEST_MLA_ON_AMX=1 (docs/benchmarks/acceptance.md, \"An MLA target: the Kimi-K2.5 stand-in on AMX\")")
 def test_eagle3_on_the_mla_target_serves_as_predicted_with_amx(tmp_path):
