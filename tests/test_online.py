@@ -406,6 +406,7 @@ def _four_uncaptured_samples(tmp_path: Path, endpoint: str, guard=None):
     return _setup_dataloader(dataset, total_seq_len=64, hidden_size=8, num_workers=1, prefetch_factor=1)
 
 
+@pytest.mark.filterwarnings("ignore:.pin_memory. argument is set as true")  # speculators' loader, on the CPU
 def test_a_capture_server_that_fails_stops_training_at_its_first_sample_even_in_a_spawned_loader(tmp_path, capfd):
     """Upstream leaves the failed samples out of their batch and raises only when the trainer synchronises (every
     50 steps on several ranks), each sample of the batch first waiting out its retries; patched, the first sample

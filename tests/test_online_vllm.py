@@ -22,10 +22,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, ok, run_stage, write_smoke_config
+from conftest import REPO, ok, run_stage, run_stage_in_process, write_smoke_config
 
 from eagle_pipeline.online.mooncake import mooncake_problem
-from eagle_pipeline.process_tree import descendants, process_state
+from eagle_pipeline.process_tree import descendants, kill_tree, process_state
 from eagle_pipeline.serve.server import find_free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -140,15 +140,15 @@ def test_mooncake_online_training_survives_a_capture_server_restart(small_run, t
         assert not alive(pid)
 
 
-def test_a_capture_server_elsewhere_is_checked_named_when_gone_and_training_resumes(small_run, tmp_path):
+def test_a_capture_server_elsewhere_is_checked_named_when_gone_and_training_resumes(small_run, tmp_path, capsys):
     port = find_free_port()
     endpoint = f"http://127.0.0.1:{port}/v1"
     config, run_dir = online_run(small_run, tmp_path, capture_endpoints=[endpoint], capture_retry_s=10)
 
-    refused = run_stage("04_train.py", config, "--set", "hidden_states.mode=offline", "--set",
-                        "hidden_states.capture_endpoints=[]")
-    assert refused.returncode == 2
-    assert "error: hidden_states.mode: offline, but stage 02 prepared its data for mode online" in refused.stderr
+    code, _, stderr = run_stage_in_process("04_train.py", config, capsys, "--set", "hidden_states.mode=offline",
+                                           "--set", "hidden_states.capture_endpoints=[]")
+    assert code == 2
+    assert "error: hidden_states.mode: offline, but stage 02 prepared its data for mode online" in stderr
 
     server_log = tmp_path / "capture.log"
 
@@ -165,9 +165,9 @@ def test_a_capture_server_elsewhere_is_checked_named_when_gone_and_training_resu
     serve.started = 0
     server = serve()
     try:
-        wrong = run_stage("04_train.py", config, "--set", "hidden_states.transfer=fp8")
-        assert wrong.returncode == 2
-        assert wrong.stderr.strip() == (
+        code, _, stderr = run_stage_in_process("04_train.py", config, capsys, "--set", "hidden_states.transfer=fp8")
+        assert code == 2
+        assert stderr.strip() == (
             f"error: hidden_states.capture_endpoints: {endpoint} captures transfer 'file' but this run needs 'fp8' "
             f"(hidden_states.transfer); start it with this run's config (scripts/remote.sh capture CONFIG, or python -m "
             f"eagle_pipeline.online.serve_capture)")
@@ -177,7 +177,7 @@ def test_a_capture_server_elsewhere_is_checked_named_when_gone_and_training_resu
         stage = stage04(config, log)
         checkpoint = run_dir / "04_train" / "checkpoints" / "0" / "validation.json"
         wait_for(checkpoint.exists, "epoch 0's checkpoint", process=stage)
-        os.killpg(server.pid, signal.SIGKILL)  # the server with it: its guard stops the vLLM server it started
+        kill_tree(server)  # the host gone: the capture server and the vLLM server it started, at once
         assert stage.wait(timeout=600) == 1
         text = log.read_text()
         assert f"failed: CaptureUnavailable: capture server {endpoint} delivered no hidden states" in text
