@@ -516,12 +516,19 @@ def test_mooncake_clients_hold_no_store_memory_of_their_own(tmp_path):
     assert remote["local_hostname"] == "10.0.0.2"
 
 
-def test_a_missing_mooncake_is_named_with_its_install(monkeypatch):
+@pytest.mark.parametrize("package, missing", [(True, "its mooncake_master program is not installed"),
+                                              (False, "the mooncake package is not installed")])
+def test_a_missing_mooncake_is_named_with_its_install(monkeypatch, package, missing):
+    """Whether or not this machine has requirements/online.txt installed."""
+    import importlib.util
+
     from eagle_pipeline.online import mooncake
 
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: (object() if package else None) if name == "mooncake" else find_spec(name, *args))
     monkeypatch.setattr(mooncake, "program_path", lambda name: None)
-    with pytest.raises(BadInput, match=r"hidden_states\.transfer: mooncake, but its mooncake_master program is not "
-                                       r"installed.*requirements/online\.txt.*libibverbs1"):
+    with pytest.raises(BadInput, match=rf"hidden_states\.transfer: mooncake, but {missing}.*requirements/online\.txt.*libibverbs1"):
         mooncake.require_mooncake()
 
 
