@@ -61,6 +61,12 @@ def run_stage_in_process(script: str, config: Path, capsys, *args: str) -> tuple
     return code, out, err
 
 
+def without_log_records(stderr: str) -> list[str]:
+    """The lines of an in-process stage's stderr that the stage printed itself: the libraries' log records
+    (timestamped, or starting with their level) reach the same stream when the stage runs in this process."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith(("20", "INFO", "WARNING"))]
+
+
 def stage_module(script: str):
     """A stage script loaded as a module, to run its command line in this process: `stage.main(n, m.__doc__, m.run, argv)`."""
     import importlib.util

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, run_stage, run_stage_in_process, stage_module, write_config
+from conftest import REPO, run_stage, run_stage_in_process, stage_module, without_log_records, write_config
 
 L, H, V = 30, 576, 49152  # the embedded verifier
 
@@ -349,7 +349,7 @@ def test_bad_input_gets_one_clear_line_and_loses_nothing(tmp_path, capsys, case)
     extra = extra if isinstance(extra, list) else []
     before = snapshot(root)
     code, _, stderr = run_stage_in_process(script, config, capsys, *args, *extra)
-    lines = [line for line in stderr.strip().splitlines() if not line.startswith(("20", "INFO", "WARNING"))]
+    lines = without_log_records(stderr)
     errors = [line for line in lines if line.startswith("error")]
     assert code == 2, f"{name}: exit {code}\n{stderr[-2000:]}"
     # Progress bars may precede it on stderr; the error itself is one line, the last one.

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import copy_of_run, run_stage_in_process
+from conftest import copy_of_run, run_stage_in_process, without_log_records
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_force_refuses_before_it_deletes_and_the_dry_run_refuses_alike(run, tmp_
     sets = [a for s in overrides(tmp_path) for a in ("--set", s)]
     for mode in ("--force", "--dry-run"):
         code, out, err = run_stage_in_process(script, config, capsys, mode, *sets)
-        lines = [line for line in err.strip().splitlines() if not line.startswith(("20", "WARNING", "INFO"))]
+        lines = without_log_records(err)
         assert code == 2, (mode, out[-2000:], err[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (mode, lines)
         assert folder_bytes(folder) == before, f"{mode} changed {folder}"
