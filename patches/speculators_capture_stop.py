@@ -52,7 +52,7 @@ class StopAtOnceGuard(GenerationRecoveryGuard):
     def _record_exhausted(self, description, **kwargs) -> SampleUnavailable:
         unavailable = super()._record_exhausted(description, **kwargs)
         if unavailable.fatal:
-            raise RuntimeError(f"{CIRCUIT_BREAKER} at the first sample past the limit: {unavailable.reason}")
+            raise RuntimeError(f"{CIRCUIT_BREAKER} at the sample that reached the limit: {unavailable.reason}")
         return unavailable
 
 
