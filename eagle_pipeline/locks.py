@@ -77,8 +77,7 @@ def take(path: Path, record: dict[str, Any], held: HeldLocks, busy: str, shared_
     """Take the lock at `path` for this process, recording `record`; BadInput naming the holder when another
     live process has it (`busy` says what that means and what to do). A lock `shared_by_users` is left
     writable by every user of the host."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
+    f = open(_open_lock_file(path), "r+")
     if shared_by_users and path.stat().st_uid == os.getuid():
         os.fchmod(f.fileno(), 0o666)
     try:
@@ -95,6 +94,38 @@ def take(path: Path, record: dict[str, Any], held: HeldLocks, busy: str, shared_
     f.write(json.dumps(record))
     f.flush()
     held.files.append(f)
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file's descriptor, created if need be; BadInput naming the path when the file system refuses."""
+    blocker = path.parent
+    while not blocker.exists() and blocker != blocker.parent:
+        blocker = blocker.parent
+    if not blocker.is_dir():
+        raise BadInput(f"{blocker}: is a file where the folder of the lock {path.name} belongs; move the file away "
+                       f"and rerun")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except IsADirectoryError:
+        raise BadInput(f"{path}: is a folder where the lock file belongs; remove it (a lock holds no data) and rerun") from None
+    except PermissionError as e:
+        where = path if path.exists() else path.parent
+        raise BadInput(f"{path}: cannot open the lock file ({e.strerror}; {where} belongs to {_owner(where)}): another "
+                       f"user's run, or a folder you may not write; use a data_root (or run_name) of your own, or have "
+                       f"it made writable for you") from None
+    except OSError as e:
+        raise BadInput(f"{path}: cannot open the lock file ({e.strerror}); fix the folder and rerun") from None
+
+
+def _owner(path: Path) -> str:
+    try:
+        import pwd
+
+        uid = path.stat().st_uid
+        return "you" if uid == os.getuid() else f"user {pwd.getpwuid(uid).pw_name}"
+    except (OSError, KeyError, ImportError):
+        return "another user"
 
 
 def visible_gpus() -> list[str] | None:

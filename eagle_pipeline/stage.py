@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import platform
+import secrets
 import shutil
 import signal
 import socket
@@ -498,10 +499,12 @@ def check_data_root_writable(cfg: RunConfig, create: bool) -> None:
         raise BadInput(f"data_root: {root} cannot be created because {probe} is a file; choose another data_root")
     if not create:
         return
+    # One probe per process: two stages started together must not remove each other's.
+    probe_file = cfg.run_dir / f".write-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic.write_bytes(cfg.run_dir / ".write-probe", b"")
-        (cfg.run_dir / ".write-probe").unlink()
+        atomic.write_bytes(probe_file, b"")
+        probe_file.unlink()
     except OSError as e:
         raise BadInput(f"data_root: cannot write under {root} ({e.strerror}); choose another data_root or fix permissions") from None
 

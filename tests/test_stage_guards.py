@@ -138,3 +138,63 @@ def test_a_full_disk_is_found_behind_the_errors_that_wrap_it():
     except RuntimeError as outer:
         assert disk_full_error(outer) is full
     assert disk_full_error(ValueError("x")) is None
+
+
+def _refusal(script: str, config, capsys) -> str:
+    """The one `error:` line of a stage refused in this process (exit 2)."""
+    from conftest import run_stage_in_process, without_log_records
+
+    code, _, stderr = run_stage_in_process(script, config, capsys)
+    lines = without_log_records(stderr)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, stderr[-2000:])
+    return lines[0]
+
+
+def test_a_lock_that_is_a_folder_or_under_a_file_is_one_error_line(tmp_path, config, capsys):
+    logs = run_dir(tmp_path) / "logs"
+    (logs / "03_build_vocab_map.lock").mkdir(parents=True)
+    line = _refusal("03_build_vocab_map.py", config, capsys)
+    assert "03_build_vocab_map.lock: is a folder where the lock file belongs; remove it" in line
+    (logs / "03_build_vocab_map.lock").rmdir()
+    logs.rmdir()
+    logs.write_text("not a folder")
+    line = _refusal("03_build_vocab_map.py", config, capsys)
+    assert f"{logs}: is a file where the folder of the lock 03_build_vocab_map.lock belongs" in line
+    assert logs.read_text() == "not a folder"
+
+
+def test_a_lock_file_of_another_user_is_one_error_line(tmp_path, config, capsys, monkeypatch):
+    lock = run_dir(tmp_path) / "logs" / "03_build_vocab_map.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    lock.chmod(0o444)
+    if os.getuid() == 0:  # root opens it anyway: the kernel's answer to any other user, given here
+        real_open = os.open
+
+        def refused(path, *args, **kwargs):
+            if str(path) == str(lock):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(locks.os, "open", refused)
+    line = _refusal("03_build_vocab_map.py", config, capsys)
+    assert f"{lock}: cannot open the lock file (Permission denied" in line and "data_root (or run_name) of your own" in line
+
+
+def test_two_stages_starting_together_each_probe_the_data_root_with_their_own_file(tmp_path, config, monkeypatch):
+    # The second stage's probe written and removed while the first one's is on disk, as two reruns 0.5 s apart do.
+    from eagle_pipeline import atomic, stage
+
+    cfg = load_config(config)
+    real_write = atomic.write_bytes
+    other = []
+
+    def write_then_let_the_other_run(path, data):
+        real_write(path, data)
+        if not other:
+            other.append(path)
+            stage.check_data_root_writable(cfg, create=True)
+
+    monkeypatch.setattr(stage.atomic, "write_bytes", write_then_let_the_other_run)
+    stage.check_data_root_writable(cfg, create=True)
+    assert other and [p.name for p in cfg.run_dir.iterdir()] == []
