@@ -30,6 +30,7 @@ from eagle_pipeline.drafter_checks.shapes import shape_problems
 from eagle_pipeline.drafter_checks.tensors import draft_dims, read_tensor_specs
 from eagle_pipeline.drafter_format import EMBED_KEY, FLAT_ARCHITECTURE, flat_name, flat_norm_flags, weight_files
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import from_convention
 from eagle_pipeline.verifier import target_embedding
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
@@ -84,9 +85,10 @@ def is_speculators_drafter(path: Path) -> bool:
     """A folder in speculators' own nested format (stage 04's checkpoints), which needs no conversion."""
     config_path = Path(path) / "config.json"
     try:
-        return "speculators_model_type" in json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError):
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: read_flat_drafter names the defect
         return False
+    return isinstance(config, dict) and "speculators_model_type" in config
 
 
 def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
@@ -97,9 +99,10 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
     if not config_path.is_file():
         raise BadInput(f"{field}: {path} has no config.json; point it at a drafter folder")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise BadInput(f"{field}: {config_path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+        config = read_json_object(config_path, "point it at a released EAGLE-3 drafter or a speculators drafter folder",
+                                  what="drafter config")
+    except BadInput as error:
+        raise BadInput(f"{field}: {error}") from None
     if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
         raise BadInput(f"{field}: {config_path}: architectures is {config.get('architectures')!r}, expected "
                        f"[{FLAT_ARCHITECTURE!r}] (a released EAGLE-3 drafter) or a speculators drafter folder")

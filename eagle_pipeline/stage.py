@@ -137,6 +137,10 @@ def read_stage_records(run_dir: Path) -> list[StageRecord]:
     return records
 
 
+# The counts that later stages take from an earlier stage's finished manifest (whole numbers).
+READ_COUNTS = {2: ("samples", "target_vocab_size")}
+
+
 def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:
     """The manifest of an earlier stage, which must have finished and whose recorded files must be whole.
 
@@ -150,6 +154,12 @@ def require_complete(cfg: RunConfig, number: int) -> dict[str, Any]:
             f"{folder}: stage {STAGES[number]} has not finished for run {cfg.run_name!r}; "
             f"run {STAGES[number]}.py --config <same config> first"
         )
+    for key in READ_COUNTS.get(number, ()):
+        value = manifest["counts"].get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            found = "lack" if key not in manifest["counts"] else f"hold {_short(value)} for"
+            raise BadInput(f"{folder / 'manifest.json'}: its counts {found} {key!r}, which later stages read; rerun "
+                           f"{STAGES[number]}.py with --force to rebuild that stage")
     damaged = outputs.damaged_outputs(folder, manifest.get("outputs", []))
     if damaged:
         permissions = "fix its permissions or " if damaged[0][1].startswith("cannot be read") else ""

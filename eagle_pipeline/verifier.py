@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.config import RunConfig
+from eagle_pipeline.drafter_format import FLAT_ARCHITECTURE
 from eagle_pipeline.embedded import EMBEDDED_PREFIX, gguf_path, resolve_verifier_path
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, model_dir_fingerprint, text_fingerprint
+from eagle_pipeline.json_files import read_json_object
 
+# What the pipeline reads of the target's (text) config: layer ids, sample shapes, the derived drafter's decoder.
+TEXT_SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
@@ -68,14 +72,34 @@ class Verifier:
         raw = cfg.verifier.path
         path = resolve_verifier_path(raw) if raw.startswith(EMBEDDED_PREFIX) else cfg.resolve_path(raw)
         check_model_dir(path)
-        return cls(path=path, trust_remote_code=cfg.verifier.trust_remote_code)
+        verifier = cls(path=path, trust_remote_code=cfg.verifier.trust_remote_code)
+        verifier.raw_config  # noqa: B018 - a damaged or foreign config.json is named before the tokenizer reads it
+        return verifier
 
     @cached_property
     def raw_config(self) -> dict[str, Any]:
+        """The target's config.json, refused (BadInput naming the file) unless it is a target model's config with
+        every shape field the pipeline reads: not a drafter's, not torn, not another kind of JSON."""
+        path = self.path / "config.json"
+        fix = "restore the target model's own config.json, or point verifier.path at the target's HF model folder"
         try:
-            return json.loads((self.path / "config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise BadInput(f"{self.path / 'config.json'}: not valid JSON ({e}); restore the model's config") from None
+            config = read_json_object(path, fix, what="model config")
+        except BadInput as e:
+            raise BadInput(f"verifier.path: {e}") from None
+        architectures = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+        if "speculators_model_type" in config or FLAT_ARCHITECTURE in architectures:
+            raise BadInput(f"verifier.path: {path} is an EAGLE-3 drafter's config, not a target model's; point "
+                           f"verifier.path at the model the drafter is trained for")
+        text = config.get("text_config") or config
+        where = "text_config." if text is not config else ""
+        if not isinstance(text, dict):
+            raise BadInput(f"verifier.path: {path}: text_config is a JSON {type(text).__name__}, not an object; {fix}")
+        for key in TEXT_SHAPE_KEYS:
+            value = text.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                found = "missing" if key not in text else f"{value!r}, not a positive integer"
+                raise BadInput(f"verifier.path: {path}: {where}{key} is {found}; {fix}")
+        return config
 
     def text_config(self) -> dict[str, Any]:
         """The language model's own config (nested under text_config for Kimi-K2.5 and other VLMs)."""

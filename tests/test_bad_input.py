@@ -200,6 +200,33 @@ def _not_a_model(run_dir, tmp):
     return ["--set", f"verifier.path={tmp / 'model'}"]
 
 
+SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": L, "hidden_size": H,
+                 "vocab_size": V, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+
+
+def _verifier_config(content: bytes | dict, key: str = "verifier.path"):
+    """`key` set to a model folder whose config.json holds `content` (bytes as they are, a dict as JSON)."""
+    def setup(run_dir, tmp):
+        (tmp / "model").mkdir()
+        (tmp / "model" / "config.json").write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+        return ["--set", f"{key}={tmp / 'model'}"]
+    return setup
+
+
+def _without(config: dict, key: str) -> dict:
+    return {k: v for k, v in config.items() if k != key}
+
+
+def _stage_02_counts_without(key: str):
+    def setup(run_dir, tmp):
+        fake_hidden_states(run_dir)
+        path = run_dir / "02_extract_hidden" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        del manifest["counts"][key]
+        path.write_text(json.dumps(manifest))
+    return setup
+
+
 def _file_as_root(run_dir, tmp):
     (tmp / "afile").write_text("x")
     return ["--set", f"data_root={tmp / 'afile' / 'runs'}"]
@@ -313,6 +340,30 @@ CASES = [
      "disk_budget_gb: the run folder"),
     ("hidden-states-above-the-budget", {"disk_budget_gb": 0.5}, _finished_conversations(200_000), "02_extract_hidden.py",
      ["--dry-run"], "disk_budget_gb: stage 02's hidden states (~0.92 GB for 200000 tokens)"),
+    # the target's config.json and a drafter's, damaged or foreign (read before anything else of the folder)
+    ("verifier-config-of-a-drafter", {}, _verifier_config({"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"]}),
+     "01_generate_data.py", ["--dry-run"], "config.json is an EAGLE-3 drafter's config, not a target model's"),
+    ("verifier-config-of-a-flat-drafter", {}, _verifier_config({**SMOLLM2_SHAPE, "architectures": ["LlamaForCausalLMEagle3"]}),
+     "02_extract_hidden.py", ["--dry-run"], "config.json is an EAGLE-3 drafter's config, not a target model's"),
+    ("verifier-config-a-list", {}, _verifier_config(b"[1, 2]"), "01_generate_data.py", ["--dry-run"],
+     ("verifier.path: ", "config.json: model config is a JSON list, not an object")),
+    ("verifier-config-not-utf8", {}, _verifier_config(b'{"model_type": "caf\xe9"}'), "01_generate_data.py", ["--dry-run"],
+     ("verifier.path: ", "config.json: model config is not UTF-8 text; restore the target model's own config.json")),
+    ("verifier-config-without-intermediate-size", {}, _verifier_config(_without(SMOLLM2_SHAPE, "intermediate_size")),
+     "04_train.py", ["--dry-run"], "config.json: intermediate_size is missing"),
+    ("verifier-text-config-a-string", {}, _verifier_config({"architectures": ["X"], "text_config": "llama"}),
+     "02_extract_hidden.py", ["--dry-run"], "config.json: text_config is a JSON str, not an object"),
+    ("verifier-config-layers-a-string", {}, _verifier_config({**SMOLLM2_SHAPE, "num_hidden_layers": "30"}),
+     "02_extract_hidden.py", ["--dry-run"], "config.json: num_hidden_layers is '30', not a positive integer"),
+    *[(f"init-from-config-{kind}", {}, lambda r, t, c=content: (fake_hidden_states(r), fake_vocab(r),
+                                                                 _verifier_config(c, "train.init_from")(r, t))[-1],
+       "04_train.py", ["--dry-run"], ("train.init_from: ", f"config.json: drafter config {text}"))
+      for kind, content, text in (("not-utf8", b'{"architectures": ["caf\xe9"]}', "is not UTF-8 text"),
+                                  ("a-list", b'["LlamaForCausalLMEagle3"]', "is a JSON list, not an object"))],
+    ("stage-02-counts-without-target-vocab-size", {}, _stage_02_counts_without("target_vocab_size"), "03_build_vocab_map.py",
+     ["--dry-run"], "02_extract_hidden/manifest.json: its counts lack 'target_vocab_size'"),
+    ("stage-02-counts-without-samples", {}, lambda r, t: (_stage_02_counts_without("samples")(r, t), fake_vocab(r))[-1],
+     "04_train.py", [], "02_extract_hidden/manifest.json: its counts lack 'samples'"),
     # manifests
     *[(f"manifest-{kind}", {}, _broken_manifest(kind), "02_extract_hidden.py", ["--dry-run"], "rerun that stage (01_generate_data.py) with --force")
       for kind in ("folder", "not-utf8", "not-json", "a-list", "no-status", "counts-a-list")],
