@@ -18,6 +18,8 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import json
+import os
 import re
 import types
 import typing
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from eagle_pipeline.config_file import Origins, read_config_file
@@ -46,10 +49,141 @@ MAX_WIDTH = 1 << 20  # hidden / intermediate sizes
 MAX_VOCAB = 1 << 24
 MAX_SEED = 2**32 - 1  # numpy's limit; torch and vLLM take any of these
 
+# What the OS refuses to carry, checked when the config loads, so that a value no process can be started with is
+# not found by the first exec after `--force` has deleted a stage's output. Config values travel as command-line
+# arguments (`--set`, the `vllm serve` flags engine_args become, JSON arguments of the engine jobs) and as
+# environment entries (`env`); Linux refuses any single one above MAX_ARG_STRLEN (32 pages, with its NUL) with
+# E2BIG, and every string with a NUL inside.
+MAX_ARG_BYTES = 32 * 4096 - 1
+# All of `env` together: a quarter of the usual 2 MiB ARG_MAX, leaving the rest to the inherited environment and
+# the command line of the process it is passed to.
+MAX_ENV_BYTES = 512 * 1024
+# A file name (one path component) and a whole path, as Linux file systems take them (NAME_MAX, PATH_MAX).
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4095
+# How much of one argument an engine-argument dict may fill: the JSON argument it travels in also holds the
+# settings the pipeline adds (target_engine_settings, the drafter's folder).
+ARG_HEADROOM_BYTES = 8 * 1024
+
+
+def os_bytes(text: str) -> int | None:
+    """`text`'s size as the OS gets it (file-system encoding), None where it cannot be encoded (a lone surrogate)."""
+    try:
+        return len(os.fsencode(text))
+    except UnicodeEncodeError:
+        return None
+
+
+def argument_problem(text: str, limit: int = MAX_ARG_BYTES) -> str | None:
+    """Why `text` cannot be one command-line argument or environment entry, or None."""
+    if "\x00" in text:
+        return "contains a NUL character, which no command line, environment or file name can carry; remove it"
+    size = os_bytes(text)
+    if size is None:
+        return "holds a character the OS cannot encode (a lone surrogate such as \\ud800); remove it"
+    if size > limit:
+        room = (f"the {limit} bytes one command-line argument or environment entry may hold" if limit == MAX_ARG_BYTES else
+                f"the {limit} bytes left for it in the one command-line argument it travels in")
+        return f"is {size} bytes, above {room} (Linux refuses more with E2BIG when a process starts); shorten it"
+    return None
+
+
+def _nul_inside(value: Any, where: str = "") -> str | None:
+    """Where a NUL hides in a value read from YAML (a string, or a name or value of a mapping or list inside), or
+    None: "" for the value itself, else a path such as "'A'" or "'kwargs'[0]"."""
+    if isinstance(value, str):
+        return where if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and "\x00" in key:
+                return f"the name {key!r}"
+            found = _nul_inside(item, f"{where}[{key!r}]" if where else repr(key))
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _nul_inside(item, f"{where}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def env_problem(env: dict[str, str]) -> str | None:
+    """Why the OS would refuse these environment variables (in `env`, or a serve.engine_variants entry's), or None."""
+    total = 0
+    for name, value in env.items():
+        if not name:
+            return "a variable with an empty name, which no environment can hold; name it or remove it"
+        if "=" in name:
+            return f"variable name {name!r} holds '=', which ends a name in the environment; rename it"
+        problem = argument_problem(f"{name}={value}")
+        if problem:
+            return f"{name}: {problem}"
+        total += os_bytes(f"{name}={value}") + 1
+    if total > MAX_ENV_BYTES:
+        return (f"{len(env)} variables of {total} bytes in all, above the {MAX_ENV_BYTES} bytes the run passes on to "
+                f"every process it starts (the OS caps environment and command line together); shorten them")
+    return None
+
+
+def json_argument_problem(value: dict[str, Any]) -> str | None:
+    """Why this mapping cannot travel as one JSON command-line argument (with room for what the pipeline adds)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        return None  # not JSON at all: the engine's own argument check names it
+    return argument_problem(text, MAX_ARG_BYTES - ARG_HEADROOM_BYTES)
+
+
+def path_problem(path: str) -> str | None:
+    """Why the OS would refuse `path` as a file or folder name, or None."""
+    size = os_bytes(path)
+    if size is not None and size > MAX_PATH_BYTES:
+        return f"is {size} bytes long, above the {MAX_PATH_BYTES} a path may have (PATH_MAX); shorten it"
+    for part in Path(path).parts:
+        size = os_bytes(part)
+        if size is not None and size > MAX_NAME_BYTES:
+            return (f"has a component of {size} bytes ({part[:24]}...), above the {MAX_NAME_BYTES} a file name may "
+                    f"have (NAME_MAX); shorten it")
+    return None
+
+
+def _checked_path(path: str) -> str:
+    problem = path_problem(path)
+    if problem:
+        raise ValueError(problem)
+    return path
+
+
+# A file or folder the run reads or writes: its length is checked against what the file system takes.
+PathStr = Annotated[str, AfterValidator(_checked_path)]
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password of its user part replaced by ***: how a URL is printed and recorded (dry runs,
+    manifests, a stage folder's config.yaml, error lines)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url
+    if password is None:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
+
 
 def cross_field(field: str, message: str) -> PydanticCustomError:
     """A rule that ties fields together; `field` (relative to the model raising it) is the one blamed."""
     return PydanticCustomError("cross_field", "{message}", {"field": field, "message": message})
+
+
+def _is_section(annotation: Any) -> bool:
+    """A config section, or an Optional of one: it checks its own values."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return any(isinstance(a, type) and issubclass(a, BaseModel) for a in options)
 
 
 def _is_number(annotation: Any) -> bool:
@@ -69,9 +203,17 @@ class Section(BaseModel):
         # pydantic reads true as 1; `seed: true` or `epochs: yes` is a mistake, not a number.
         if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"expected a number, got {str(value).lower()}")
-        # A NUL byte makes every file-system call fail with a traceback.
-        if isinstance(value, str) and "\x00" in value:
+        # A NUL byte makes every file-system call and every process start fail with a traceback; it is refused
+        # inside mappings and lists too (env, engine_args, chat_template_kwargs).
+        where = None if _is_section(cls.model_fields[info.field_name].annotation) else _nul_inside(value)
+        if where == "":
             raise ValueError("contains a NUL character; remove it")
+        if where is not None:
+            raise ValueError(f"{where} contains a NUL character, which no command line, environment or file name can "
+                             f"carry; remove it")
+        # Every value must fit one command-line argument: `--set key=value` and the detached runner pass it as one.
+        if isinstance(value, str) and os_bytes(value) is not None and os_bytes(value) > MAX_ARG_BYTES:
+            raise ValueError(argument_problem(value))
         return value
 
 
@@ -81,7 +223,7 @@ KvCacheDtype = Annotated[str, AfterValidator(lambda dtype: check_kv_cache_dtype(
 
 
 class VerifierConfig(Section):
-    path: str = Field(description="HF model directory of the target, or embedded:<name> for a bundled model")
+    path: PathStr = Field(description="HF model directory of the target, or embedded:<name> for a bundled model")
     trust_remote_code: bool = False
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL)
@@ -109,6 +251,17 @@ class VerifierConfig(Section):
                 # A first-class key is fingerprinted, range-checked and used by every stage alike; the same
                 # setting here would bypass all of that (engine_args.model would serve another target).
                 raise cross_field(str(key), f"is set by {owner}, not by engine_args; move it there")
+            reason = ENGINE_ARGS_REFUSED.get(str(key))
+            if reason:
+                raise cross_field(str(key), reason)
+        # Each becomes a `vllm serve` flag, and all of them one JSON argument of the engine jobs.
+        for key, value in args.items():
+            problem = argument_problem(value if isinstance(value, str) else json.dumps(value, default=str))
+            if problem:
+                raise cross_field(str(key), problem)
+        problem = json_argument_problem(args)
+        if problem:
+            raise ValueError(f"all of them as one JSON argument {problem}")
         # A misspelt engine argument would otherwise surface as a TypeError after minutes of model loading.
         names = vllm_engine_arg_names()
         if names is None:  # no vLLM here: nothing can start an engine, so there is nothing to check against
@@ -130,7 +283,32 @@ ENGINE_ARGS_OWNED_BY_KEYS = {
     "gpu_memory_utilization": "verifier.gpu_memory_utilization", "trust_remote_code": "verifier.trust_remote_code",
     "attention_backend": "verifier.attention_backend", "kv_cache_dtype": "verifier.kv_cache_dtype",
     "enforce_eager": "verifier.enforce_eager",
-    "speculative_config": "serve.* (stage 06) and the drafter folder", "kv_transfer_config": "hidden_states.*",
+    "speculative_config": "serve.* (stage 06) and the drafter folder", "spec_method": "serve.* (stage 06) and the drafter folder",
+    "spec_model": "serve.* (stage 06) and the drafter folder", "spec_tokens": "serve.num_speculative_tokens",
+    "kv_transfer_config": "hidden_states.*",
+}
+# vLLM engine arguments no key owns that would make the engine compute another target than the folder at
+# verifier.path, whose files every manifest fingerprints: other weights, another depth or shape, another tokenizer.
+# Each entry: why, and the fix.
+_OTHER_WEIGHTS = ("would load other weights than the folder's, which every stage fingerprints; remove it (to run another "
+                  "checkpoint, point verifier.path at it)")
+_OTHER_CONFIG = ("would read another model config than the folder's config.json (its depth and sizes), which every stage "
+                 "reads and fingerprints; remove it, and edit a copy of the folder instead")
+_OTHER_REVISION = ("picks a hub revision, but verifier.path is a local folder whose files every stage fingerprints; remove "
+                   "it, and point verifier.path at a download of that revision")
+_QUANTIZED = ("would quantize the target on the fly, so the drafter would learn and be measured against another "
+              "distribution than the folder's; remove it, and point verifier.path at a quantized checkpoint (its "
+              "config.json declares its quantization)")
+ENGINE_ARGS_REFUSED = {
+    "load_format": _OTHER_WEIGHTS.replace("; remove", " (dummy: random ones); remove"),
+    "model_weights": _OTHER_WEIGHTS, "ignore_patterns": _OTHER_WEIGHTS.replace("; remove", " (it skips weight files); remove"),
+    "model_loader_extra_config": _OTHER_WEIGHTS, "hf_overrides": _OTHER_CONFIG, "hf_config_path": _OTHER_CONFIG,
+    "config_format": _OTHER_CONFIG, "model_class_overrides": _OTHER_CONFIG.replace("; remove", " (it swaps the model class); remove"),
+    "revision": _OTHER_REVISION, "code_revision": _OTHER_REVISION, "tokenizer_revision": _OTHER_REVISION,
+    "quantization": _QUANTIZED, "quantization_config": _QUANTIZED,
+    "tokenizer_mode": "would tokenize with another tokenizer mode than the folder's, which every stage uses and fingerprints; "
+                      "remove it",
+    "skip_tokenizer_init": "would leave the engine without the tokenizer every stage needs; remove it",
 }
 
 
@@ -154,10 +332,10 @@ class SelfWrittenPrompts(Section):
 class DataConfig(Section):
     # "file": data.prompts; "self": the target writes them (data.self_written), on other topics than the eval prompts.
     prompt_source: Literal["file", "self"] = "file"
-    prompts: str = Field(description="JSONL file of prompts, or a local `datasets` folder (prompt_source file)")
+    prompts: PathStr = Field(description="JSONL file of prompts, or a local `datasets` folder (prompt_source file)")
     prompt_field: str = "prompt"
     self_written: SelfWrittenPrompts = Field(default_factory=SelfWrittenPrompts)
-    eval_prompts: str = Field(description="held-out prompts for stage 06, never used in training")
+    eval_prompts: PathStr = Field(description="held-out prompts for stage 06, never used in training")
     num_samples: int = Field(ge=1, le=MAX_COUNT, description="how many training conversations to generate")
     num_eval_prompts: int = Field(32, ge=1, le=MAX_COUNT)
 
@@ -168,6 +346,14 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     reasoning: bool = Field(False, description="thinking on or off, through the template's own switch (enable_thinking, thinking, ...)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra chat-template arguments; override the detected thinking switch")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_fit_an_argument(cls, kwargs):
+        problem = json_argument_problem(kwargs)  # stage 05's parity jobs get them as one JSON argument
+        if problem:
+            raise ValueError(f"as one JSON argument {problem}")
+        return kwargs
     system_prompt: Optional[str] = None
     batch_size: int = Field(32, ge=1, le=MAX_COUNT, description="conversations the engine decodes at once, and per part file "
                             "(a crash loses at most those not yet written)")
@@ -249,11 +435,21 @@ class HiddenStatesConfig(Section):
 
         for url in urls:
             parsed = urlparse(url)
-            if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
-                raise ValueError(f"{url!r} must be a server's base URL with its port, e.g. http://10.0.0.5:8000/v1")
+            try:
+                port = parsed.port
+            except ValueError:  # "Port out of range 0-65535", "Port could not be cast to integer value"
+                raise ValueError(f"{redact_url(url)!r}: its port is not a number from 1 to 65535; e.g. "
+                                 f"http://10.0.0.5:8000/v1") from None
+            if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None or port == 0:
+                raise ValueError(f"{redact_url(url)!r} must be a server's base URL with its port, e.g. http://10.0.0.5:8000/v1")
         if len(set(urls)) != len(urls):
             raise ValueError("names a server twice; list each capture server once")
         return urls
+
+    @field_serializer("capture_endpoints", when_used="json")
+    def _without_passwords(self, urls):
+        # What the manifests and each stage folder's config.yaml record: never a password.
+        return [redact_url(url) for url in urls]
 
     @model_validator(mode="after")
     def _online_keys_need_online(self):
@@ -277,7 +473,7 @@ class VocabConfig(Section):
     # At most the target's vocabulary: that needs the model, so stage 03 checks it (dry run included).
     draft_vocab_size: int = Field(ge=1, le=MAX_VOCAB)
     # A drafter to fine-tune can only keep its lm_head rows if the run uses its own draft vocabulary.
-    from_drafter: Optional[str] = Field(None, description="drafter folder whose d2t/t2d stage 03 adopts instead of counting tokens")
+    from_drafter: Optional[PathStr] = Field(None, description="drafter folder whose d2t/t2d stage 03 adopts instead of counting tokens")
 
 
 class DraftShape(Section):
@@ -338,7 +534,7 @@ class TrainConfig(Section):
     norm_before_fc: bool = True
     fc_norm: bool = False
     norm_output: bool = True
-    init_from: Optional[str] = Field(None, description="drafter directory to fine-tune from: speculators or flat LlamaForCausalLMEagle3")
+    init_from: Optional[PathStr] = Field(None, description="drafter directory to fine-tune from: speculators or flat LlamaForCausalLMEagle3")
     # A flat drafter's aux ids mean different layers in vLLM and SGLang (docs/layer_ids.md); a folder
     # with only eagle_config ids does not say which, so the run must.
     init_from_convention: Optional[Literal["vllm", "sglang"]] = Field(
@@ -375,7 +571,7 @@ class TrainConfig(Section):
 
 class ConvertConfig(Section):
     sglang: bool = False
-    reference_dir: Optional[str] = Field(None, description="released drafter to compare shapes against")
+    reference_dir: Optional[PathStr] = Field(None, description="released drafter to compare shapes against")
     # How stage 05 checks that the conversion keeps the drafter's drafts: "replay" replays the checkpoint and
     # the converted folder offline on held-out conversations (no engine start); "vllm" serves each in a vLLM
     # engine of its own (two target cold starts) on eval prompts (eagle_pipeline/drafter_checks/parity.py).
@@ -401,10 +597,10 @@ class ServeConfig(Section):
     predict: bool = True
     # A drafter folder to serve instead of stage 05's (a released one, or one converted elsewhere): flat
     # `LlamaForCausalLMEagle3`, served with the aux ids its config declares; stages 04-05 are not needed.
-    drafter: Optional[str] = None
+    drafter: Optional[PathStr] = None
     # A finished stage-06 folder (`<run>/06_serve_test`) whose no-speculation answers and captured states
     # are reused instead of serving without speculation again; it must match this run's target and prompts.
-    baseline: Optional[str] = None
+    baseline: Optional[PathStr] = None
     # A cold start of a ~600 GB target (weights from disk, graph capture on 8 GPUs) takes tens of minutes.
     startup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds a vLLM server may take to become healthy")
     # How vLLM computes the drafter (stage 05's parity and stage 06), beside verifier.attention_backend etc.
@@ -426,6 +622,9 @@ class ServeConfig(Section):
             problem = engine_variant_problem(variant)
             if problem:
                 raise ValueError(f"entry {index}: {problem}")
+            if variant in variants[:index]:  # each entry costs a cold start of the target
+                raise ValueError(f"entry {index} repeats entry {variants.index(variant)}, and each entry is served with a "
+                                 f"cold start of the target; remove one")
         return variants
 
     @model_validator(mode="after")
@@ -440,7 +639,7 @@ class ServeConfig(Section):
 
 class RunConfig(Section):
     run_name: str
-    data_root: str
+    data_root: PathStr
     seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["cpu", "cuda"] = "cpu"
     disk_budget_gb: Optional[float] = Field(None, gt=0, le=1e7, description="the most the run folder may hold; every stage "
@@ -448,6 +647,15 @@ class RunConfig(Section):
     # Extra environment for every process the run starts: vLLM engines and servers, the training launcher
     # and its ranks, the detached runner (NCCL settings, CUDA_VISIBLE_DEVICES, VLLM_* switches).
     env: dict[str, str] = Field(default_factory=dict, description="environment variables for every process the run starts")
+
+    @field_validator("env")
+    @classmethod
+    def _env_the_os_takes(cls, env):
+        # Refused here, not by the first process start (os.environ and execve raise, after --force has deleted).
+        problem = env_problem(env)
+        if problem:
+            raise ValueError(problem)
+        return env
     verifier: VerifierConfig
     data: DataConfig
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -463,7 +671,7 @@ class RunConfig(Section):
         # The run folder is data_root/run_name and --force deletes inside it: it must not point elsewhere.
         if not name.strip() or name in (".", "..") or any(c in name for c in "/\\") or Path(name).is_absolute():
             raise ValueError(f"{name!r} must be a plain folder name (no '/', '\\', '.' or '..'), e.g. my-run")
-        return name
+        return _checked_path(name)
 
     @field_validator("data_root")
     @classmethod
@@ -597,6 +805,9 @@ def engine_variant_problem(variant: Any) -> str | None:
         if key == "env":
             if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
                 return "env: must map variable names to strings (quote numbers)"
+            problem = env_problem(value)
+            if problem:
+                return f"env: {problem}"
             continue
         section, field = key.split(".")
         model = sections[section]
@@ -610,12 +821,51 @@ def engine_variant_problem(variant: Any) -> str | None:
 
 # -- loading ---------------------------------------------------------------------------------------
 
-def _blame(origins: Origins, loc: tuple, default: str) -> str:
-    """The source that set the value at `loc` (or the nearest section above it)."""
+def _blame(origins: Origins, loc: tuple, default: str, message: str = "") -> str:
+    """The source that set the value at `loc` (or the nearest section above it); for a rule across fields, a
+    `--set` of another field the message names, where the value at `loc` came from a file: the override is what
+    broke a config that loaded before."""
+    found = default
     for n in range(len(loc), 0, -1):
         if tuple(loc[:n]) in origins:
-            return origins[tuple(loc[:n])]
-    return default
+            found = origins[tuple(loc[:n])]
+            break
+    if found.startswith("--set "):
+        return found
+    for key, origin in origins.items():
+        if not origin.startswith("--set ") or tuple(key) == tuple(loc[:len(key)]):
+            continue
+        dotted = ".".join(key)
+        # Named in full (verifier.max_model_len), or by its own name beside the blamed field (num_gpus in train).
+        sibling = tuple(key[:-1]) == tuple(loc[:len(key) - 1]) and len(loc) == len(key)
+        if re.search(rf"(?<![\w.]){re.escape(dotted)}\b", message) or (
+                sibling and re.search(rf"(?<![\w.]){re.escape(key[-1])}\b", message)):
+            return origin
+    return found
+
+
+def _read_by_yaml_as(value: Any) -> str | None:
+    """What YAML made of an unquoted value where text was expected, or None."""
+    import datetime as dt
+
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()} (as it reads {'on, yes and true' if value else 'off, no and false'})"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, (dt.date, dt.datetime)):
+        return f"a date ({value.isoformat()})"
+    return None
+
+
+def _quote_it(loc: tuple[str, ...], value: Any) -> str | None:
+    """The error line's text for a value YAML typed where the schema wants text: say to quote it."""
+    what = _read_by_yaml_as(value)
+    if what is None:
+        return None
+    example = "on" if value is True else "off" if value is False else value.isoformat() if hasattr(value, "isoformat") else value
+    if loc and loc[-1] == "[key]":  # a mapping's name (env: {1: x}): pydantic puts it at <mapping>.<name>.[key]
+        return f"{'.'.join(loc[:-2])}: YAML read the unquoted name {loc[-2]} as {what}, not text; quote it, e.g. \"{example}\": ..."
+    return f"{'.'.join(loc)}: YAML read the unquoted value as {what}, not text; quote it, e.g. {loc[-1]}: \"{example}\""
 
 
 def _explain(error: ValidationError, source: str, section: str | None = None, origins: Origins | None = None) -> str:
@@ -624,8 +874,11 @@ def _explain(error: ValidationError, source: str, section: str | None = None, or
     kind = first["type"]
     if kind == "cross_field":  # a rule across fields names the one it blames
         loc = loc + tuple(first["ctx"]["field"].split("."))
-    source = _blame(origins or {}, loc, source)
+    said = {"value_error": lambda: first["ctx"]["error"], "cross_field": lambda: first["ctx"]["message"]}.get(kind, str)()
+    source = _blame(origins or {}, loc, source, str(said))
     where = ".".join(loc) or "(top level)"
+    if kind == "string_type" and _quote_it(loc, first.get("input")):
+        return f"{source}: {_quote_it(loc, first.get('input'))}"
     if kind == "extra_forbidden":
         parent, _, key = where.rpartition(".")
         place = f"section {parent!r}" if parent else "the top level"

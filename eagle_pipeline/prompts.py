@@ -13,7 +13,9 @@ of the wrong shape. Training prompts that match held-out prompts are refused too
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import stat
 import unicodedata
 from pathlib import Path
@@ -117,11 +119,23 @@ def _messages_problem(messages: object) -> str | None:
 TOPIC_FIELD = "topic"
 
 
+def _why_missing(path: Path) -> str:
+    """Why `path`, which Path.exists() calls missing, cannot be read: exists() says False for a symlink loop too."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symbolic link loop (following its links leads back to them)"
+        if path.is_symlink():
+            return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+    return "does not exist"
+
+
 def read_prompts(path: Path, field: str, config_key: str) -> list[tuple[str, dict]]:
     """(where, prompt) for each prompt of a file or folder: `where` is `path:line` (or `path record n`), a
     prompt is {"id": str, "topic": str, "messages": [...]}; each record gives `field` (a string) or `messages`."""
     if not path.exists():
-        raise BadInput(f"{config_key}: {path} does not exist; point it at a JSONL file or a saved datasets folder")
+        raise BadInput(f"{config_key}: {path} {_why_missing(path)}; point it at a JSONL file or a saved datasets folder")
     if _check_file_kind(path, config_key):
         from datasets import load_from_disk
 

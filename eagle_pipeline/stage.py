@@ -206,8 +206,15 @@ def upstream_fingerprint(manifest: dict[str, Any]) -> str:
     return value_fingerprint(manifest["inputs"])
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, with a command-line mistake (an unknown flag, a missing --config) as one `error:` line, exit 2."""
+
+    def error(self, message: str):
+        raise BadInput(f"{message}; {self.prog} --help lists the options")
+
+
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run config YAML (see configs/)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -450,6 +457,9 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
         with _exit_codes(log_path_holder, STAGES[number]):
             args = parse_args(description, argv)
             cfg = load_config(args.config, args.overrides)
+            if args.dry_run and args.force:
+                print(f"note: --force with --dry-run: the dry run deletes nothing; the same command without --dry-run "
+                      f"deletes the output in {cfg.stage_dir(STAGES[number])} (logs are kept) and redoes the stage")
             # The run's own environment reaches every process the stage starts (engines, servers, training
             # ranks), whatever shell, tmux server or detached runner started the stage.
             os.environ.update(cfg.env)

@@ -18,9 +18,19 @@
 # Exit codes: 0 done, 2 refused or bad arguments (one `error:` line), 1 failed.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-host="${EAGLE_HOST:?set EAGLE_HOST=user@host (or EAGLE_HOST=local to act on this machine)}"
-dir="${EAGLE_REMOTE_DIR:-eagle3-pipeline}"
 cmd="${1:-}"; shift || true
+commands="setup, sync, run, stop, log, status, capture, capture-stop"
+case "$cmd" in
+  help|-h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+  "") echo "error: no command given; one of $commands (scripts/remote.sh help shows their arguments)" >&2; exit 2 ;;
+  setup|sync|run|stop|log|status|capture|capture-stop) ;;
+  *) echo "error: unknown command '$cmd'; one of $commands (scripts/remote.sh help shows their arguments)" >&2; exit 2 ;;
+esac
+if [ -z "${EAGLE_HOST:-}" ]; then
+  echo "error: EAGLE_HOST is not set; set EAGLE_HOST=user@host (or EAGLE_HOST=local to act on this machine)" >&2; exit 2
+fi
+host="$EAGLE_HOST"
+dir="${EAGLE_REMOTE_DIR:-eagle3-pipeline}"
 
 on_host() {  # run a shell command in the code folder on the host (stdin passes through)
   if [ "$host" = local ]; then (mkdir -p "$dir" && cd "$dir" && bash -c "$1"); else ssh -o BatchMode=yes "$host" "mkdir -p $dir && cd $dir && ( $1 )"; fi
@@ -45,7 +55,7 @@ capture_running='running() { [ -r /proc/$1/stat ] && [ "$(sed "s/.*) //" /proc/$
 case "$cmd" in
   sync)
     overwrite=0
-    case "${1:-}" in --configs) overwrite=1 ;; "") ;; *) echo "usage: remote.sh sync [--configs]" >&2; exit 2 ;; esac
+    case "${1:-}" in --configs) overwrite=1 ;; "") ;; *) echo "error: usage: remote.sh sync [--configs]" >&2; exit 2 ;; esac
     # Never change code or configs under a live job: its later stages would run code it did not start with.
     on_host '[ ! -x scripts/jobs.sh ] || scripts/jobs.sh busy "not syncing"'
     # tar over ssh: needs nothing on either side beyond what every Linux host has. Host-side state
@@ -62,9 +72,9 @@ case "$cmd" in
         --follow) follow=1 ;;
         cpu|gpu) kind="$1" ;;
         # The GPU preflight checks that torch sees the GPUs this config (a path on the host) uses.
-        --config) [ $# -ge 2 ] || { echo "usage: remote.sh setup [cpu|gpu] [--config CONFIG] [--follow]" >&2; exit 2; }
+        --config) [ $# -ge 2 ] || { echo "error: usage: remote.sh setup [cpu|gpu] [--config CONFIG] [--follow]" >&2; exit 2; }
                   config=" --config $(quote "$2")"; shift ;;
-        *) echo "usage: remote.sh setup [cpu|gpu] [--config CONFIG] [--follow]" >&2; exit 2 ;;
+        *) echo "error: usage: remote.sh setup [cpu|gpu] [--config CONFIG] [--follow]" >&2; exit 2 ;;
       esac
       shift
     done
@@ -74,16 +84,16 @@ case "$cmd" in
 
   run)
     sync=1; [ "${1:-}" != --no-sync ] || { sync=0; shift; }
-    [ $# -ge 2 ] || { echo "usage: remote.sh run [--no-sync] STAGE|all CONFIG [--set k=v ...]" >&2; exit 2; }
+    [ $# -ge 2 ] || { echo "error: usage: remote.sh run [--no-sync] STAGE|all CONFIG [--set k=v ...]" >&2; exit 2; }
     [ "$sync" = 0 ] || "$0" sync
     on_host "scripts/launch.sh $(quote "$@")" ;;
 
   stop)
-    [ $# -ge 1 ] || { echo "usage: remote.sh stop CONFIG [--set k=v ...]" >&2; exit 2; }
+    [ $# -ge 1 ] || { echo "error: usage: remote.sh stop CONFIG [--set k=v ...]" >&2; exit 2; }
     on_host "scripts/jobs.sh stop $(quote "$@")" ;;
 
   log)
-    [ $# -ge 1 ] || { echo "usage: remote.sh log CONFIG [STAGE] | remote.sh log setup" >&2; exit 2; }
+    [ $# -ge 1 ] || { echo "error: usage: remote.sh log CONFIG [STAGE] | remote.sh log setup" >&2; exit 2; }
     if [ "$1" = setup ]; then on_host "scripts/jobs.sh follow-setup"; exit; fi
     config="$1"; stage="${2:-}"
     on_host "run_dir=\$(.venv/bin/python -c 'import sys; from eagle_pipeline.config import load_config; print(load_config(sys.argv[1]).run_dir)' $(quote "$config")); \
@@ -91,13 +101,13 @@ case "$cmd" in
       echo \"== \$f\"; tail -n 50 -F \"\$f\"" ;;
 
   status)
-    [ $# -ge 1 ] || { echo "usage: remote.sh status CONFIG" >&2; exit 2; }
+    [ $# -ge 1 ] || { echo "error: usage: remote.sh status CONFIG" >&2; exit 2; }
     on_host ".venv/bin/python scripts/status.py --config $(quote "$@")" ;;
 
   capture)
     # A vLLM capture server for a trainer on another host (hidden_states.mode: online, docs/online.md); its log says
     # the endpoint to put in hidden_states.capture_endpoints there.
-    [ $# -ge 1 ] || { echo "usage: remote.sh capture CONFIG [--port P] [--set k=v ...]" >&2; exit 2; }
+    [ $# -ge 1 ] || { echo "error: usage: remote.sh capture CONFIG [--port P] [--set k=v ...]" >&2; exit 2; }
     config="$1"; shift
     name="$(basename "$config" .yaml)"; extra=""
     [ $# -eq 0 ] || extra="$(quote "$@")"
@@ -109,13 +119,11 @@ case "$cmd" in
       echo \$! > \$pid; echo \"capture server of $config starting on $host (pid \$!); its endpoint appears in \$log once it serves\"" ;;
 
   capture-stop)
-    [ $# -eq 1 ] || { echo "usage: remote.sh capture-stop CONFIG" >&2; exit 2; }
+    [ $# -eq 1 ] || { echo "error: usage: remote.sh capture-stop CONFIG" >&2; exit 2; }
     name="$(basename "$1" .yaml)"
     # SIGTERM to its process group: the capture server stops vLLM (and a Mooncake master and store it started).
     on_host "$capture_running; pid=logs/capture-$name.pid; if [ -f \$pid ] && running \$(cat \$pid); then \
         kill -TERM -- -\$(cat \$pid); rm -f \$pid; echo \"stopped the capture server of $1 on $host\"; \
       else rm -f \$pid; echo \"error: no capture server of $1 runs on $host\" >&2; exit 2; fi" ;;
 
-  *)
-    sed -n '2,18p' "$0"; exit 2 ;;
 esac
