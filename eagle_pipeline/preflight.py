@@ -2,14 +2,16 @@
 
 - Before installing (`python3 -m eagle_pipeline.preflight --before-install`): the Python version, the NVIDIA
   driver against the CUDA version of the pinned wheels (requirements/gpu.txt), the GPUs' compute capability,
-  a C compiler, free room on /dev/shm, and the GPUs nvidia-smi lists. This half runs on whatever Python will
+  a C compiler, free room on /dev/shm, the GPUs nvidia-smi lists, and, where .venv is still to be made, that
+  this Python can make it (`python3 -m venv` needs ensurepip: Debian's python3-venv) and that its disk has room. This half runs on whatever Python will
   build .venv, before any package is there: this module imports only the standard library at the top (the
   config reader and torch are imported inside the after-install half) and keeps to Python 3.7's syntax, so
   that an old system Python gets an error line instead of a syntax error.
 - After installing (`.venv/bin/python -m eagle_pipeline.preflight [--config FILE]`): the same, then what the
   installed torch sees (CUDA available, its CUDA version against the driver, enough devices for the GPUs the
   config uses, kernels built for these GPUs), then one NCCL all-reduce across those GPUs
-  (eagle_pipeline/allreduce_check.py), in a process group of its own that is killed after a time limit.
+  (eagle_pipeline/allreduce_check.py), in a process group of its own that is killed after a time limit. The
+  config's `env` applies to both, as to the stages: its CUDA_VISIBLE_DEVICES picks the GPUs.
 
 Every requirement that fails is one `error:` line naming it and its fix; all of them are printed, then the exit
 code is 2. Success prints one summary line. docs/gpu_host.md describes the requirements.
@@ -27,7 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from eagle_pipeline.errors import BadInput
 
@@ -47,6 +49,10 @@ MIN_COMPUTE = {12: (5, 0), 13: (7, 5)}
 # up; 2 GiB is the least this check lets through, not a measured need.
 MIN_SHM_BYTES = 2 * 1024**3
 SHM_PATH = "/dev/shm"
+# .venv's CUDA build installed: torch and its CUDA 13 libraries (cuDNN, cuBLAS, NCCL, cuSPARSE, ...), vLLM,
+# FlashInfer, Triton and the rest. An estimate from PyPI's wheel sizes (~4 GB of wheels, which unpack to two or
+# three times that), not a measured install; the CPU build takes ~4 GB.
+MIN_VENV_BYTES = 12 * 1024**3
 # Starting one process per GPU, importing torch in each and setting NCCL up takes seconds to a minute; a hang
 # in NCCL's set-up would otherwise never end.
 ALL_REDUCE_TIMEOUT_S = 300.0
@@ -77,6 +83,11 @@ class HostFacts:
     compiler: Optional[str]
     shm_path: str
     shm_free_bytes: Optional[int]  # None where the path does not exist
+    # Where .venv is still to be made (this Python is not a virtual environment's): why `-m venv` would fail
+    # (None: it works), and the room on the checkout's disk. Not checked inside a virtual environment.
+    venv_problem: Optional[str] = None
+    venv_disk_path: str = str(REPO_ROOT)
+    venv_disk_free_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -173,17 +184,33 @@ def shm_free_bytes(path: str, statvfs: Callable = os.statvfs) -> Optional[int]:
     return stats.f_bavail * stats.f_frsize
 
 
+def venv_module_problem(python: str = sys.executable) -> Optional[str]:
+    """Why `python -m venv` cannot make a virtual environment with pip in it, or None. It runs ensurepip, which
+    Debian and Ubuntu leave out of their Python until python3-venv is installed."""
+    try:
+        result = subprocess.run([python, "-m", "ensurepip", "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python} -m ensurepip could not run ({e})"
+    if result.returncode != 0:
+        said = [line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+        return f"{python} -m ensurepip fails ({said[-1] if said else f'exit {result.returncode}'})"
+    return None
+
+
 def read_host_facts(shm_path: str = SHM_PATH, statvfs: Callable = os.statvfs) -> HostFacts:
     gpus, problem = query_gpus()
+    in_venv = sys.prefix != sys.base_prefix
     return HostFacts(
         python=tuple(sys.version_info[:3]),
         python_path=sys.executable,
-        in_venv=sys.prefix != sys.base_prefix,
+        in_venv=in_venv,
         gpus=gpus,
         nvidia_smi_problem=problem,
         compiler=find_c_compiler(),
         shm_path=shm_path,
         shm_free_bytes=shm_free_bytes(shm_path, statvfs),
+        venv_problem=None if in_venv else venv_module_problem(),
+        venv_disk_free_bytes=None if in_venv else shm_free_bytes(str(REPO_ROOT), statvfs),
     )
 
 
@@ -274,6 +301,23 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
                         f"transport between PCIe GPUs, vLLM's worker queues and the training data loaders need: in Docker "
                         f"start the container with --shm-size=16g or --ipc=host; on a host remount it larger (sudo mount -o "
                         f"remount,size=16G {host.shm_path}) or delete stale files of crashed runs from it")
+    if not host.in_venv:
+        problems += venv_problems(host, req)
+    return problems
+
+
+def venv_problems(host: HostFacts, req: Requirements) -> List[str]:
+    """What stops scripts/setup_env.sh from making .venv with this Python: no venv module, too little disk."""
+    problems = []
+    if host.venv_problem is not None:
+        version = f"{host.python[0]}.{host.python[1]}"
+        problems.append(f"`{Path(host.python_path).name} -m venv` cannot make .venv: {host.venv_problem}: install Python's "
+                        f"venv module (Debian/Ubuntu: sudo apt-get install python{version}-venv) and rerun")
+    free = host.venv_disk_free_bytes
+    if free is not None and free < MIN_VENV_BYTES:
+        problems.append(f"{host.venv_disk_path} has {_size(free)} free, below the ~{_size(MIN_VENV_BYTES)} that .venv's CUDA "
+                        f"build takes (torch {req.torch} with its CUDA libraries, vllm {req.vllm}, FlashInfer, Triton; "
+                        f"an estimate): free room on that disk, or put the checkout on a larger one")
     return problems
 
 
@@ -344,15 +388,16 @@ def all_reduce_problem(world_size: int, timeout_s: float = ALL_REDUCE_TIMEOUT_S,
 # -- the command line --------------------------------------------------------------------------------------
 
 
-def gpus_used(config: str) -> Tuple[int, str]:
-    """How many GPUs a config's stages use at most, and the words that say so."""
+def gpus_used(config: str) -> Tuple[int, str, Dict[str, str]]:
+    """How many GPUs a config's stages use at most, the words that say so, and the config's `env`."""
     from eagle_pipeline.config import load_config
 
     cfg = load_config(config)
     if cfg.device != "cuda":
-        return 0, f"{config} (device {cfg.device})"
+        return 0, f"{config} (device {cfg.device})", dict(cfg.env)
     tp, train = cfg.verifier.tensor_parallel_size, cfg.train.num_gpus
-    return max(tp, train), f"{config} (verifier.tensor_parallel_size {tp}, train.num_gpus {train})"
+    visible = f", CUDA_VISIBLE_DEVICES {cfg.env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in cfg.env else ""
+    return max(tp, train), f"{config} (verifier.tensor_parallel_size {tp}, train.num_gpus {train}{visible})", dict(cfg.env)
 
 
 def main(argv: Optional[Sequence[str]] = None, *, read_host: Callable[[], HostFacts] = read_host_facts,
@@ -387,7 +432,9 @@ def before_install_summary(host: HostFacts, req: Requirements) -> str:
     driver = f"driver {host.gpus[0].driver}" + (f" (R{least}+ for {req.wheels(cuda)})" if least else "")
     return (f"preflight before install ok: Python {'.'.join(map(str, host.python))}, {driver}, "
             f"{_gpu_list([(g.name, g.compute) for g in host.gpus])}, C compiler {host.compiler}, "
-            f"{host.shm_path} {_size(host.shm_free_bytes)} free")
+            f"{host.shm_path} {_size(host.shm_free_bytes)} free"
+            + ("" if host.in_venv or host.venv_disk_free_bytes is None else
+               f", venv module ok, {host.venv_disk_path} {_size(host.venv_disk_free_bytes)} free for .venv"))
 
 
 def after_install(host: HostFacts, req: Requirements, config: Optional[str], read_torch: Callable[[], TorchFacts],
@@ -396,7 +443,10 @@ def after_install(host: HostFacts, req: Requirements, config: Optional[str], rea
     needed, needed_by = 0, ""
     if config:
         try:
-            needed, needed_by = gpus_used(config)
+            needed, needed_by, env = gpus_used(config)
+            # As the stages do (eagle_pipeline/stage.py): torch, asked next in this process, and the all-reduce's
+            # ranks see the GPUs the run will use.
+            os.environ.update(env)
         except BadInput as e:
             problems.append(str(e))
     try:

@@ -40,13 +40,14 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 if [ "$kind" = gpu ]; then
-  # Before ~4 GB of CUDA wheels: what needs no package (Python, driver, compiler, /dev/shm, GPUs), checked by
-  # the Python that .venv has or will be made with.
+  # Before ~10-12 GB of CUDA packages: what needs no package (Python and its venv module, driver, compiler,
+  # /dev/shm, GPUs, room for .venv), checked by the Python that .venv has or will be made with.
   preflight_python="$python"; [ ! -x .venv/bin/python ] || preflight_python=.venv/bin/python
   "$preflight_python" -m eagle_pipeline.preflight --before-install || exit $?
 fi
 
-echo "setting up .venv for a $kind host (a few minutes, ~4 GB)" >&2
+if [ "$kind" = gpu ]; then size="~10-12 GB"; else size="~4 GB"; fi
+echo "setting up .venv for a $kind host (a few minutes, $size)" >&2
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r "requirements/$kind.txt"

@@ -157,6 +157,34 @@ def test_a_good_host_prints_one_summary_line_before_installing(gpu_host, capsys)
                    f"/dev/shm 100.0 GiB free"]
 
 
+def test_a_python_without_its_venv_module_or_a_small_disk_is_refused_before_installing(gpu_host, tmp_path, capsys):
+    # A system Python (not a virtual environment's), as setup_env.sh runs it before .venv exists.
+    fresh = dataclasses.replace(host_reader()(), python=(3, 11, 2), python_path="/usr/bin/python3", in_venv=False,
+                                venv_disk_path="/srv/checkout",
+                                venv_disk_free_bytes=50 * 1024**3)
+    code, out, err = run_main(capsys, ["--before-install"], read_host=lambda: fresh)
+    assert code == 0 and out[0].endswith(", venv module ok, /srv/checkout 50.0 GiB free for .venv")
+    broken = dataclasses.replace(fresh, venv_problem="/usr/bin/python3 -m ensurepip fails (No module named ensurepip)",
+                                 venv_disk_free_bytes=5 * 1024**3)
+    code, out, err = run_main(capsys, ["--before-install"], read_host=lambda: broken)
+    assert code == 2 and out == [] and len(error_lines(err)) == 2
+    assert err[0].startswith("error: `python3 -m venv` cannot make .venv: /usr/bin/python3 -m ensurepip fails (No module "
+                             "named ensurepip): install Python's venv module (Debian/Ubuntu: sudo apt-get install "
+                             "python3.11-venv)")
+    assert err[1].startswith("error: /srv/checkout has 5.0 GiB free, below the ~12.0 GiB that .venv's CUDA build takes")
+    # Inside a virtual environment (.venv made already) neither is asked.
+    code, _, _ = run_main(capsys, ["--before-install"], read_host=lambda: dataclasses.replace(broken, in_venv=True))
+    assert code == 0
+
+
+def test_the_venv_module_is_asked_of_the_python_that_will_make_venv(tmp_path):
+    assert preflight.venv_module_problem(sys.executable) is None
+    debian = tmp_path / "python3"  # Debian's Python without python3-venv
+    debian.write_text("#!/bin/sh\necho '/usr/bin/python3: No module named ensurepip' >&2\nexit 1\n")
+    debian.chmod(0o755)
+    assert preflight.venv_module_problem(str(debian)) == f"{debian} -m ensurepip fails (/usr/bin/python3: No module named ensurepip)"
+
+
 def test_the_cuda_of_the_pinned_torch_wheels_is_known():
     # A new torch pin in requirements/gpu.txt needs its wheels' CUDA version in preflight.WHEEL_CUDA, and that
     # CUDA major version's driver and compute capability floors.
@@ -239,6 +267,21 @@ def test_a_good_host_prints_one_summary_line_after_the_all_reduce(gpu_host, kimi
     code, out, _ = run_main(capsys, [], read_host=host_reader(), read_torch=lambda: torch_facts(count=2),
                             all_reduce=lambda world: worlds.append(world))
     assert code == 0 and worlds == [8, 2] and f"2x {BLACKWELL} (compute 12.0), /dev/shm" in out[0]
+
+
+def test_the_configs_env_picks_the_gpus_torch_and_the_all_reduce_see(gpu_host, kimi_config, monkeypatch, capsys):
+    seen = {}
+    config = kimi_config(env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, verifier={"tensor_parallel_size": 4}, train={"num_gpus": 4})
+
+    def torch_sees():
+        seen["torch"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return torch_facts(count=4)
+
+    code, out, err = run_main(capsys, ["--config", config], read_host=host_reader(), read_torch=torch_sees,
+                              all_reduce=lambda world: seen.update(all_reduce=(world, os.environ.get("CUDA_VISIBLE_DEVICES"))))
+    assert code == 0 and err == [], err
+    assert seen == {"torch": "4,5,6,7", "all_reduce": (4, "4,5,6,7")}
+    assert "train.num_gpus 4, CUDA_VISIBLE_DEVICES 4,5,6,7) uses 4" in out[0]
 
 
 def test_a_failed_all_reduce_fails_the_preflight(gpu_host, capsys):
