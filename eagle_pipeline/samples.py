@@ -255,6 +255,13 @@ def check_sample_file(path: Path, input_ids: Sequence[int], num_states: int, hid
         raise BadInput(f"{path}: token ids differ from its dataset row: dataset and hidden-state files are out of step; rerun stage 02")
     if hidden is not None and not torch.isfinite(hidden.float()).all():
         raise BadInput(f"{path}: hidden states contain NaN or infinite values; delete the file and rerun stage 02")
+    if hidden is not None:
+        from eagle_pipeline.state_meaning import RECAPTURE_SAMPLE, flat_row_problem
+
+        problem = flat_row_problem(hidden)
+        if problem:
+            raise BadInput(f"{path}: {problem}: a real layer's states never are, so the file does not hold what "
+                           f"the target computed; {RECAPTURE_SAMPLE}")
 
 
 def sample_matches(path: Path, input_ids: Sequence[int], num_states: int, hidden_size: int) -> bool:

@@ -5,7 +5,8 @@ zero states from a wrong slot mapping (hybrid models, vLLM PR #51328) and droppe
 DeepSeek-family targets (vLLM #48124), and a slot or a position off by one passes every shape check. Two
 checks, on a fixed set of samples (every one up to `MAX_SAMPLES`, else that many spread evenly):
 
-- no token's row is all zero or constant in any slot (a real layer's residual stream never is);
+- no token's row is all zero or constant in any slot (a real layer's residual stream never is); stage 04 makes
+  this test on every sample it reads, since a file damaged after stage 02 checked it passes the spread;
 - the final-layer slot, put through the target's own final norm and lm_head (those two tensors only, read
   from the target's safetensors), predicts the answer's next tokens as the target did: greedy answers
   (temperature 0) agree with the argmax on at least `MIN_GREEDY_AGREEMENT` of the rows, sampled answers
@@ -106,6 +107,24 @@ def flat_rows(hidden_states: torch.Tensor) -> tuple[int, int] | None:
         return None
     row, slot = (int(v) for v in constant.nonzero()[0])
     return row, slot
+
+
+# What a sample file that fails the flat-row test in stage 04 needs: stage 02 recaptures the files it lacks.
+RECAPTURE_SAMPLE = ("delete that file and rerun stage 02 (it captures only the samples it lacks, with the same "
+                    "settings), then rerun stage 04")
+
+
+def flat_row_problem(hidden_states: torch.Tensor) -> str | None:
+    """'slot S is all zero at token T' (or constant) for the first flat row of a [seq, slots, H] sample, or None.
+    The test every sample stage 04 trains on gets (eagle_pipeline/samples.py, patches/speculators_sample_check.py):
+    a comparison per row, against the lm_head test that runs on a spread of samples only."""
+    flat = flat_rows(hidden_states)
+    if flat is None:
+        return None
+    row, slot = flat
+    what = "all zero" if not hidden_states[row, slot].float().any() else "constant"
+    final = " (the final layer)" if slot == hidden_states.shape[1] - 1 else ""
+    return f"slot {slot}{final} of its {hidden_states.shape[1]} is {what} at token {row}"
 
 
 def check_meaning(samples: Sequence[CapturedSample], head: TargetHead | None, names: Sequence[str], *,

@@ -53,7 +53,7 @@ def fake_hidden_states(run_dir: Path, corrupt: str | None = None) -> Path:
     Dataset.from_list(rows).with_format("torch").save_to_disk(str(data))
     (data / "hidden_states").mkdir()
     for i in range(2):
-        hidden = torch.zeros(4, 4, H, dtype=torch.bfloat16)
+        hidden = torch.randn(4, 4, H, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)  # no flat row
         tokens = torch.tensor([1, 2, 3, 4])
         if corrupt == "nan" and i == 1:
             hidden[2, 1, 7] = float("nan")

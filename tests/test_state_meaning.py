@@ -134,3 +134,62 @@ def test_stage06_states_are_checked_per_answer(target):
     states[1][:, 3] = 0
     with pytest.raises(BadInput, match=r"^capture, answer 1: slot 3 \(layer 30, the final layer\) is all zero"):
         check_replay_states(states, pairs, head, IDS, LAYERS, greedy=True, where="capture")
+
+
+def test_every_sample_training_reads_is_checked_for_flat_rows(target, tmp_path):
+    """Three samples whose final slot was zeroed after stage 02 checked its spread: the spread misses them, the
+    check of the training data (all values, small data) and the dataset speculators trains from each stop at one,
+    naming its file and the recapture."""
+    from datasets import Dataset
+    from torch._utils import ExceptionWrapper
+
+    from eagle_pipeline.datacheck import check_training_data
+    from eagle_pipeline.samples import SAMPLES_DIR
+    from patches import speculators_sample_check
+    from patches.speculators_sample_check import CheckedArrowDataset, FlatSampleStates
+
+    rows, states = _samples(target, 12)
+    data = tmp_path / "data"
+    Dataset.from_list([{**row, "seq_len": len(row["input_ids"])} for row in rows]).with_format("torch").save_to_disk(str(data))
+    zeroed = [i for i in range(12) if i not in spread(12, MAX_SAMPLES)][:3]
+    assert len(zeroed) == 3
+    for i in zeroed:
+        states[i] = states[i].clone()
+        states[i][:, 3] = 0
+    folder = _write(data / SAMPLES_DIR, rows, states)
+    assert _check(target, folder, rows)["samples"] == MAX_SAMPLES  # stage 02's spread passes
+
+    first = str(sample_path(folder, zeroed[0]))
+    with pytest.raises(BadInput, match=rf"^{first}: slot 3 \(the final layer\) of its 4 is all zero at token 0: .*"
+                                       rf"delete that file and rerun stage 02 \(it captures only the samples it lacks"):
+        check_training_data(data, len(IDS) + 1, HIDDEN)
+
+    speculators_sample_check.apply()
+    dataset = CheckedArrowDataset(max_len=64, datapath=str(data), on_missing="raise", hidden_states_dtype=torch.float32)
+    for i in range(12):
+        if i in zeroed:
+            with pytest.raises(FlatSampleStates) as refused:
+                dataset[i]
+            line = str(refused.value)
+            assert line.startswith(f"{sample_path(folder, i)}: slot 3 (the final layer) of its 4 is all zero"), line
+            assert "stage 04 stopped at this sample" in line and "rerun stage 02" in line and "\n" not in line
+        else:
+            assert dataset[i]["verifier_last_hidden_states"].shape == (len(rows[i]["input_ids"]), HIDDEN)
+    # Raised in a DataLoader worker, it reaches the rank as torch re-raises it: the same one line.
+    try:
+        dataset[zeroed[1]]
+    except FlatSampleStates:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(FlatSampleStates) as reraised:
+        wrapped.reraise()
+    assert str(reraised.value).startswith(f"{sample_path(folder, zeroed[1])}: slot 3") and "\n" not in str(reraised.value)
+    # Online samples (states from capture servers, checked as they arrive) are left to speculators.
+    online = CheckedArrowDataset(max_len=64, datapath=str(data), on_missing="skip", hidden_states_dtype=torch.float32)
+    assert online[zeroed[0]]["verifier_last_hidden_states"].abs().sum() == 0
+
+
+def test_the_sample_check_patch_relies_on_the_speculators_it_was_written_for():
+    from patches import speculators_sample_check
+    from patches.upstream import changed_sources
+
+    assert changed_sources(speculators_sample_check.UPSTREAM_SOURCE_SHA256) == []

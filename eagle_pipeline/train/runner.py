@@ -183,6 +183,7 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
         speculators_capture_stop,
         speculators_cpu,
         speculators_packing,
+        speculators_sample_check,
         speculators_ttt_attention,
         torch_process_group_timeout,
     )
@@ -194,6 +195,8 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     speculators_ttt_attention.apply()
     # Online: a capture server that stays away stops training at the first sample it fails.
     speculators_capture_stop.apply()
+    # Every sample read from stage 02's files: no token row all zero or constant in any slot.
+    speculators_sample_check.apply()
     # speculators trains on the accelerator whenever there is one.
     if run.device == "cpu" and torch.accelerator.is_available():
         raise BadInput("train.num_gpus: 0 trains on the CPU but this host has an accelerator; set it to the GPUs to use")
@@ -244,6 +247,10 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
                 from speculators.train.distributed import maybe_destroy_distributed
 
                 maybe_destroy_distributed()
+            except BadInput as refused:  # a rank's refusal (a flat sample) is what stage 04 reports for its ranks
+                if not (run.out_dir / STOPPED_FILE).exists():
+                    atomic.write_json(run.out_dir / STOPPED_FILE, {"reason": " ".join(str(refused).splitlines())})
+                raise
     finally:
         for handler in handlers:
             root.removeHandler(handler)
