@@ -157,13 +157,23 @@ def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any],
     """`VllmServer` arguments for a hidden-state capture server of the target (online training): the served
     target's settings (`server_kwargs`) with the capture method and connector (eagle_pipeline/capture.py), no
     prefix caching (each request is a one-off prefill whose states must be its own), a batch of one longest
-    sequence, the names it answers to (speculators asks for the first), and `listen_host` for servers that other
-    hosts reach."""
+    sequence, at most as many sequences as the training ranks ask for at once (hidden_states.online_window x
+    ranks), no CUDA graphs, the names it answers to (speculators asks for the first), and `listen_host` for servers
+    that other hosts reach."""
+    from eagle_pipeline.online.settings import requests_in_flight
+
     kwargs = server_kwargs(cfg)
     flags = ["--kv-transfer-config", json.dumps(kv_transfer_config), "--no-enable-prefix-caching",
              "--served-model-name", *served_model_names]
     if "max_num_batched_tokens" not in cfg.verifier.engine_args:  # verifier.engine_args may size the batch otherwise
         flags += ["--max-num-batched-tokens", str(max_model_len)]
+    # vLLM's default (256 or more sequences) sizes its sampler's profiling and its CUDA graphs for batches the
+    # ranks never send; a capture is one prefill per request, which CUDA graphs (decode batches) never serve, so
+    # they would only hold memory the co-located trainer needs (eagle_pipeline/online/memory_plan.py).
+    if "max_num_seqs" not in cfg.verifier.engine_args:
+        flags += ["--max-num-seqs", str(requests_in_flight(cfg))]
+    if not cfg.verifier.enforce_eager:  # server_args already passes it when the config sets it
+        flags.append("--enforce-eager")
     share = cfg.hidden_states.capture_gpu_memory_utilization
     if cfg.device == "cuda" and share is not None:  # after server_args' verifier.gpu_memory_utilization: the last counts
         flags += ["--gpu-memory-utilization", str(share)]

@@ -106,10 +106,23 @@ def test_capture_server_flags(tmp_path):
     assert flags[flags.index("--served-model-name") + 1:flags.index("--served-model-name") + 3] == ["/m", "eagle-capture;a=b"]
     assert flags[flags.index("--max-num-batched-tokens") + 1] == "70"
     assert flags[-2:] == ["--host", "0.0.0.0"]  # after serve_flags' own --host: the one that counts
+    # As many sequences as the ranks ask for at once (window 2 x 1 rank here), and no CUDA graphs, even where the
+    # config's own engines use them (configs/tiny.yaml sets enforce_eager: passed once).
+    assert flags[flags.index("--max-num-seqs") + 1] == "2" and flags.count("--enforce-eager") == 1
+    graphs = load_config(write_config(tmp_path / "k.yaml", data_root=str(tmp_path / "d"), run_name="t",
+                                      verifier={"enforce_eager": False}, train={"num_gpus": 8},
+                                      hidden_states={"mode": "online", "online_window": 3}))
+    eager = capture_server_kwargs(graphs, speculative_config={}, kv_transfer_config={}, served_model_names=["/m"],
+                                  max_model_len=70)["extra_args"]
+    assert eager[eager.index("--max-num-seqs") + 1] == "24" and eager.count("--enforce-eager") == 1
     sized = capture_server_kwargs(load_config(write_config(tmp_path / "e.yaml", data_root=str(tmp_path / "d"), run_name="t",
                                                            verifier={"engine_args": {"max_num_batched_tokens": 512}})),
                                   speculative_config={}, kv_transfer_config={}, served_model_names=["/m"], max_model_len=70)
     assert sized["extra_args"].count("--max-num-batched-tokens") == 1  # verifier.engine_args' own, not ours
+    seqs = capture_server_kwargs(load_config(write_config(tmp_path / "s.yaml", data_root=str(tmp_path / "d"), run_name="t",
+                                                          verifier={"engine_args": {"max_num_seqs": 5}})),
+                                 speculative_config={}, kv_transfer_config={}, served_model_names=["/m"], max_model_len=70)
+    assert seqs["extra_args"].count("--max-num-seqs") == 1  # verifier.engine_args' own
     gpu = load_config(write_config(tmp_path / "g.yaml", data_root=str(tmp_path / "d"), run_name="t", device="cuda",
                                    verifier={"gpu_memory_utilization": 0.9},
                                    hidden_states={"mode": "online", "capture_gpu_memory_utilization": 0.8}))
@@ -118,6 +131,67 @@ def test_capture_server_flags(tmp_path):
     # The capture server's share comes after the served target's own, and the last one counts.
     assert shared.index("0.9") < len(shared) - 1 - shared[::-1].index("--gpu-memory-utilization")
     assert shared[len(shared) - shared[::-1].index("--gpu-memory-utilization")] == "0.8"
+
+
+def test_a_restarted_capture_server_asks_for_what_is_free_then(tmp_path, monkeypatch):
+    from eagle_pipeline.online import servers
+
+    gib = memory_plan.GIB
+    assert servers.share_free_now(0.80, int(70 * gib), int(100 * gib)) == 0.68  # less its CUDA context, rounded down
+    assert servers.share_free_now(0.80, int(95 * gib), int(100 * gib)) == 0.80  # never more than planned
+    assert servers.share_free_now(0.80, None, None) == 0.80  # nothing read: as planned
+    gpu = load_config(write_config(tmp_path / "g.yaml", data_root=str(tmp_path / "d"), run_name="t", device="cuda",
+                                   hidden_states={"mode": "online", "capture_gpu_memory_utilization": 0.8}))
+    assert servers.capture_share(gpu) == 0.8 and servers.free_share_reader(_load(tmp_path, mode="online")) is None
+
+    class Process:
+        def __init__(self, code):
+            self.returncode = code
+
+        def poll(self):
+            return self.returncode
+
+    class Server:  # a VllmServer that dies once, then stays up
+        def __init__(self):
+            self.extra_args, self.started, self.process = ["--gpu-memory-utilization", "0.8"], [], None
+
+        def start(self):
+            self.started.append(list(self.extra_args))
+            self.process = Process(1 if len(self.started) == 1 else None)
+
+        def stop(self):
+            pass
+
+    fake = Server()
+    monkeypatch.setattr(servers.CaptureServer, "_new_server", lambda self: fake)
+    with servers.CaptureServer({}, tmp_path / "log", port=1, poll_s=0.01, restart_share=lambda: 0.61) as server:
+        deadline = time.monotonic() + 10
+        while len(fake.started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert server.restarts == 1 and fake.started[0] == ["--gpu-memory-utilization", "0.8"]
+    assert fake.started[1][-2:] == ["--gpu-memory-utilization", "0.61"]  # the last one counts
+
+
+def test_a_capture_server_takes_the_gpu_locks_the_stages_take(tmp_path, capsys):
+    from eagle_pipeline import locks
+    from eagle_pipeline.online import serve_capture
+
+    config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "d"), run_name="t", device="cuda",
+                          env={"CUDA_VISIBLE_DEVICES": "3"}, hidden_states={"mode": "online"})
+    before = dict(os.environ)  # the server applies the run's engine environment to its own process
+    try:
+        os.environ[locks.GPU_LOCK_DIR_VARIABLE] = str(tmp_path / "locks")
+        with locks.HeldLocks() as held:  # stage 06 of another run on GPU 3
+            os.environ["CUDA_VISIBLE_DEVICES"] = "3"
+            locks.take_gpu_locks(locks.holder_record(run="other", stage="06_serve_test"), held)
+            os.environ["CUDA_VISIBLE_DEVICES"] = "9"  # the config's env picks GPU 3 again
+            assert serve_capture.main(["--config", str(config)]) == 2
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gpu-3.lock: held by run 'other' stage 06_serve_test" in err[0]
+    assert "GPU 3 is in use by another pipeline job" in err[0]
 
 
 # ---------------------------------------------------------------- speculators' flags
@@ -430,35 +504,53 @@ def test_a_capture_server_that_fails_stops_training_at_its_first_sample_even_in_
 # ---------------------------------------------------------------- the GPU memory plan
 
 
+# Kimi-K2.5's text config, as far as the plan reads it.
+KIMI_TEXT = {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840, "q_lora_rank": 1536, "kv_lora_rank": 512,
+             "qk_rope_head_dim": 64, "n_routed_experts": 384, "first_k_dense_replace": 1}
+
+
 def kimi_plan(total_seq_len: int, utilization: float) -> memory_plan.MemoryPlan:
     """Kimi-K2.5 INT4 (~600 GB of weights, MLA) on 8 GPUs of 96 GB (97,887 MiB as nvidia-smi reports them), with
     configs/kimi-k2.5.yaml's drafter."""
-    from eagle_pipeline.disk_plan import DraftDims, drafter_params
+    from eagle_pipeline.disk_plan import DraftDims
 
     vocab, hidden = 163840, 7168
-    params = drafter_params(DraftDims(hidden, 64, 64, 128, 18432), hidden, 3, 32000, vocab)
     target = memory_plan.TargetShape(weights_bytes=600 * 10**9, layers=61, hidden_size=hidden, vocab_size=vocab,
-                                     kv_bytes_per_token=(512 + 64) * 61 * 2)
-    drafter = memory_plan.DrafterShape(hidden=hidden, heads=64, kv_heads=64, head_dim=128, intermediate=18432,
-                                       draft_vocab=32000, trainable_params=params - vocab * hidden,
-                                       frozen_params=2 * vocab * hidden)
+                                     kv_bytes_per_token=(512 + 64) * 61 * 2,
+                                     replicated_bytes=2 * memory_plan.replicated_params(KIMI_TEXT))
+    drafter = memory_plan.DrafterShape.from_dims(DraftDims(hidden, 64, 64, 128, 18432), hidden, 3, 32000, vocab)
     return memory_plan.plan_memory(gpu_bytes=97887 * 2**20, gpus=8, utilization=utilization, target=target,
                                    drafter=drafter, num_states=4, longest_sequence=total_seq_len,
                                    total_seq_len=total_seq_len, ttt_steps=3, window=1)
 
 
-def test_kimi_on_one_host_fits_co_located_with_packs_of_2048_not_4096():
-    fits = kimi_plan(2048, 0.80)
-    assert fits.fits and fits.sequences_in_cache >= fits.concurrent_requests == 8
-    assert 69 < fits.vllm["weights"] / memory_plan.GIB < 70
+def test_kimi_on_one_host_fits_co_located_with_packs_of_1024_not_2048():
+    # What every GPU holds whole: per layer q_a_proj (1536 x 7168), kv_a_proj_with_mqa (576 x 7168), their norms
+    # and the two layer norms; the router (384 x 7168, and its bias) of the 60 MoE layers; the final norm.
+    assert memory_plan.replicated_params(KIMI_TEXT) == (61 * (2112 * 7168 + 1536 + 512 + 2 * 7168)
+                                                        + 60 * 384 * 7169 + 7168)
+    fits = kimi_plan(1024, 0.80)
+    assert fits.fits and 1 <= fits.sequences_in_cache < fits.concurrent_requests == 8
+    assert 71 < fits.vllm["weights"] / memory_plan.GIB < 72  # not the 69.8 of the files split eight ways
+    assert fits.vllm["CUDA graphs"] == 0  # capture servers run eager
+    assert fits.trainer["gathered root (bf16)"] == 2 * (163840 + 2 * 32000 + 3 * 7168) * 7168
     assert fits.margin_bytes >= memory_plan.MARGIN_FRACTION * fits.gpu_bytes
     assert "co-located: fits" in fits.lines()[0] and "to fit" not in "\n".join(fits.lines())
-    too_long = kimi_plan(4096, 0.80)
+    # Packs of 2048 leave less than the margin beside a share that holds one sequence: no share fits.
+    too_long = kimi_plan(2048, 0.80)
     assert not too_long.fits and too_long.fitting_utilization() is None
+    assert 1 < too_long.margin_bytes / memory_plan.GIB < 4
     assert "lower train.total_seq_len" in too_long.lines()[-1]
-    greedy = kimi_plan(2048, 0.85)  # vLLM takes the whole share: too little left for the trainer
-    assert not greedy.fits and greedy.fitting_utilization() == 0.81
-    assert "set hidden_states.capture_gpu_memory_utilization 0.81" in greedy.lines()[-1]
+    greedy = kimi_plan(1024, 0.85)  # vLLM takes the whole share: too little left for the trainer
+    assert not greedy.fits and greedy.fitting_utilization() == 0.80
+    assert "set hidden_states.capture_gpu_memory_utilization 0.80" in greedy.lines()[-1]
+
+
+def test_the_single_host_kimi_config_is_the_plan_that_fits():
+    cfg = load_config(str(Path(__file__).resolve().parent.parent / "configs" / "kimi-k2.5-10k-online.yaml"))
+    plan = kimi_plan(cfg.train.total_seq_len, cfg.hidden_states.capture_gpu_memory_utilization)
+    assert cfg.hidden_states.max_seq_len == cfg.train.total_seq_len and cfg.hidden_states.online_window == 1
+    assert plan.fits, plan.lines()
 
 
 def test_the_targets_kv_per_token_is_read_from_its_config(tmp_path):

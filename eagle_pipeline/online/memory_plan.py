@@ -8,13 +8,23 @@ asks the server for each sample while training runs, so a parked target would st
 not fit, the capture belongs on another host (hidden_states.capture_endpoints, docs/online.md).
 
 Every figure is an estimate whose parts are printed; the constants below are the assumptions, sized for a
-Kimi-K2.5-class target on Blackwell GPUs and meant to be checked against `nvidia-smi` on the first run.
+Kimi-K2.5-class target on Blackwell GPUs and meant to be checked against `nvidia-smi` on the first run. What the
+parts count (docs/online.md shows the arithmetic for Kimi-K2.5):
+
+- the target's weights per GPU: what tensor parallelism splits, divided by the GPUs, plus what every GPU holds
+  whole (`replicated_params`: for an MLA target the low-rank q/kv projections, their norms and the MoE router);
+- no CUDA graphs: capture servers run eager (eagle_pipeline/engine.py, `capture_server_kwargs`);
+- the trainer (speculators' FSDP2, bf16 compute, fp32 gradient reduction): fp32 master weights, gradients and
+  AdamW moments sharded over the ranks; the root unit (everything outside the decoder layers: embedding, fc,
+  lm_heads) gathered whole in bf16 for the whole step, since FSDP2 does not reshard the root after forward; and
+  the largest unit's gradients in flight, bf16 as computed plus the fp32 copy that is reduce-scattered.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +34,9 @@ GIB = 2**30
 VLLM_ACTIVATIONS_GIB = 3.0
 # What a CUDA process holds outside PyTorch's allocator: context, cuBLAS workspaces, NCCL buffers.
 CUDA_CONTEXT_GIB = 1.5
+# Capture servers run eager: no CUDA graphs, so none of the memory vLLM would give them (decode batches only; a
+# capture is one prefill per request).
+CAPTURE_CUDA_GRAPHS_GIB = 0.0
 # Room left free on every GPU for fragmentation and what the estimate misses.
 MARGIN_FRACTION = 0.05
 
@@ -40,6 +53,25 @@ def activation_bytes_per_token(hidden: int, heads: int, kv_heads: int, head_dim:
     return ttt_steps * (layer + logits) + teacher
 
 
+def replicated_params(text_config: dict) -> int:
+    """Parameters that vLLM's tensor parallelism does not split, so that every GPU holds them whole
+    (vllm/model_executor/models/deepseek_v2.py and its kin): each layer's two RMSNorms; on an MLA target the
+    low-rank projections `q_a_proj` and `kv_a_proj_with_mqa` (ReplicatedLinear, or fused with `disable_tp`) and
+    their norms; on an MoE target each MoE layer's router `gate` (GateLinear, a ReplicatedLinear) and its score
+    bias; the final norm. The embedding and lm_head are split by vocabulary (VocabParallelEmbedding,
+    ParallelLMHead)."""
+    hidden = int(text_config["hidden_size"])
+    layers = int(text_config["num_hidden_layers"])
+    per_layer = 2 * hidden
+    if text_config.get("kv_lora_rank"):
+        q_rank = int(text_config.get("q_lora_rank") or 0)
+        kv_rank = int(text_config["kv_lora_rank"])
+        per_layer += q_rank * hidden + q_rank + (kv_rank + int(text_config.get("qk_rope_head_dim", 0))) * hidden + kv_rank
+    experts = int(text_config.get("n_routed_experts") or text_config.get("num_experts") or 0)
+    moe_layers = max(0, layers - int(text_config.get("first_k_dense_replace") or 0)) if experts else 0
+    return layers * per_layer + moe_layers * experts * (hidden + 1) + hidden
+
+
 @dataclass(frozen=True)
 class TargetShape:
     weights_bytes: int  # the checkpoint's weight files on disk
@@ -47,6 +79,10 @@ class TargetShape:
     hidden_size: int
     vocab_size: int
     kv_bytes_per_token: int  # the target's KV cache per token on one GPU (MLA: latent + rope, every layer)
+    replicated_bytes: int = 0  # of weights_bytes, what every GPU holds whole (`replicated_params`)
+
+    def weights_per_gpu(self, gpus: int) -> float:
+        return (self.weights_bytes - self.replicated_bytes) / gpus + self.replicated_bytes
 
 
 @dataclass(frozen=True)
@@ -58,25 +94,40 @@ class DrafterShape:
     intermediate: int
     draft_vocab: int
     trainable_params: int
-    frozen_params: int  # the target's embedding and lm_head that speculators' drafter carries
+    frozen_params: int  # the target's embedding and its lm_head's draft-vocabulary rows (verifier_lm_head)
+    layer_params: int  # the largest decoder layer: an FSDP unit of its own
+    root_params: int  # everything outside the decoder layers (embedding, fc, lm_head, verifier_lm_head): the root unit
 
     @classmethod
     def for_run(cls, cfg, verifier, n_aux: int) -> "DrafterShape":
-        from eagle_pipeline.disk_plan import DraftDims, drafter_params
+        from eagle_pipeline.disk_plan import DraftDims
 
         dims = DraftDims.for_run(cfg, verifier)
-        params = drafter_params(dims, verifier.hidden_size, n_aux, cfg.vocab.draft_vocab_size, verifier.vocab_size)
-        embedding = verifier.vocab_size * dims.hidden  # counted in drafter_params, frozen
+        return cls.from_dims(dims, verifier.hidden_size, n_aux, cfg.vocab.draft_vocab_size, verifier.vocab_size)
+
+    @classmethod
+    def from_dims(cls, dims, target_hidden: int, n_aux: int, draft_vocab: int, vocab: int) -> "DrafterShape":
+        """speculators' EAGLE-3 drafter (`Eagle3DraftModel`): one decoder layer, whose first layer reads 2 x hidden."""
+        from eagle_pipeline.disk_plan import drafter_params
+
+        params = drafter_params(dims, target_hidden, n_aux, draft_vocab, vocab)  # with the embedding, not verifier_lm_head
+        embedding = vocab * dims.hidden
+        layer = (2 * dims.hidden * (dims.heads + 2 * dims.kv_heads) * dims.head_dim + dims.heads * dims.head_dim * dims.hidden
+                 + 3 * dims.hidden * dims.intermediate)
+        verifier_head = draft_vocab * dims.hidden
         return cls(hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
-                   intermediate=dims.intermediate, draft_vocab=cfg.vocab.draft_vocab_size,
-                   trainable_params=params - embedding,
-                   frozen_params=embedding + verifier.vocab_size * verifier.hidden_size)
+                   intermediate=dims.intermediate, draft_vocab=draft_vocab, trainable_params=params - embedding,
+                   frozen_params=embedding + verifier_head, layer_params=layer,
+                   root_params=params - layer + verifier_head)
 
 
 def target_shape(verifier_dir: Path, text_config: dict, tensor_parallel: int, kv_dtype_bytes: int = 2) -> TargetShape:
     """The target's figures from its folder: weight files on disk and its config."""
     weights = sum(p.stat().st_size for p in Path(verifier_dir).glob("*.safetensors"))
     layers = int(text_config["num_hidden_layers"])
+    # Replicated tensors are unquantized in the checkpoints this plans for (Kimi-K2.5 INT4 quantizes its routed
+    # experts only): bf16.
+    replicated = min(weights, 2 * replicated_params(text_config))
     if text_config.get("kv_lora_rank"):  # MLA: every GPU holds the whole compressed latent of every layer
         per_layer = int(text_config["kv_lora_rank"]) + int(text_config.get("qk_rope_head_dim", 0))
     else:  # grouped-query attention: keys and values, heads split over the GPUs
@@ -84,7 +135,8 @@ def target_shape(verifier_dir: Path, text_config: dict, tensor_parallel: int, kv
         head_dim = int(text_config.get("head_dim") or text_config["hidden_size"] // text_config["num_attention_heads"])
         per_layer = 2 * max(1, heads // tensor_parallel) * head_dim
     return TargetShape(weights_bytes=weights, layers=layers, hidden_size=int(text_config["hidden_size"]),
-                       vocab_size=int(text_config["vocab_size"]), kv_bytes_per_token=per_layer * layers * kv_dtype_bytes)
+                       vocab_size=int(text_config["vocab_size"]), kv_bytes_per_token=per_layer * layers * kv_dtype_bytes,
+                       replicated_bytes=replicated)
 
 
 @dataclass(frozen=True)
@@ -155,31 +207,39 @@ def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: Target
     """The co-located plan: what the capture server and one training rank hold on each GPU."""
     hidden_state_bytes = num_states * target.hidden_size * 2  # the capture's own cache group, bf16
     fixed = {
-        "weights": target.weights_bytes / gpus,
+        "weights": target.weights_per_gpu(gpus),
         "prefill activations": VLLM_ACTIVATIONS_GIB * GIB,
+        "CUDA graphs": CAPTURE_CUDA_GRAPHS_GIB * GIB,
         "CUDA context": CUDA_CONTEXT_GIB * GIB,
     }
     vllm = {**fixed, "KV and capture cache": max(0.0, utilization * gpu_bytes - sum(fixed.values()))}
     # Master weights (fp32) of every parameter, fp32 gradients and AdamW's two fp32 moments of the trainable ones,
-    # sharded over the ranks; the largest unit (the embedding or lm_head) gathered whole for its forward.
+    # sharded over the ranks.
     states = (4 * (drafter.trainable_params + drafter.frozen_params) + 12 * drafter.trainable_params) / gpus
-    largest_unit = 4 * target.vocab_size * max(drafter.hidden, target.hidden_size)
+    # speculators' FSDP2 (MixedPrecisionPolicy: bf16 parameters, fp32 reduction): the root unit stays gathered in
+    # bf16 from its forward to its backward; a unit's gradients leave as bf16 and an fp32 copy of them that is
+    # reduce-scattered (its gathered bf16 weights are freed first, so the two are the peak: 6 bytes a parameter).
+    root = 2 * drafter.root_params
+    gradients = 6 * max(drafter.layer_params, drafter.trainable_params - drafter.layer_params)
     per_token = activation_bytes_per_token(drafter.hidden, drafter.heads, drafter.kv_heads, drafter.head_dim,
                                            drafter.intermediate, drafter.draft_vocab, target.vocab_size, ttt_steps)
-    trainer = {"sharded states": states, "gathered unit": largest_unit,
+    trainer = {"sharded states": states, "gathered root (bf16)": root, "gradients in flight (bf16 + fp32)": gradients,
                "activations": total_seq_len * per_token, "CUDA context": CUDA_CONTEXT_GIB * GIB}
     return MemoryPlan(gpu_bytes=gpu_bytes, gpus=gpus, utilization=utilization, vllm=vllm, trainer=trainer,
                       per_sequence_bytes=(longest_sequence + 1) * (target.kv_bytes_per_token + hidden_state_bytes),
                       concurrent_requests=window * gpus)
 
 
-def gpu_memory_bytes() -> int | None:
-    """The smallest GPU's memory on this host (nvidia-smi), None without one."""
+def gpu_memory_bytes(field: str = "memory.total", gpus: Sequence[str] | None = None) -> int | None:
+    """The smallest figure among the GPUs `gpus` (nvidia-smi's indices or UUIDs; all of them when None) of
+    nvidia-smi's `field` (memory.total, memory.free), None without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return None
+    command = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"]
+    if gpus:
+        command += ["-i", ",".join(gpus)]
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout
         return min(int(line) for line in out.split()) * 2**20
     except (subprocess.SubprocessError, OSError, ValueError):
         return None
@@ -198,7 +258,9 @@ def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[
     if cfg.train.num_gpus != gpus:
         return [f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
                 f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size"]
-    share = hs.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
+    from eagle_pipeline.online.servers import capture_share
+
+    share = capture_share(cfg)
     plan = plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=share,
                        target=target_shape(verifier.path, verifier.text_config(), gpus),
                        drafter=DrafterShape.for_run(cfg, verifier, len(layout.layer_ids)),

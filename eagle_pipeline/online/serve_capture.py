@@ -8,7 +8,8 @@ The trainer's host then names it in the same config: `hidden_states.capture_endp
 layer ids and transfer before training. With transfer file or fp8 both hosts must see the run folder at the same
 path (the states land in <run>/capture_server/states/ and the trainer reads the path the server answers with).
 
-Exit codes as the stages': 2 for bad input (one `error:` line), 1 for a failure, 0 when stopped.
+On `device: cuda` it holds the locks of the GPUs it may use, as the stages do (eagle_pipeline/locks.py), until it
+stops. Exit codes as the stages': 2 for bad input (one `error:` line), 1 for a failure, 0 when stopped.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ def _raise_stop(signum, frame) -> None:
 def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port: int) -> None:
     from contextlib import ExitStack
 
+    from eagle_pipeline import locks
     from eagle_pipeline.config import load_config
     from eagle_pipeline.engine import apply_engine_env
     from eagle_pipeline.online import mooncake as mc
-    from eagle_pipeline.online.servers import CaptureServer, server_kwargs_for
+    from eagle_pipeline.online.servers import CaptureServer, free_share_reader, server_kwargs_for
     from eagle_pipeline.stage import planned_sample_layout
     from eagle_pipeline.verifier import Verifier
 
@@ -53,6 +55,9 @@ def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port
     address = host if host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
     logs = cfg.run_dir / "capture_server" / "logs"
     with ExitStack() as stack:
+        if cfg.device == "cuda":  # the GPUs the stages lock: a server left running is named to stage 06, not hit
+            held = stack.enter_context(locks.HeldLocks())
+            locks.take_gpu_locks(locks.holder_record(run=cfg.run_name, stage="capture_server"), held)
         mooncake_client, storage = None, None
         if hs.transfer == "mooncake":
             master = hs.mooncake.master
@@ -69,7 +74,8 @@ def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port
         kwargs = server_kwargs_for(cfg, verifier, layout, storage=storage, mooncake_client=mooncake_client,
                                    longest_sequence=hs.max_seq_len, listen_host=host)
         server = stack.enter_context(CaptureServer(kwargs, logs / "capture-server.log", port=port,
-                                                   startup_timeout_s=cfg.serve.startup_timeout_s))
+                                                   startup_timeout_s=cfg.serve.startup_timeout_s,
+                                                   restart_share=free_share_reader(cfg)))
         print(f"capture server http://{address}:{server.port}/v1 (transfer {hs.transfer}, aux layer ids "
               f"{list(layout.layer_ids)} + final layer {layout.num_layers}; log {logs / 'capture-server.log'}): set "
               f"hidden_states.capture_endpoints: [http://{address}:{server.port}/v1] on the trainer's host", flush=True)

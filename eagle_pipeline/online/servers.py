@@ -5,7 +5,8 @@ eagle_pipeline/engine.py the server's arguments, eagle_pipeline/serve/server.py 
 Each server answers to two names: the target's path, which speculators' dataset asks for, and a capture label
 that says what it captures (target, layer ids, transfer, engine settings), which eagle_pipeline/online/endpoints.py
 checks before training. A supervisor thread restarts a server that dies while training runs, on the same port,
-so the trainer's retries find it again.
+so the trainer's retries find it again; on GPUs it asks, at each restart, for no more of each GPU than is free
+then (the co-located trainer keeps its share while the server is down).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import threading
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.serve.server import HOST, VllmServer, find_free_port
@@ -25,6 +26,43 @@ LABEL_PREFIX = "eagle-capture"
 # How many times a server this host started is started again after it died; then training stops when its retries
 # run out (eagle_pipeline/online/failure.py).
 MAX_RESTARTS = 3
+
+
+def capture_share(cfg) -> float | None:
+    """The share of each GPU a capture server of this run asks vLLM for (gpu_memory_utilization); None off CUDA."""
+    if cfg.device != "cuda":
+        return None
+    return cfg.hidden_states.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
+
+
+def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | None) -> float:
+    """The gpu_memory_utilization a restarted server asks for: the planned share, or less where the GPUs have
+    less free now. vLLM refuses to start when a GPU's free memory, after its own CUDA context, is below the share
+    it is asked for (vllm/v1/worker/utils.py, request_memory), so that context is left aside, and the share is
+    rounded down to hundredths."""
+    from eagle_pipeline.online.memory_plan import CUDA_CONTEXT_GIB, GIB
+
+    if not free_bytes or not total_bytes:
+        return planned
+    room = int(100 * (free_bytes - CUDA_CONTEXT_GIB * GIB) / total_bytes) / 100
+    return max(0.01, min(planned, room))
+
+
+def free_share_reader(cfg) -> Callable[[], float] | None:
+    """What `CaptureServer` asks before a restart on GPUs (None elsewhere): `share_free_now` of the run's share
+    over the GPUs this process may use, read with nvidia-smi (eagle_pipeline/online/memory_plan.py)."""
+    from eagle_pipeline.locks import visible_gpus
+    from eagle_pipeline.online.memory_plan import gpu_memory_bytes
+
+    planned = capture_share(cfg)
+    if planned is None:
+        return None
+
+    def read() -> float:
+        gpus = visible_gpus()
+        return share_free_now(planned, gpu_memory_bytes("memory.free", gpus), gpu_memory_bytes("memory.total", gpus))
+
+    return read
 
 
 def capture_label(*, target: str, capture_ids: list[int], transfer: str, hidden_size: int, engine: str) -> str:
@@ -101,11 +139,14 @@ def server_kwargs_for(cfg, verifier, layout, *, storage: Path | None, mooncake_c
 class CaptureServer:
     """`with CaptureServer(server_kwargs, log_path) as server:` starts a capture server on a free port (or
     `port`) and keeps it up until the block ends: a server that dies is started again on the same port, up to
-    MAX_RESTARTS times. `server.endpoint` is the base URL speculators asks."""
+    MAX_RESTARTS times, asking vLLM for `restart_share()` of each GPU when that is given (`free_share_reader`).
+    `server.endpoint` is the base URL speculators asks."""
 
     def __init__(self, server_kwargs: dict[str, Any], log_path: Path, *, port: int | None = None,
-                 startup_timeout_s: float = 1200.0, max_restarts: int = MAX_RESTARTS, poll_s: float = 1.0):
+                 startup_timeout_s: float = 1200.0, max_restarts: int = MAX_RESTARTS, poll_s: float = 1.0,
+                 restart_share: Callable[[], float] | None = None):
         self.server_kwargs = server_kwargs
+        self.restart_share = restart_share
         self.log_path = Path(log_path)
         self.port = port or find_free_port()
         self.startup_timeout_s = startup_timeout_s
@@ -170,6 +211,11 @@ class CaptureServer:
                     break
                 self.restarts += 1
                 try:
+                    if self.restart_share is not None:
+                        share = self.restart_share()
+                        server.extra_args += ["--gpu-memory-utilization", str(share)]  # the last one counts
+                        log.warning("capture server %s asks for %.2f of each GPU on restart (what is free now)",
+                                    self.endpoint, share)
                     server.start()
                     log.warning("capture server %s started again (restart %d of %d)", self.endpoint, self.restarts,
                                 self.max_restarts)

@@ -27,12 +27,13 @@ from eagle_pipeline.online.kept import KEPT_DIR, capture_kept, keep_count, kept_
 from eagle_pipeline.online.servers import (
     CaptureServer,
     capture_metrics,
+    free_share_reader,
     parse_label,
     run_label,
     served_model_name,
     server_kwargs_for,
 )
-from eagle_pipeline.online.settings import OnlineTraining
+from eagle_pipeline.online.settings import OnlineTraining, requests_in_flight, training_ranks
 from eagle_pipeline.preconditions import folder_bytes
 
 SCRATCH_DIR = "capture_scratch"  # where the file and fp8 connectors of local servers write the states in flight
@@ -50,13 +51,9 @@ def sample_bytes(cfg, num_states: int, hidden_size: int, tokens: int) -> int:
     return tokens * (per_token + 8) + FILE_OVERHEAD_BYTES
 
 
-def training_ranks(cfg) -> int:
-    return max(1, cfg.train.num_gpus)
-
-
 def window_bound(cfg, num_states: int, hidden_size: int, longest: int) -> int:
     """At most this many bytes of states in flight: the window's samples on every rank, each the longest."""
-    return cfg.hidden_states.online_window * training_ranks(cfg) * sample_bytes(cfg, num_states, hidden_size, longest)
+    return requests_in_flight(cfg) * sample_bytes(cfg, num_states, hidden_size, longest)
 
 
 def plan_lines(cfg, num_states: int, hidden_size: int, longest: int) -> list[str]:
@@ -161,7 +158,8 @@ class OnlineSession:
             kwargs = server_kwargs_for(self.cfg, self.verifier, self.layout, storage=self.scratch,
                                        mooncake_client=mooncake_client, longest_sequence=self.longest)
             server = self._stack.enter_context(CaptureServer(kwargs, self.stage_dir / "logs" / "capture-server.log",
-                                                             startup_timeout_s=self.startup_timeout_s))
+                                                             startup_timeout_s=self.startup_timeout_s,
+                                                             restart_share=free_share_reader(self.cfg)))
             self.servers.append(server)
             endpoints = [server.endpoint]
         self.online = self.train_run.online or OnlineTraining.from_config(hs)

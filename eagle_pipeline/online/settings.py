@@ -36,6 +36,15 @@ class OnlineTraining:
         return self.endpoints[rank % len(self.endpoints)]
 
 
+def training_ranks(cfg) -> int:
+    return max(1, cfg.train.num_gpus)
+
+
+def requests_in_flight(cfg) -> int:
+    """Capture requests the training ranks have open at once: the window of each rank."""
+    return cfg.hidden_states.online_window * training_ranks(cfg)
+
+
 def loader_workers(window: int) -> int:
     """speculators' --num-workers for a window: each loader process has one sample in flight at a time; with none
     the training process itself asks for each sample, which is a window of one."""
