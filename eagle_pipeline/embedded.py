@@ -36,11 +36,22 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+def _cached_dir(name: str, cache_dir: Path) -> tuple[Path, str]:
+    """Where the converted model lives, and the GGUF file's fingerprint that names that folder."""
+    digest = file_fingerprint(gguf_path(name))[:16]
+    return Path(cache_dir) / f"{name}-{digest}", digest
+
+
+def converted_path(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path | None:
+    """The embedded model's HF directory where it is converted already (None otherwise); converts nothing."""
+    target, _ = _cached_dir(name, cache_dir)
+    return target if (target / "conversion.json").exists() else None
+
+
 def materialize(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
     """Return an HF directory for the embedded model, converting the GGUF file on first use."""
     source = gguf_path(name)
-    digest = file_fingerprint(source)[:16]
-    target = Path(cache_dir) / f"{name}-{digest}"
+    target, digest = _cached_dir(name, cache_dir)
     if (target / "conversion.json").exists():
         return target
 

@@ -46,8 +46,8 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         checks["shapes"] = check_shapes(drafter_dir, reference_dir)
     except BadInput as problem:
         checks["shapes"] = {"ok": False, "detail": {"problems": [str(problem)]}}
-    vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, env=env, timeout_s=timeout_s,
-                      log_dir=log_dir)
+    vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, drafter_settings=drafter_settings, env=env,
+                      timeout_s=timeout_s, log_dir=log_dir)
     checks["config"] = check_config(drafter_dir, target_dir, expected, vllm["config"], engine)
     load = vllm["load"]
     checks["vllm_load"] = {"ok": bool(load.get("ok")), "detail": load}

@@ -22,15 +22,15 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--drafter", required=True)
         p.add_argument("--engine-kwargs", default="{}")
         p.add_argument("--out", required=True)
+        p.add_argument("--drafter-settings", default="{}", help="speculative_config fields: how vLLM computes the drafter")
     accept.add_argument("--prompts", required=True)
     accept.add_argument("--num-speculative-tokens", type=int, required=True)
     accept.add_argument("--max-tokens", type=int, required=True)
-    accept.add_argument("--drafter-settings", default="{}", help="speculative_config fields: how vLLM computes the drafter")
     accept.add_argument("--chat-template-kwargs", default="{}", help="the run's chat-template arguments (thinking switch, ...)")
     args = parser.parse_args(argv)
     engine_kwargs = json.loads(args.engine_kwargs)
     if args.command == "inspect":
-        result = vllm_inspect(args.target, args.drafter, engine_kwargs)
+        result = vllm_inspect(args.target, args.drafter, engine_kwargs, json.loads(args.drafter_settings))
     else:
         prompts = json.loads(Path(args.prompts).read_text())
         result = acceptance_run(args.target, args.drafter, prompts, args.num_speculative_tokens,

@@ -23,6 +23,15 @@ from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S, 
 from eagle_pipeline.engine import eagle3_engine_kwargs
 
 
+def acceptance_engine_kwargs(target_dir: str, drafter_dir: str, num_speculative_tokens: int,
+                             engine_kwargs: dict[str, Any] | None = None,
+                             drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`LLM` arguments of one parity engine: the run's engine speculating with `drafter_dir`."""
+    return eagle3_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens=num_speculative_tokens,
+                                engine_kwargs=engine_kwargs, drafter_settings=drafter_settings,
+                                defaults={"max_model_len": 1024, "enforce_eager": True, "seed": 0})
+
+
 def acceptance_run(target_dir: str, drafter_dir: str, prompts: list, num_speculative_tokens: int,
                    max_tokens: int, engine_kwargs: dict[str, Any] | None = None,
                    drafter_settings: dict[str, Any] | None = None,
@@ -30,9 +39,7 @@ def acceptance_run(target_dir: str, drafter_dir: str, prompts: list, num_specula
     """Greedy generation with a drafter in vLLM; spec-decode counters from llm.get_metrics()."""
     from vllm import LLM, SamplingParams
 
-    kwargs = eagle3_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens=num_speculative_tokens,
-                                  engine_kwargs=engine_kwargs, drafter_settings=drafter_settings,
-                                  defaults={"max_model_len": 1024, "enforce_eager": True, "seed": 0})
+    kwargs = acceptance_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens, engine_kwargs, drafter_settings)
     llm = LLM(disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     if all(isinstance(p, str) for p in prompts):

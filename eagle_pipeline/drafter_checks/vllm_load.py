@@ -29,15 +29,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_vllm_config(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None):
-    """The VllmConfig `LLM(target, speculative_config={"method": "eagle3", "model": drafter})` would use."""
+def load_check_engine_kwargs(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None,
+                             drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`EngineArgs` of the load check: the run's engine with the drafter, computed as stage 06 serves it."""
+    return eagle3_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens=1, engine_kwargs=engine_kwargs,
+                                defaults={"max_model_len": 512, "enforce_eager": True},
+                                # the load check builds the drafter in this one process
+                                overrides={"tensor_parallel_size": 1}, drafter_settings=drafter_settings)
+
+
+def build_vllm_config(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None,
+                      drafter_settings: dict[str, Any] | None = None):
+    """The VllmConfig `LLM(target, speculative_config={"method": "eagle3", "model": drafter, ...})` would use."""
     from vllm.engine.arg_utils import EngineArgs
 
-    kwargs = eagle3_engine_kwargs(target_dir, drafter_dir, num_speculative_tokens=1, engine_kwargs=engine_kwargs,
-                                  defaults={"max_model_len": 512, "enforce_eager": True},
-                                  # the load check builds the drafter in this one process
-                                  overrides={"tensor_parallel_size": 1})
-    return EngineArgs(**kwargs).create_engine_config()
+    return EngineArgs(**load_check_engine_kwargs(target_dir, drafter_dir, engine_kwargs,
+                                                 drafter_settings)).create_engine_config()
 
 
 def vllm_aux_layer_ids(spec) -> dict[str, list[int] | None]:
@@ -87,14 +94,19 @@ def vllm_load_weights(vllm_config, drafter_dir: str) -> dict[str, Any]:
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
+    from eagle_pipeline.vllm_config_check import draft_vllm_config, model_runner
+
     spec = vllm_config.speculative_config
-    with set_current_vllm_config(vllm_config):
+    # The drafter is built under the settings vLLM builds it with (its own attention backend and KV-cache dtype),
+    # not the target's: on CUDA an MLA target's backend refuses a Llama drafter's layers.
+    draft_config = draft_vllm_config(vllm_config, model_runner(vllm_config, simulated=False))
+    with set_current_vllm_config(draft_config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
         ensure_model_parallel_initialized(1, 1)
         model_class, _ = get_model_architecture(spec.draft_model_config)
         with torch.device("cpu"):
-            model = model_class(vllm_config=vllm_config)
+            model = model_class(vllm_config=draft_config)
         with torch.no_grad():
             for param in model.parameters():
                 param.fill_(float("nan") if param.is_floating_point() else -1)
@@ -132,10 +144,11 @@ def unused_in_forward(name: str) -> bool:
     return bool(match) and int(match.group(1)) > 0
 
 
-def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None,
+                 drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's config view and load result for a drafter, in this process (call through a subprocess)."""
     try:
-        vllm_config = build_vllm_config(target_dir, drafter_dir, engine_kwargs)
+        vllm_config = build_vllm_config(target_dir, drafter_dir, engine_kwargs, drafter_settings)
         view = vllm_config_view(vllm_config)
     except Exception as error:
         message = f"{type(error).__name__}: {error}"
@@ -145,12 +158,12 @@ def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any
 
 
 def check_vllm(drafter_dir: str | Path, target_dir: str | Path, *, engine_kwargs: dict[str, Any] | None = None,
-               env: dict[str, str] | None = None, timeout_s: float = SUBPROCESS_TIMEOUT_S,
-               log_dir: str | Path | None = None) -> dict[str, Any]:
+               drafter_settings: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+               timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None) -> dict[str, Any]:
     """vLLM's view of the config and its load_weights result, from a fresh subprocess (its output in
     `log_dir`/vllm-load.log when given)."""
     args = ["inspect", "--target", str(target_dir), "--drafter", str(drafter_dir),
-            "--engine-kwargs", json.dumps(engine_kwargs or {})]
+            "--engine-kwargs", json.dumps(engine_kwargs or {}), "--drafter-settings", json.dumps(drafter_settings or {})]
     log_path = Path(log_dir) / "vllm-load.log" if log_dir is not None else None
     try:
         return run_json_subprocess(args, env, timeout=timeout_s, log_path=log_path)

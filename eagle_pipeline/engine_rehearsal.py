@@ -1,0 +1,287 @@
+"""The engine rehearsal: every vLLM engine a stage will start, configured by vLLM's own code before any model loads.
+
+vLLM's CPU platform replaces a named attention backend that does not fit a layer with one of its own, while its
+CUDA platform refuses it ("Selected backend ... is not valid for this configuration"); a run configured on a
+CPU can therefore stop on the GPU host after hours of work, at the first engine that meets such a setting. So
+each engine a stage starts (the answering engine, the hidden-state capture, the drafter load check, the
+servers of stage 06 and its capture, the capture servers of online training) is built here from exactly the
+arguments the stage will use, and handed to vLLM: `create_engine_config()`, then the backend vLLM's selector
+returns for each kind of layer in it (the target's, the drafter's) and the KV-cache block size they must share
+(eagle_pipeline/vllm_config_check.py). On the GPU host that is the real platform; on a machine without CUDA a
+config for CUDA is checked by CUDA's own selector at the host's compute capability.
+
+It runs in every dry run (the stage's engines) and again before the stage loads its first model; on the GPU
+host stage 01, the first to load the target, rehearses the engines of every stage of the run, so that a
+setting stage 05 or 06 cannot use is refused before the target is first loaded, not after a day of training.
+A refusal is one `error:` line naming the engine, the layer, vLLM's reason and the config key to change.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle_pipeline.config import RunConfig
+from eagle_pipeline.errors import BadInput
+
+# The stages that start vLLM engines (stage 04 only in online mode, without capture endpoints of its own).
+ENGINE_STAGES = (1, 2, 4, 5, 6)
+# The config key that sets each kind of layer's backend and KV-cache dtype.
+FIX_KEYS = {"target": "verifier.attention_backend / verifier.kv_cache_dtype",
+            "drafter": "serve.drafter_attention_backend / serve.drafter_kv_cache_dtype"}
+
+
+@dataclass
+class PlannedEngine:
+    """One engine a stage starts: an offline engine's keyword arguments or a server's `vllm serve` flags."""
+
+    stage: int
+    name: str
+    env: dict[str, str]
+    engine_args: dict[str, Any] | None = None
+    server_argv: list[str] | None = None
+    overrides: dict[str, str] = field(default_factory=dict)  # settings a variant changes, for the printed line
+    kv_cache: bool = True  # allocates a KV cache (the load check does not: it builds the drafter and loads weights)
+
+
+def planned_engines(cfg: RunConfig, stage: int, scratch: Path) -> list[PlannedEngine]:
+    """The engines stage `stage` of `cfg` starts, built by the functions the stage itself calls; files the engines
+    only name (a drafter that does not exist yet, connector folders) go under `scratch`."""
+    from eagle_pipeline.engine import engine_env, llm_kwargs
+    from eagle_pipeline.verifier import Verifier
+
+    verifier = Verifier.from_config(cfg)
+    target = str(verifier.path)
+    env = engine_env(cfg)
+    if stage == 1:
+        dtype = cfg.generation.dtype or cfg.verifier.dtype
+        return [PlannedEngine(1, "answering engine", env, engine_args=llm_kwargs(cfg, target, dtype=dtype))]
+    if stage == 2:
+        if cfg.hidden_states.mode == "online":
+            return []
+        return [PlannedEngine(2, "hidden-state capture", env,
+                              engine_args=_capture_args(cfg, verifier, cfg.hidden_states.max_seq_len, scratch))]
+    if stage == 4:
+        if cfg.hidden_states.mode != "online" or cfg.hidden_states.capture_endpoints:
+            return []
+        return [PlannedEngine(4, "online capture server", env, server_argv=_online_capture_argv(cfg, verifier, scratch))]
+    if stage == 5:
+        return _stage_05_engines(cfg, verifier, env, scratch)
+    if stage == 6:
+        return _stage_06_engines(cfg, verifier, scratch)
+    return []
+
+
+def _capture_args(cfg: RunConfig, verifier, longest: int, scratch: Path) -> dict[str, Any]:
+    from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
+    from eagle_pipeline.engine import capture_engine_kwargs
+    from eagle_pipeline.stage import planned_sample_layout
+
+    layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    capture = HiddenStateCapture(verifier.path, list(layout.layer_ids), num_layers=verifier.num_layers,
+                                 **capture_sizing(longest), **capture_engine_kwargs(cfg))
+    return capture.engine_args(scratch / "capture", cfg.device)
+
+
+def _online_capture_argv(cfg: RunConfig, verifier, scratch: Path) -> list[str]:
+    from eagle_pipeline.online.servers import server_kwargs_for
+    from eagle_pipeline.serve.server import VllmServer
+    from eagle_pipeline.stage import planned_sample_layout
+
+    layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    kwargs = server_kwargs_for(cfg, verifier, layout, storage=scratch / "online", mooncake_client=None,
+                               longest_sequence=cfg.hidden_states.max_seq_len)
+    kwargs.pop("env", None)
+    return VllmServer(**kwargs, log_path=scratch / "server.log").serve_argv(None)
+
+
+def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
+    """The drafter folder stages 05 and 06 serve: `serve.drafter`, stage 05's output, or (before stage 05 has run)
+    a config-only stand-in with the drafter's planned shape, which is all vLLM reads to configure an engine."""
+    if cfg.serve.drafter is not None:
+        return cfg.resolve_path(cfg.serve.drafter)
+    converted = cfg.stage_dir("05_convert") / "vllm"
+    if (converted / "config.json").is_file():
+        return converted
+    from eagle_pipeline import atomic
+    from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
+    from eagle_pipeline.disk_plan import DraftDims
+    from eagle_pipeline.stage import planned_sample_layout
+
+    dims = DraftDims.for_run(cfg, verifier)
+    text = verifier.text_config()
+    layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
+    layer = {"hidden_size": dims.hidden, "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
+             "head_dim": dims.head_dim, "intermediate_size": dims.intermediate, "vocab_size": verifier.vocab_size,
+             "rms_norm_eps": text.get("rms_norm_eps", 1e-6),
+             "max_position_embeddings": text.get("max_position_embeddings", cfg.verifier.max_model_len),
+             "rope_theta": shape.get("rope_theta", text.get("rope_theta", 10000.0))}
+    flags = {name: getattr(cfg.train, name) for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    planned = SpeculatorsCheckpoint(scratch, {"draft_vocab_size": cfg.vocab.draft_vocab_size,
+                                              "target_hidden_size": verifier.hidden_size}, layer, {}, flags)
+    config = flat_config(planned, vocab_size=verifier.vocab_size, written_layer_ids=list(layout.layer_ids),
+                         dtype="bfloat16", engine="vllm")
+    folder = scratch / "planned-drafter"
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(folder / "config.json", config)
+    return folder
+
+
+def _stage_05_engines(cfg: RunConfig, verifier, env: dict[str, str], scratch: Path) -> list[PlannedEngine]:
+    from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
+    from eagle_pipeline.engine import drafter_engine_settings, llm_kwargs
+
+    drafter = str(drafter_folder(cfg, verifier, scratch))
+    engine_kwargs = {k: v for k, v in llm_kwargs(cfg, str(verifier.path)).items() if k != "model"}
+    engines = [PlannedEngine(5, "drafter load check", env, engine_args=load_check_engine_kwargs(
+        str(verifier.path), drafter, engine_kwargs, drafter_engine_settings(cfg)), kv_cache=False)]
+    if cfg.convert.parity == "vllm":
+        from eagle_pipeline.drafter_checks.parity import acceptance_engine_kwargs
+
+        engines.append(PlannedEngine(5, "parity engine", env, engine_args=acceptance_engine_kwargs(
+            str(verifier.path), drafter, cfg.serve.num_speculative_tokens, engine_kwargs, drafter_engine_settings(cfg))))
+    return engines
+
+
+def _stage_06_engines(cfg: RunConfig, verifier, scratch: Path) -> list[PlannedEngine]:
+    from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
+    from eagle_pipeline.serve.engine_facts import server_env
+    from eagle_pipeline.serve.engine_probe import describe, variant_config
+    from eagle_pipeline.serve.measure import mode_server
+
+    s = cfg.serve
+    drafter = drafter_folder(cfg, verifier, scratch)
+    modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
+
+    def server(run_cfg: RunConfig, mode: str, name: str, overrides: dict[str, str]) -> PlannedEngine:
+        kwargs = server_kwargs(run_cfg)
+        env = server_env(run_cfg, kwargs.pop("env"))
+        argv = mode_server(mode, verifier.path, drafter, num_speculative_tokens=s.num_speculative_tokens,
+                           drafter_settings=drafter_engine_settings(run_cfg), log_path=scratch / f"server-{mode}.log",
+                           **kwargs).serve_argv(None)
+        return PlannedEngine(6, name, env, server_argv=argv, overrides=overrides)
+
+    engines = [server(cfg, mode, f"server {mode}", {}) for mode in modes]
+    if s.predict and s.engine_variants and s.probe_engine != "never":
+        engines += [server(variant_config(cfg, v), "eagle3", f"engine variant {i}", {"variant": describe(v)})
+                    for i, v in enumerate(s.engine_variants, 1)]
+    if s.predict and s.baseline is None:
+        from eagle_pipeline.engine import engine_env
+
+        engines.append(PlannedEngine(6, "replay capture", engine_env(cfg),
+                                     engine_args=_capture_args(cfg, verifier, cfg.verifier.max_model_len - 1, scratch)))
+    return engines
+
+
+@dataclass
+class Rehearsed:
+    engine: PlannedEngine
+    result: Any  # vllm_config_check.EngineCheck
+
+    def line(self) -> str:
+        r = self.result
+        head = f"  engine {self.engine.stage:02d} {self.engine.name}"
+        if self.engine.overrides:
+            head += f" ({self.engine.overrides['variant']})"
+        if r.error is not None and not r.layers:
+            return f"{head}: REFUSED by vLLM's configuration: {r.error}"
+        layers = []
+        for layer in r.layers:
+            chosen = layer.backend or ("cannot be checked here" if layer.notes else "REFUSED")
+            named = "" if layer.requested in (None, layer.backend) else f" (asked {layer.requested})"
+            layers.append(f"{layer.kind} {layer.attention} -> {chosen}{named}")
+        kv = ", ".join(sorted({layer.kv_cache_dtype for layer in r.layers}))
+        block = (f"block {r.block_size}" if r.block_size else "no KV cache" if not self.engine.kv_cache
+                 else "block size not settled")
+        return f"{head}: {'; '.join(layers)}; KV {kv}, {block}; runner {r.runner} [{r.platform}]"
+
+    def refusal(self) -> str | None:
+        """The error line for an engine vLLM refuses (None where it accepts it, or could not check a backend)."""
+        r = self.result
+        where = f"engine rehearsal: stage {self.engine.stage:02d} {self.engine.name}"
+        if self.engine.overrides:
+            where += f" ({self.engine.overrides['variant']})"
+        for layer in r.layers:
+            if layer.error is not None and not layer.notes:
+                return (f"{where}: vLLM on {r.platform} refuses the {layer.kind}'s {layer.attention} layers: "
+                        f"{layer.error}; set {FIX_KEYS[layer.kind]} to a backend that takes them "
+                        f"(docs/engines.md, \"The engine rehearsal\")")
+        if r.error is not None:
+            return (f"{where}: vLLM refuses the engine's settings on {r.platform}: {r.error}; change the setting it "
+                    f"names (the verifier and serve sections, or verifier.engine_args)")
+        return None
+
+
+def rehearse(cfg: RunConfig, stages: tuple[int, ...] | list[int]) -> list[Rehearsed]:
+    """Every engine of `stages`, configured by vLLM (it imports vLLM; no model is loaded)."""
+    from eagle_pipeline.vllm_config_check import check_engine
+
+    done = []
+    with tempfile.TemporaryDirectory(prefix="engine-rehearsal-") as tmp:
+        for stage in stages:
+            for engine in planned_engines(cfg, stage, Path(tmp)):
+                done.append(Rehearsed(engine, check_engine(cfg.device, engine.engine_args, engine.server_argv,
+                                                           engine.env, engine.kv_cache)))
+    return done
+
+
+def check_engines(cfg: RunConfig, stages: tuple[int, ...] | list[int], *, show: bool = True) -> list[Rehearsed]:
+    """Rehearse, print one line per engine (`show`), and refuse (BadInput) the first engine vLLM refuses."""
+    done = rehearse(cfg, stages)
+    if show:
+        for item in done:
+            print(item.line())
+    for item in done:
+        problem = item.refusal()
+        if problem is not None:
+            raise BadInput(problem)
+    return done
+
+
+def stages_before_first_load(cfg: RunConfig, stage: int) -> tuple[int, ...]:
+    """What a stage rehearses before it loads its first model: its own engines, and on the GPU host, at stage 01
+    (the run's first target load), every stage's."""
+    if stage == 1 and cfg.device == "cuda":
+        return ENGINE_STAGES
+    return (stage,)
+
+
+def can_rehearse(cfg: RunConfig) -> str | None:
+    """Why the engines cannot be configured here (None when they can): an embedded target that is not converted
+    yet (a dry run does not convert it)."""
+    from eagle_pipeline.embedded import EMBEDDED_PREFIX, converted_path
+
+    raw = cfg.verifier.path
+    if raw.startswith(EMBEDDED_PREFIX) and converted_path(raw[len(EMBEDDED_PREFIX):]) is None:
+        return "the embedded target is converted at its first use; its engines are configured then"
+    return None
+
+
+def dry_run_lines(cfg: RunConfig, stage: int) -> None:
+    """The dry run's engine lines for `stage` (and its refusal)."""
+    if not planned_stage_has_engines(cfg, stage):
+        return
+    reason = can_rehearse(cfg)
+    if reason is not None:
+        print(f"  engine rehearsal skipped: {reason}")
+        return
+    check_engines(cfg, (stage,))
+
+
+def planned_stage_has_engines(cfg: RunConfig, stage: int) -> bool:
+    if stage not in ENGINE_STAGES:
+        return False
+    online = cfg.hidden_states.mode == "online"
+    return not ((stage == 2 and online) or (stage == 4 and (not online or cfg.hidden_states.capture_endpoints)))
+
+
+def before_first_load(cfg: RunConfig, stage: int) -> None:
+    """A real run's rehearsal, right before the stage loads its first model (on the GPU host, stage 01 rehearses
+    every stage's engines): one line per engine, and a refusal before any weight is read."""
+    stages = stages_before_first_load(cfg, stage)
+    print(f"stage {stage:02d}: engine rehearsal of stage{'s' if len(stages) > 1 else ''} "
+          f"{', '.join(f'{s:02d}' for s in stages)} (vLLM's configuration, no model loaded)")
+    check_engines(cfg, stages)

@@ -1,0 +1,265 @@
+"""One engine configured by vLLM's own code, without loading a model: its `VllmConfig`, the model runner, and the
+attention backend vLLM's selector returns for each kind of layer in it (the target's, the drafter's), with the
+KV-cache block size they must share.
+
+On the GPU host the platform is the real one. Where a config for CUDA is checked on a machine without CUDA (dry
+runs and the test suite on the CPU machine), the selection is CUDA's own: `vllm.platforms.cuda`'s platform class
+with its device capability set to the host's (`CUDA_CAPABILITY`). That module imports vLLM's compiled CUDA kernels
+only to register them; the CPU build has none, so a stand-in module takes their place while it is imported, and
+the kernels are never called. Each attention backend's `validate_configuration` then answers exactly as it does
+on the GPU (the reason CUDA refuses a named backend that the CPU platform silently replaces).
+
+Imports vLLM; eagle_pipeline.engine_rehearsal calls it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+import types
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+# The compute capability of the pipeline's GPU host (RTX PRO 6000 Blackwell, SM120), used where CUDA's selection
+# is checked on a machine without a GPU.
+CUDA_CAPABILITY = (12, 0)
+# Speculative methods whose drafter has attention layers of its own (n-gram and the hidden-state capture have none).
+DRAFTER_METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash")
+_KERNELS_MODULE = "vllm._C_stable_libtorch"
+
+
+@dataclass
+class LayerBackend:
+    """The backend vLLM selects for one kind of layer."""
+
+    kind: str                 # "target" or "drafter"
+    attention: str            # "MLA", "full attention", ...
+    backend: str | None       # the backend's name; None when the selector refused
+    requested: str | None     # the backend the config names for this kind (None: vLLM's own choice)
+    kv_cache_dtype: str
+    error: str | None = None  # the selector's refusal
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineCheck:
+    """What vLLM made of one engine's settings."""
+
+    platform: str
+    runner: str | None = None
+    block_size: int | None = None
+    layers: list[LayerBackend] = field(default_factory=list)
+    error: str | None = None  # vLLM refused the settings themselves (create_engine_config or the block size)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(layer.error is None for layer in self.layers)
+
+
+@contextlib.contextmanager
+def quiet_vllm() -> Iterator[None]:
+    """vLLM's own log lines held back (a dry run prints one line per engine), and the environment variables that
+    configuring an engine sets in this process (vLLM's platforms set some) put back afterwards."""
+    saved_env = dict(os.environ)
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+@contextlib.contextmanager
+def engine_environment(env: dict[str, str]) -> Iterator[None]:
+    """The engine's own environment (model runner, logging) in force while vLLM reads it."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def short_error(error: BaseException) -> str:
+    """vLLM's refusal in one line: pydantic's wrapping (model name, input dump, help link) taken off."""
+    text = " ".join(str(error).split())
+    match = re.search(r"Value error, (.*?)(?: \[type=|$)", text)
+    text = match.group(1) if match else f"{type(error).__name__}: {text}"
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@contextlib.contextmanager
+def selection_platform(device: str) -> Iterator[tuple[Any, str]]:
+    """(platform, description) whose attention selector answers for `device`: the running platform when it is
+    that device's, else CUDA's selector at `CUDA_CAPABILITY`; vLLM's current platform is put back afterwards."""
+    import vllm.platforms as platforms
+
+    current = platforms.current_platform
+    if device != "cuda" or cuda_available():
+        capability = current.get_device_capability() if device == "cuda" else None
+        where = f"{current.device_name}" + (f" sm_{capability.major}{capability.minor}" if capability else "")
+        yield current, where
+        return
+    added_stand_in = _KERNELS_MODULE not in sys.modules
+    if added_stand_in:
+        sys.modules[_KERNELS_MODULE] = types.ModuleType(_KERNELS_MODULE)
+    try:
+        from vllm.platforms import cuda
+        from vllm.platforms.interface import DeviceCapability
+    finally:
+        if added_stand_in:
+            sys.modules.pop(_KERNELS_MODULE, None)
+
+    class HostCuda(cuda.NonNvmlCudaPlatform):
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0):
+            return DeviceCapability(*CUDA_CAPABILITY)
+
+    simulated = HostCuda()
+    platforms._current_platform = simulated
+    _clear_selector_cache()
+    try:
+        yield simulated, f"cuda sm_{CUDA_CAPABILITY[0]}{CUDA_CAPABILITY[1]} (CUDA's selector, checked without a GPU)"
+    finally:
+        platforms._current_platform = current
+        _clear_selector_cache()
+
+
+def _clear_selector_cache() -> None:
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    _cached_get_attn_backend.cache_clear()
+
+
+def create_config(engine_args: dict[str, Any] | None = None, server_argv: list[str] | None = None):
+    """vLLM's `VllmConfig` for an offline engine's keyword arguments, or for a `vllm serve` command line parsed by
+    vLLM's own server parser."""
+    if server_argv is None:
+        from vllm.engine.arg_utils import EngineArgs
+
+        return EngineArgs(**(engine_args or {})).create_engine_config()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(exit_on_error=False))
+    try:
+        args = parser.parse_args(server_argv)
+    except SystemExit as error:  # argparse reports a bad flag by exiting
+        raise ValueError(f"vllm serve refuses the command line (argparse exit {error.code})") from None
+    validate_parsed_serve_args(args)
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config()
+
+
+def model_runner(vllm_config, simulated: bool) -> str:
+    """"V2" or "V1": vLLM's own decision; where CUDA is simulated, the one the GPU host makes (Triton present)."""
+    if not simulated:
+        return "V2" if vllm_config.use_v2_model_runner else "V1"
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER is not None:
+        return "V2" if envs.VLLM_USE_V2_MODEL_RUNNER else "V1"
+    return "V1" if vllm_config._get_v2_model_runner_unsupported_features() else "V2"
+
+
+def draft_vllm_config(vllm_config, runner: str):
+    """The config vLLM builds the drafter under: V2 overlays only the drafter settings that are set (an unset
+    drafter backend inherits the target's); V1 chooses the drafter's backend afresh unless one is set."""
+    spec = vllm_config.speculative_config
+    if runner == "V2":
+        return spec.apply_draft_overrides(vllm_config)
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    return SpecDecodeBaseProposer._create_draft_vllm_config(SimpleNamespace(speculative_config=spec,
+                                                                             vllm_config=vllm_config))
+
+
+def _layer_args(model_config, parallel_config) -> tuple[str, dict[str, Any]]:
+    """The selector arguments vLLM's attention layers pass for this model's decoder layers."""
+    num_heads = model_config.get_num_attention_heads(parallel_config)
+    if model_config.use_mla:
+        text = model_config.hf_text_config
+        return "MLA", {"head_size": int(text.kv_lora_rank) + int(text.qk_rope_head_dim), "use_mla": True,
+                       "num_heads": num_heads}
+    sliding = model_config.get_sliding_window() is not None
+    return ("sliding-window attention" if sliding else "full attention"), {
+        "head_size": model_config.get_head_size(), "num_heads": num_heads, "has_sliding_window": sliding}
+
+
+def _select(kind: str, vllm_config, model_config, parallel_config) -> tuple[LayerBackend, Any]:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    attention, args = _layer_args(model_config, parallel_config)
+    kv_cache_dtype = vllm_config.cache_config.cache_dtype
+    requested = vllm_config.attention_config.backend
+    layer = LayerBackend(kind=kind, attention=attention, backend=None,
+                         requested=requested.name if requested is not None else None, kv_cache_dtype=str(kv_cache_dtype))
+    try:
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(dtype=model_config.dtype, kv_cache_dtype=kv_cache_dtype, **args)
+    except (ValueError, ImportError, OSError) as error:
+        layer.error = short_error(error)
+        if "ModuleNotFoundError" in layer.error or "ImportError" in layer.error:
+            layer.notes.append("the backend's package is not installed on this machine, so it cannot be checked here")
+        return layer, None
+    layer.backend = backend.get_name()
+    return layer, backend
+
+
+def check_engine(device: str, engine_args: dict[str, Any] | None = None, server_argv: list[str] | None = None,
+                 env: dict[str, str] | None = None, kv_cache: bool = True) -> EngineCheck:
+    """vLLM's configuration of one engine and the backends it selects, for a run on `device`; `kv_cache`: whether
+    the engine allocates a KV cache, whose block size every backend must share (the load check builds the drafter
+    alone and allocates none)."""
+    from vllm.config.cache import CacheConfig
+    from vllm.v1.worker.utils import select_common_block_size
+
+    with quiet_vllm(), engine_environment(env or {}):
+        try:
+            vllm_config = create_config(engine_args, server_argv)
+        except Exception as error:  # noqa: BLE001 - vLLM's refusal of the settings is the finding
+            return EngineCheck(platform=device, error=short_error(error))
+        with selection_platform(device) as (platform, where):
+            simulated = platform.__class__.__name__ == "HostCuda"
+            check = EngineCheck(platform=where, runner=model_runner(vllm_config, simulated))
+            target, target_backend = _select("target", vllm_config, vllm_config.model_config,
+                                             vllm_config.parallel_config)
+            check.layers.append(target)
+            backends = [target_backend]
+            spec = vllm_config.speculative_config
+            if spec is not None and spec.method in DRAFTER_METHODS and spec.draft_model_config is not None:
+                draft_config = draft_vllm_config(vllm_config, check.runner)
+                drafter, drafter_backend = _select("drafter", draft_config, spec.draft_model_config,
+                                                   spec.draft_parallel_config or vllm_config.parallel_config)
+                check.layers.append(drafter)
+                backends.append(drafter_backend)
+            if kv_cache and all(b is not None for b in backends):
+                cache = vllm_config.cache_config
+                try:
+                    if device == "cuda" and not cache.user_specified_block_size:
+                        manager = platform._preferred_block_size_for_backends(backends, CacheConfig.DEFAULT_BLOCK_SIZE,
+                                                                              vllm_config)
+                    else:  # the CPU platform settled the size while it configured the engine
+                        manager = cache.block_size
+                    check.block_size = select_common_block_size(manager, backends)
+                except ValueError as error:
+                    check.error = short_error(error)
+    return check

@@ -1,0 +1,141 @@
+"""The engine rehearsal (eagle_pipeline/engine_rehearsal.py): every engine a stage starts, configured by vLLM's own
+code without loading a model, with the attention backend vLLM's selector returns for each kind of layer.
+
+The Kimi-K2.5 config (`configs/kimi-k2.5-10.yaml`, device cuda) is checked on this CPU machine against a tiny
+stand-in of its target (tests/test_kimi_vllm.py: DeepSeek-V3 MLA layers in Kimi-K2.5's nested layout): the
+selection is CUDA's own (`vllm.platforms.cuda` at the GPU host's compute capability 12.0), which refuses what
+vLLM's CPU platform silently replaces. No engine starts; each test imports vLLM and configures engines only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_stage_in_process
+from released_drafter_standin import KIMI_STANDIN, write_released_standin
+from test_kimi_vllm import make_kimi_k25
+
+from eagle_pipeline.config import load_config
+from eagle_pipeline.errors import BadInput
+
+KIMI_CONFIG = REPO / "configs" / "kimi-k2.5-10.yaml"
+# The Kimi config's settings that the tiny stand-in cannot take (its depth, width, context and 4 heads, which
+# tensor parallelism of 8 would not divide); every engine setting of the config stays.
+STANDIN_FIT = {"hidden_states": {"layer_ids": [1, 2, 3], "max_seq_len": 1024},
+               "train": {"draft_shape": {"hidden_size": 64}}, "generation": {"max_tokens": 512}}
+VERIFIER_FIT = {"max_model_len": 2048, "tensor_parallel_size": 1}
+CUDA = "cuda sm_120"
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rehearsal")
+    make_kimi_k25(root / "kimi")
+    return root
+
+
+def kimi_config_file(root: Path, name: str, verifier: dict | None = None, serve: dict | None = None) -> Path:
+    path = root / f"{name}.yaml"
+    data = {"extends": str(KIMI_CONFIG), "run_name": name, "data_root": str(root / "data"), **STANDIN_FIT,
+            "verifier": {"path": str(root / "kimi"), **VERIFIER_FIT, **(verifier or {})}, "serve": serve or {}}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def kimi_config(root: Path, name: str = "k", **sections):
+    return load_config(kimi_config_file(root, name, **sections), [])
+
+
+def test_every_engine_of_the_kimi_config_is_configured_by_cudas_selector(standin, capsys):
+    from eagle_pipeline.engine_rehearsal import before_first_load
+
+    before_first_load(kimi_config(standin), 1)  # stage 01 on the GPU host: every stage's engines
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("  engine ")]
+    assert "engine rehearsal of stages 01, 02, 04, 05, 06" in out, out
+    # 01 answers, 02 captures, 05 checks the drafter's load, 06 serves none and EAGLE-3, the four engine
+    # variants of the config, and the replay's capture.
+    names = [line.split(" (")[0].split(":")[0].strip() for line in lines]
+    assert names == ["engine 01 answering engine", "engine 02 hidden-state capture", "engine 05 drafter load check",
+                     "engine 06 server none", "engine 06 server eagle3",
+                     *[f"engine 06 engine variant {i}" for i in range(1, 5)], "engine 06 replay capture"], out
+    assert all(CUDA in line and "target MLA -> TRITON_MLA" in line for line in lines), out
+    eagle3 = next(line for line in lines if "server eagle3" in line)
+    assert "drafter full attention -> TRITON_ATTN" in eagle3 and "runner V2" in eagle3 and "block 16" in eagle3, eagle3
+    variant = next(line for line in lines if "verifier.model_runner=v1)" in line)
+    assert "runner V1" in variant, variant
+
+
+def test_stage_05_built_the_drafter_under_the_targets_mla_backend_which_cuda_refuses(standin):
+    """The load check used to build the drafter without its own settings: the Llama drafter's layers then asked
+    for the target's TRITON_MLA, which the CPU platform replaces and CUDA refuses. With the drafter's settings,
+    as stage 06 serves it, CUDA accepts it."""
+    from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
+    from eagle_pipeline.engine import drafter_engine_settings, llm_kwargs
+    from eagle_pipeline.vllm_config_check import check_engine
+
+    cfg = kimi_config(standin)
+    drafter = write_released_standin(standin / "drafter", KIMI_STANDIN)
+    target = str(standin / "kimi")
+    engine = {k: v for k, v in llm_kwargs(cfg, target).items() if k != "model"}
+    without = load_check_engine_kwargs(target, str(drafter), engine)  # the drafter's settings left out
+    with_settings = load_check_engine_kwargs(target, str(drafter), engine, drafter_engine_settings(cfg))
+
+    assert check_engine("cpu", without, kv_cache=False).ok  # vLLM's CPU platform lets it through
+    refused = check_engine("cuda", without, kv_cache=False)
+    drafter_layer = refused.layers[1]
+    assert not refused.ok and drafter_layer.requested == "TRITON_MLA", refused
+    assert "non-MLA not supported" in drafter_layer.error, drafter_layer
+    accepted = check_engine("cuda", with_settings, kv_cache=False)
+    assert accepted.ok and [layer.backend for layer in accepted.layers] == ["TRITON_MLA", "TRITON_ATTN"], accepted
+
+
+def test_an_unset_drafter_backend_inherits_the_targets_on_runner_v2_and_is_refused(standin):
+    from eagle_pipeline.engine_rehearsal import check_engines
+
+    cfg = kimi_config(standin, "unset", serve={"drafter_attention_backend": None})
+    with pytest.raises(BadInput) as refusal:
+        check_engines(cfg, (5,), show=False)
+    message = str(refusal.value)
+    assert message.startswith("engine rehearsal: stage 05 drafter load check"), message
+    assert "serve.drafter_attention_backend" in message and "non-MLA not supported" in message, message
+    # Model runner V1 chooses the drafter's backend afresh instead of inheriting it.
+    v1 = kimi_config(standin, "unset-v1", verifier={"model_runner": "v1"}, serve={"drafter_attention_backend": None})
+    (done,) = check_engines(v1, (5,), show=False)
+    assert done.result.runner == "V1" and done.result.layers[1].backend == "FLASH_ATTN", done.line()
+
+
+def test_a_backend_this_machine_cannot_import_is_named_not_refused(standin):
+    from eagle_pipeline.engine_rehearsal import check_engines
+
+    cfg = kimi_config(standin, "fi", verifier={"attention_backend": "FLASHINFER_MLA", "kv_cache_dtype": "fp8"})
+    (done,) = check_engines(cfg, (1,), show=False)
+    assert "target MLA -> cannot be checked here (asked FLASHINFER_MLA)" in done.line(), done.line()
+    assert "flashinfer" in done.result.layers[0].error, done.result
+
+
+def test_the_cpu_mla_block_size_conflict_is_found_before_any_engine_starts(standin):
+    """On the CPU, CPU_MLA takes KV blocks of 16 and the Llama drafter's CPU_ATTN multiples of 32: the EAGLE-3
+    server cannot start (docs/engines.md, "The CPU MLA limit"); the rehearsal says so without starting it."""
+    from eagle_pipeline.engine_rehearsal import check_engines
+
+    cfg = kimi_config(standin, "cpu").model_copy(update={"device": "cpu"})
+    cfg = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"attention_backend": "CPU_MLA"}),
+                                 "serve": cfg.serve.model_copy(update={"drafter_attention_backend": None,
+                                                                       "engine_variants": []})})
+    with pytest.raises(BadInput) as refusal:
+        check_engines(cfg, (6,), show=False)
+    assert "stage 06 server eagle3" in str(refusal.value), refusal.value
+    assert "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" in str(refusal.value)
+
+
+def test_the_dry_run_prints_a_line_per_engine_and_refuses_what_cuda_refuses(standin, capsys):
+    config = kimi_config_file(standin, "dry", serve={"drafter_attention_backend": None})
+    code, out, err = run_stage_in_process("05_convert.py", config, capsys, "--dry-run")
+    assert code == 2 and "engine 05 drafter load check: target MLA -> TRITON_MLA; drafter full attention -> " \
+                          "REFUSED (asked TRITON_MLA)" in out, out + err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "serve.drafter_attention_backend" in errors[0], err
+    assert not (standin / "data").exists(), "a dry run writes nothing"
