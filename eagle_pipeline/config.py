@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from eagle_pipeline.config_file import Origins, read_config_file

@@ -17,6 +17,8 @@ model, the host and the folders it names.
 Stage-specific checks (a drafter's shapes, its layer ids, the vocabulary map) stay with the stage that uses it.
 """
 
+In a dry run what the host lacks (GPUs, the Mooncake software) is said after the plan, as its last line
+(`host_shortfall_last`), so that a plan for a GPU host can be read on a laptop.
 from __future__ import annotations
 
 import os
@@ -25,7 +27,9 @@ import sys
 from pathlib import Path
 
 from eagle_pipeline.config import RunConfig
+from contextlib import contextmanager
 from eagle_pipeline.errors import BadInput
+from typing import Iterator
 
 # (config key, its section and field, the stage that reads the folder)
 DRAFTER_FOLDERS = (("vocab.from_drafter", "vocab", "from_drafter", "03_build_vocab_map"),
@@ -49,7 +53,53 @@ def check_preconditions(cfg: RunConfig, stage_number: int) -> None:
     check_disk_budget(cfg, stage_number)
 
 
+    if stage_number == 4:
+        check_online_software(cfg)
 # -- folders -----------------------------------------------------------------------------------------------
+
+
+# -- what the host lacks: in a dry run, said after the plan ---------------------------------------------------
+
+_shortfalls: list[str] | None = None  # collecting, inside host_shortfall_last
+
+
+@contextmanager
+def host_shortfall_last(report: bool = True) -> Iterator[None]:
+    """Within it, what this host lacks for the run (GPUs, the Mooncake software) is collected instead of refused,
+    so that a dry run prints its whole plan, on a laptop too; on leaving, the first is refused (its `error:` line
+    is the dry run's last). `report=False` drops them: scripts/run_pipeline.sh --dry-run checks the host once,
+    after every stage's plan (scripts/pipeline_report.py --plan)."""
+    global _shortfalls
+    _shortfalls = []
+    try:
+        yield
+        found = list(_shortfalls)
+    finally:
+        _shortfalls = None
+    if found and report:
+        raise BadInput(found[0])
+
+
+def _host_lacks(problem: str) -> None:
+    if _shortfalls is None:
+        raise BadInput(problem)
+    _shortfalls.append(problem)
+
+
+def check_host(cfg: RunConfig) -> None:
+    """Everything this module asks of the host for the whole run: its GPUs and, for stage 04, its software."""
+    check_gpu_count(cfg)
+    check_online_software(cfg)
+
+
+def check_online_software(cfg: RunConfig) -> None:
+    """Stage 04 of an online run with the Mooncake transfer needs the Mooncake package and programs here."""
+    if cfg.hidden_states.mode == "online" and cfg.hidden_states.transfer == "mooncake":
+        from eagle_pipeline.online.mooncake import mooncake_refusal
+
+        refusal = mooncake_refusal()
+        if refusal:
+            _host_lacks(refusal)
 
 
 def check_referenced_folders(cfg: RunConfig) -> None:
@@ -128,16 +178,16 @@ def check_gpu_count(cfg: RunConfig) -> None:
     if not on_cuda and train_gpus == 0:
         return
     count, how = count_host_gpus()
-    if on_cuda and count == 0:
-        raise BadInput(f"device: cuda, but this host has no GPU ({how}); set device: cpu, or run on a GPU host "
-                       f"(make its GPUs visible: CUDA_VISIBLE_DEVICES, docker run --gpus all)")
     tp = cfg.verifier.tensor_parallel_size
-    if on_cuda and tp > count:
-        raise BadInput(f"verifier.tensor_parallel_size: {tp}, but this host has {count} GPU(s) ({how}); lower it to "
-                       f"at most {count}, or run on a host with {tp} GPUs")
-    if train_gpus > count:
-        raise BadInput(f"train.num_gpus: {train_gpus}, but this host has {count} GPU(s) ({how}); lower it to at most "
-                       f"{count} (0 trains on the CPU), or run on a host with {train_gpus} GPUs")
+    if on_cuda and count == 0:
+        _host_lacks(f"device: cuda, but this host has no GPU ({how}); set device: cpu, or run on a GPU host "
+                    f"(make its GPUs visible: CUDA_VISIBLE_DEVICES, docker run --gpus all)")
+    elif on_cuda and tp > count:
+        _host_lacks(f"verifier.tensor_parallel_size: {tp}, but this host has {count} GPU(s) ({how}); lower it to "
+                    f"at most {count}, or run on a host with {tp} GPUs")
+    elif train_gpus > count:
+        _host_lacks(f"train.num_gpus: {train_gpus}, but this host has {count} GPU(s) ({how}); lower it to at most "
+                    f"{count} (0 trains on the CPU), or run on a host with {train_gpus} GPUs")
 
 
 # -- the disk budget ---------------------------------------------------------------------------------------

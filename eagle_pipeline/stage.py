@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eagle_pipeline import atomic, engine_starts, locks, outputs
+from eagle_pipeline import atomic, engine_starts, locks, outputs, preconditions
 from eagle_pipeline.config import RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
@@ -474,7 +474,12 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
             setup_logging(None if args.dry_run else stage.log_path)
             for note in held.notes:
                 log.warning("%s", note)
-            body(stage, args.dry_run)
+            if args.dry_run:  # the whole plan first: what the host lacks is its last line
+                # scripts/run_pipeline.sh --dry-run says it once, after every stage's plan.
+                with preconditions.host_shortfall_last(report=os.environ.get("EAGLE_DRY_RUN_HOST") != "later"):
+                    body(stage, True)
+            else:
+                body(stage, False)
     finally:
         held.release()
         signal.signal(signal.SIGTERM, previous_sigterm)
@@ -517,7 +522,13 @@ def check_data_root_writable(cfg: RunConfig, create: bool) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise BadInput(f"data_root: {root} cannot be created because {probe} is a file; choose another data_root")
-    if not create:
+    if not create:  # a dry run writes nothing, so it asks whether the run could (a read-only mount, another owner)
+        existing = cfg.run_dir
+        while not existing.exists():
+            existing = existing.parent
+        if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+            raise BadInput(f"data_root: cannot write under {root} ({existing} is read-only for this user); choose another "
+                           f"data_root or fix permissions")
         return
     # One probe per process: two stages started together must not remove each other's.
     probe_file = cfg.run_dir / f".write-probe-{os.getpid()}-{secrets.token_hex(4)}"

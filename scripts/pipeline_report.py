@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 from eagle_pipeline.config import load_config
+from eagle_pipeline.disk_plan import plan_table
 from eagle_pipeline.engine_starts import planned_target_starts, probe_starts
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.preconditions import check_host
 from eagle_pipeline.serve.report import format_number, format_speedup, read_report
 from eagle_pipeline.stage import STAGES, read_stage_records
 
@@ -60,7 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--plan", action="store_true", help="how often a full pass of this config starts the target, per stage")
+    parser.add_argument("--plan", action="store_true", help="how often a full pass of this config starts the target, and the disk it plans, per stage")
     args = parser.parse_args()
     try:
         cfg = load_config(args.config, args.overrides)
@@ -75,6 +77,15 @@ def main() -> int:
         print(f"| total | {sum(planned.values())} |")
         if cfg.serve.probe_engine == "on_engine_verdict" and probe_starts(cfg):
             print(f"(stage 06's engine probe adds up to {probe_starts(cfg)} more, only after an engine verdict)")
+        try:  # what each stage writes into the run folder, against disk_budget_gb
+            print("\n" + "\n".join(plan_table(cfg)))
+        except BadInput as e:  # the stages' dry runs refuse the target themselves; the starts above hold without it
+            print(f"\n(disk plan: needs the target's config.json: {e})")
+        try:  # the stages' dry runs left what this host lacks to here (scripts/run_pipeline.sh --dry-run)
+            check_host(cfg)
+        except BadInput as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     print("| stage | status | wall time (s) | target engine starts (s) | key figures |\n|---|---|---|---|---|")
     total, starts, start_s = 0.0, 0, 0.0

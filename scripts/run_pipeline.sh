@@ -9,6 +9,8 @@ config="${1:-configs/tiny.yaml}"
 shift || true
 scripts/setup_env.sh
 export PYTHONUNBUFFERED=1
+# A dry run plans every stage on any host: what this host lacks (GPUs, software) is said once, at the end.
+case " $* " in *" --dry-run "*) export EAGLE_DRY_RUN_HOST=later ;; esac
 stages=$(.venv/bin/python -c "from eagle_pipeline.stage import STAGES; print(*STAGES.values())")
 for stage in $stages; do
   [ -f "$stage.py" ] || continue
@@ -27,6 +29,7 @@ while [ $# -gt 0 ]; do
     *) shift ;;
   esac
 done
-# A dry run ends with how often a full pass starts the target (each start of a large target is a cold start).
-echo "=== $([ ${#plan[@]} -eq 0 ] && echo summary || echo "target cold starts planned")"
+# A dry run ends with how often a full pass starts the target (each start of a large target is a cold start) and
+# what each stage plans to write into the run folder (eagle_pipeline/disk_plan.py).
+echo "=== $([ ${#plan[@]} -eq 0 ] && echo summary || echo "target cold starts and disk planned")"
 .venv/bin/python scripts/pipeline_report.py --config "$config" "${overrides[@]}" "${plan[@]}"

@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from eagle_pipeline.config import redact_url
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.online.servers import parse_label
 
@@ -45,30 +46,31 @@ def get_json(url: str, timeout: float) -> Any:
 def check_endpoint(endpoint: str, expected: ExpectedCapture, timeout: float = 10.0) -> dict[str, Any]:
     """Raise BadInput unless the server at `endpoint` (its /v1 base URL) captures what this run trains on; return
     what it said about itself."""
+    shown = redact_url(endpoint)  # what error lines and the manifest say: never a password
     try:
         models = get_json(endpoint.rstrip("/") + "/models", timeout)["data"]
     except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
-        raise BadInput(f"{KEY}: {endpoint} does not answer as a vLLM server ({type(e).__name__}: {e}); {FIX}, or "
+        raise BadInput(f"{KEY}: {shown} does not answer as a vLLM server ({type(e).__name__}: {e}); {FIX}, or "
                        f"remove it") from None
     names = [str(card.get("id")) for card in models if isinstance(card, dict)]
     if not names or names[0] != expected.served_model:
-        raise BadInput(f"{KEY}: {endpoint} serves {names[0] if names else 'nothing'!r} first, but the trainer asks for "
+        raise BadInput(f"{KEY}: {shown} serves {names[0] if names else 'nothing'!r} first, but the trainer asks for "
                        f"{expected.served_model!r} (speculators requests the verifier's path); start it with "
                        f"--served-model-name {expected.served_model} first, or {FIX}")
     labels = [parsed for parsed in map(parse_label, names) if parsed is not None]
     if not labels:
-        raise BadInput(f"{KEY}: {endpoint} has no capture label among its served names {names[1:]}: it was not started "
+        raise BadInput(f"{KEY}: {shown} has no capture label among its served names {names[1:]}: it was not started "
                        f"as a capture server of this pipeline; {FIX}")
     label = labels[0]
     for field, key in LABEL_FIELDS.items():
         if label.get(field) != expected.label[field]:
-            raise BadInput(f"{KEY}: {endpoint} captures {field} {label.get(field)!r} but this run needs "
+            raise BadInput(f"{KEY}: {shown} captures {field} {label.get(field)!r} but this run needs "
                            f"{expected.label[field]!r} ({key}); {FIX}")
     context = models[0].get("max_model_len")
     if isinstance(context, int) and context <= expected.longest_sequence:
-        raise BadInput(f"{KEY}: {endpoint} takes sequences of up to {context - 1} tokens but this run's longest has "
+        raise BadInput(f"{KEY}: {shown} takes sequences of up to {context - 1} tokens but this run's longest has "
                        f"{expected.longest_sequence} (hidden_states.max_seq_len); {FIX}")
-    return {"endpoint": endpoint, "served": names[0], "label": label, "max_model_len": context}
+    return {"endpoint": shown, "served": names[0], "label": label, "max_model_len": context}
 
 
 def probe_endpoint(client, input_ids: list[int], *, num_states: int, hidden_size: int,
@@ -81,15 +83,16 @@ def probe_endpoint(client, input_ids: list[int], *, num_states: int, hidden_size
     try:
         sample, params = client.capture(input_ids)
     except Exception as e:  # noqa: BLE001 - any failure of the round trip is this server's to name
-        raise BadInput(f"{KEY}: {client.endpoint} did not deliver a sample through transfer {transfer} "
+        raise BadInput(f"{KEY}: {redact_url(client.endpoint)} did not deliver a sample through transfer {transfer} "
                        f"({type(e).__name__}: {e}); check that the trainer reaches what the server writes to "
                        f"(a shared folder, or the Mooncake master), or {FIX}") from None
     by_manifest = isinstance(params, dict) and "tensors" in params and "version" in params
     if by_manifest != (transfer == "mooncake"):
-        raise BadInput(f"{KEY}: {client.endpoint} answered with {'a Mooncake manifest' if by_manifest else 'a file path'}, "
+        answered = "a Mooncake manifest" if by_manifest else "a file path"
+        raise BadInput(f"{KEY}: {redact_url(client.endpoint)} answered with {answered}, "
                        f"but this run's transfer is {transfer}; {FIX}")
     shape = tuple(sample["hidden_states"].shape)
     if shape != (len(input_ids), num_states, hidden_size):
-        raise BadInput(f"{KEY}: {client.endpoint} captured states of shape {list(shape)}, expected "
+        raise BadInput(f"{KEY}: {redact_url(client.endpoint)} captured states of shape {list(shape)}, expected "
                        f"[{len(input_ids)}, {num_states}, {hidden_size}] (aux ids + final layer); {FIX}")
     return time.monotonic() - started, params

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from eagle_pipeline import atomic
+from eagle_pipeline.config import redact_url
 from eagle_pipeline.online.settings import OnlineTraining
 
 FAILURE_FILE = "capture_failed.txt"
@@ -33,7 +34,7 @@ class CaptureUnavailable(RuntimeError):
 
 def failure_message(endpoint: str, retry_s: float, detail: str) -> str:
     last = detail.strip().splitlines()[-1] if detail.strip() else ""
-    return (f"capture server {endpoint} delivered no hidden states for a sample within its retries "
+    return (f"capture server {redact_url(endpoint)} delivered no hidden states for a sample within its retries "
             f"(hidden_states.capture_retry_s {retry_s:g} s): {last[:400]}; start it again (or fix "
             f"hidden_states.capture_endpoints) and rerun stage 04: it resumes from the last complete checkpoint")
 

@@ -50,10 +50,16 @@ def mooncake_problem() -> str | None:
     return None
 
 
-def require_mooncake() -> None:
+def mooncake_refusal() -> str | None:
+    """The error line for a host without the Mooncake transfer (mooncake_problem), or None."""
     problem = mooncake_problem()
-    if problem:
-        raise BadInput(f"hidden_states.transfer: mooncake, but {problem}; {INSTALL_HINT}, or use transfer: file")
+    return f"hidden_states.transfer: mooncake, but {problem}; {INSTALL_HINT}, or use transfer: file" if problem else None
+
+
+def require_mooncake() -> None:
+    refusal = mooncake_refusal()
+    if refusal:
+        raise BadInput(refusal)
 
 
 def program_path(name: str) -> Path | None:

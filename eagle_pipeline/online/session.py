@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.capture import ENGINE_DTYPE_BYTES
+from eagle_pipeline.config import redact_url
 from eagle_pipeline.online import mooncake as mc
 from eagle_pipeline.online.client import CaptureClient, transfer_for
 from eagle_pipeline.online.disk import PeakWatch
@@ -59,7 +60,7 @@ def window_bound(cfg, num_states: int, hidden_size: int, longest: int) -> int:
 def plan_lines(cfg, num_states: int, hidden_size: int, longest: int) -> list[str]:
     """What a dry run of stage 04 says about the online part."""
     hs = cfg.hidden_states
-    servers = ", ".join(hs.capture_endpoints) if hs.capture_endpoints else "one started on this host by stage 04"
+    servers = ", ".join(map(redact_url, hs.capture_endpoints)) if hs.capture_endpoints else "one started on this host by stage 04"
     store = ""
     if hs.transfer == "mooncake":
         store = (f"; Mooncake master {hs.mooncake.master}" if hs.mooncake.master else
@@ -86,11 +87,13 @@ def dataset_rows(data_dir: Path) -> list[dict[str, Any]]:
             for ids, mask, n in zip(data["input_ids"], data["loss_mask"], data["seq_len"])]
 
 
-def check_named_endpoints(cfg, verifier, layout, rows: list[dict[str, Any]]) -> None:
-    """hidden_states.capture_endpoints checked before anything is written (the session checks them again, and
-    probes them, once it runs)."""
+def check_named_endpoints(cfg, verifier, layout, rows: list[dict[str, Any]] | None = None) -> None:
+    """hidden_states.capture_endpoints checked before anything is written, dry run included (the session checks
+    them again, and probes them, once it runs). Without stage 02's rows (a dry run before it), each server must
+    take the longest sample the config allows, as one started with this config does."""
+    longest = max(r["seq_len"] for r in rows) if rows else cfg.hidden_states.max_seq_len
     expected = ExpectedCapture(served_model=served_model_name(verifier), label=parse_label(run_label(cfg, verifier, layout)),
-                               longest_sequence=max(r["seq_len"] for r in rows))
+                               longest_sequence=longest)
     for endpoint in cfg.hidden_states.capture_endpoints:
         check_endpoint(endpoint, expected)
 
@@ -202,7 +205,7 @@ class OnlineSession:
         samples = []
         for row in rows:
             mask = self.rows[row]["loss_mask"]
-            samples.append(CapturedSample(f"row {row} captured by {endpoint}", self.rows[row]["input_ids"],
+            samples.append(CapturedSample(f"row {row} captured by {redact_url(endpoint)}", self.rows[row]["input_ids"],
                                           read_sample(sample_path(self.kept_dir, row))["hidden_states"],
                                           [t for t in range(len(mask) - 1) if mask[t + 1]]))
         return check_meaning(samples, target_head_for(self.verifier), slot_names(self.layout.layer_ids, self.layout.num_layers),
@@ -223,7 +226,7 @@ class OnlineSession:
         seconds = sum(c["prefill_seconds"] for c in capture)
         return {
             "transfer": hs.transfer,
-            "endpoints": self.online.endpoints if self.online else [],
+            "endpoints": [redact_url(endpoint) for endpoint in self.online.endpoints] if self.online else [],
             "started_here": {"capture_servers": len(self.servers), "mooncake": self.services is not None},
             "window": hs.online_window,
             "window_bound_bytes": window_bound(self.cfg, self.layout.num_hidden_states, self.layout.hidden_size,
