@@ -15,10 +15,10 @@ model, the host and the folders it names.
   would take it above.
 
 Stage-specific checks (a drafter's shapes, its layer ids, the vocabulary map) stay with the stage that uses it.
-"""
-
 In a dry run what the host lacks (GPUs, the Mooncake software) is said after the plan, as its last line
 (`host_shortfall_last`), so that a plan for a GPU host can be read on a laptop.
+"""
+
 from __future__ import annotations
 
 import os
