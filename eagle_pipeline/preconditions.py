@@ -24,12 +24,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from eagle_pipeline.config import RunConfig
-from contextlib import contextmanager
 from eagle_pipeline.errors import BadInput
-from typing import Iterator
 
 # (config key, its section and field, the stage that reads the folder)
 DRAFTER_FOLDERS = (("vocab.from_drafter", "vocab", "from_drafter", "03_build_vocab_map"),
@@ -50,12 +50,9 @@ def check_preconditions(cfg: RunConfig, stage_number: int) -> None:
     check_referenced_folders(cfg)
     check_parallel_split(cfg)
     check_gpu_count(cfg)
-    check_disk_budget(cfg, stage_number)
-
-
     if stage_number == 4:
         check_online_software(cfg)
-# -- folders -----------------------------------------------------------------------------------------------
+    check_disk_budget(cfg, stage_number)
 
 
 # -- what the host lacks: in a dry run, said after the plan ---------------------------------------------------
@@ -100,6 +97,9 @@ def check_online_software(cfg: RunConfig) -> None:
         refusal = mooncake_refusal()
         if refusal:
             _host_lacks(refusal)
+
+
+# -- folders -----------------------------------------------------------------------------------------------
 
 
 def check_referenced_folders(cfg: RunConfig) -> None:
