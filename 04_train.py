@@ -146,12 +146,12 @@ def run(stage: Stage, dry_run: bool) -> None:
             from eagle_pipeline.online.session import plan_lines
 
             print("\n".join(plan_lines(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
+                            + run_plan_lines(cfg, verifier, layout)))
             if cfg.hidden_states.capture_endpoints:  # asked now, as the run asks them before it writes anything
                 from eagle_pipeline.online.session import check_named_endpoints, dataset_rows
 
                 rows = None if planning else dataset_rows(cfg.stage_dir("02_extract_hidden") / "data")
                 check_named_endpoints(cfg, verifier, layout, rows)
-                            + run_plan_lines(cfg, verifier, layout)))
         return
 
     init_from = cfg.resolve_path(t.init_from) if t.init_from else None
