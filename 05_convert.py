@@ -65,6 +65,13 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"{parity_plan(cfg)}")
         return
     trained = require_complete(cfg, 4)
+    vocab = require_complete(cfg, 3)
+    # Stage 04 records the draft vocabulary it trained with: a stage 03 rebuilt since (another vocabulary) leaves a
+    # checkpoint whose d2t is not the run's.
+    if trained["inputs"].get("d2t") != vocab["output_fingerprint"]:
+        raise BadInput(f"{cfg.stage_dir('04_train')}: trained with another draft vocabulary (d2t) than "
+                       f"{cfg.stage_dir('03_build_vocab_map')} now holds; rerun 04_train.py with --force, "
+                       f"then this stage")
     best = trained["counts"].get("best") or {}
     checkpoint = cfg.stage_dir("04_train") / (best.get("checkpoint") or trained["counts"]["last_checkpoint"])
     verifier = Verifier.from_config(cfg)
@@ -84,6 +91,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     inputs = {
         "checkpoint": upstream_fingerprint(trained),
         "checkpoint_weights": trained["output_fingerprint"],
+        "d2t": vocab["output_fingerprint"],
         "reference_dir": str(reference) if reference else None,
         "convert": value_fingerprint(c.model_dump(mode="json", exclude={"engine_timeout_s"})),
     }

@@ -12,12 +12,13 @@ Full scale (8 GPUs):
     python 06_serve_test.py --config configs/kimi-k2.5-10k.yaml
 
 Output in <data_root>/<run_name>/06_serve_test/: report.json, report.md, report.png (acceptance per
-position, tokens/s per mode), responses.jsonl, served.json (the served measurements in full), baseline/ (the
-no-speculation answers and their captured states), logs/server-<mode>.log, manifest.json.
+position, tokens/s per mode), responses.jsonl, served/<mode>.json (each mode's measurements in full), baseline/
+(the no-speculation answers and their captured states), logs/server-<mode>.log, manifest.json.
 
-The served measurements are written (report.json, report.md, served.json, baseline/answers.json) before the
-offline prediction starts; a rerun of the same inputs after a failed prediction predicts without serving
-again. When the diagnosis names the engine, `serve.engine_variants` are served with the drafter in turn
+Each mode's measurements are written as soon as it is served (served/<mode>.json, and baseline/answers.json for
+the answers without speculation), and report.json and report.md before the offline prediction starts: a rerun
+of the same inputs serves only the modes still missing (none after a failed prediction, which it retries).
+When the diagnosis names the engine, `serve.engine_variants` are served with the drafter in turn
 (logs/engine-variant-<n>/) until one serves as predicted.
 """
 
@@ -31,6 +32,7 @@ from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.released_drafter import check_weights_whole
 from eagle_pipeline.serve.baseline import (
+    BASELINE_DIR,
     kept_baseline,
     load_baseline,
     merge_baseline,
@@ -38,6 +40,7 @@ from eagle_pipeline.serve.baseline import (
     save_baseline_states,
 )
 from eagle_pipeline.serve.report import (
+    SERVED_DIR,
     format_speedup,
     per_prompt_acceptance,
     read_report,
@@ -134,8 +137,13 @@ def run(stage: Stage, dry_run: bool) -> None:
         "verifier": shaped_by["verifier"],
         "chat_template_kwargs": template_kwargs,
     }
+    if not foreign:  # the draft vocabulary now in stage 03, which stage 05's drafter must have been built with
+        inputs["d2t"] = require_complete(cfg, 3)["output_fingerprint"]
     baseline = load_baseline(cfg.resolve_path(s.baseline), shaped_by) if s.baseline else None
-    if stage.start(inputs) is Start.ALREADY_COMPLETE:
+    # README's cheap rerun points serve.baseline at this very folder, and its changed input needs --force: the
+    # baseline it reads is kept, not deleted with the rest.
+    own_baseline = s.baseline is not None and cfg.resolve_path(s.baseline).resolve() == stage.dir.resolve()
+    if stage.start(inputs, keep=(BASELINE_DIR,) if own_baseline else ()) is Start.ALREADY_COMPLETE:
         report = read_report(stage.dir / "report.json")
         ok, message = verdict(report, s.min_acceptance_length)
         print(f"stage 06 already complete for these inputs: {stage.dir}\n{message}")
@@ -146,22 +154,39 @@ def run(stage: Stage, dry_run: bool) -> None:
         return
 
     messages = [p["messages"] for p in prompts]
-    report = read_served(stage.dir, inputs)
-    if report is None:
-        report = serve_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs)
-        if baseline is not None:
-            report = merge_baseline(report, baseline)
-        report["prompt_ids"] = [p["id"] for p in prompts]
-        # Written before predicting: what was served survives a failed prediction, and a rerun reads it;
-        # served.json last, as the mark that the served part is whole.
-        if baseline is None:
-            save_baseline_answers(stage.dir, shaped_by, report)
-        write_served(stage.dir, inputs, report)
+    # Each mode is kept as soon as it is served (served/<mode>.json; the answers without speculation also as
+    # baseline/answers.json): a rerun of the same inputs serves only what is missing.
+    served = read_served(stage.dir, inputs, modes, s.num_speculative_tokens, shaped_by if baseline is None else None)
+    missing = [mode for mode in modes if mode not in served]
+    if not missing:
+        print(f"stage 06: the served measurements of these inputs are in {stage.dir / SERVED_DIR} (an earlier run "
+              f"stopped after serving): predicting without serving again")
+    elif served:
+        print(f"stage 06: {', '.join(served)} served by an earlier run of these inputs ({stage.dir / SERVED_DIR}): "
+              f"serving {', '.join(missing)} only")
+
+    def keep_served(mode: str, record: dict) -> None:
+        write_served(stage.dir, inputs, mode, record)
+        if mode == "none":
+            save_baseline_answers(stage.dir, shaped_by, record)
+
+    if missing:
+        from eagle_pipeline.engine_rehearsal import before_first_load
+
+        before_first_load(cfg, stage.number)
+    report = serve_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs,
+                         measured=served, on_measured=keep_served)
+    if baseline is None and kept_baseline(stage.dir, shaped_by) is None:  # recovered from elsewhere
+        save_baseline_answers(stage.dir, shaped_by, {"summary": report["modes"]["none"],
+                                                     "texts": report["texts"]["none"],
+                                                     "token_ids": report["token_ids"]["none"]})
+    if baseline is not None:
+        report = merge_baseline(report, baseline)
+    report["prompt_ids"] = [p["id"] for p in prompts]
+    if missing:
+        # Written before predicting: what was served survives a failed prediction.
         report["per_prompt"] = per_prompt_acceptance(report)
         write_report(stage.dir, {**report, "verdict": "served; prediction pending" if s.predict else None}, messages)
-    else:
-        print(f"stage 06: the served measurements of these inputs are in {stage.dir / 'served.json'} (an earlier run "
-              f"stopped after serving): predicting without serving again")
     if s.predict:
         # States an earlier run of these inputs captured and kept (it stopped after capturing) are reused too.
         kept = kept_baseline(stage.dir, shaped_by) if baseline is None else None
@@ -196,8 +221,11 @@ def run(stage: Stage, dry_run: bool) -> None:
         sys.exit(1)
 
 
-def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwargs) -> dict:
-    """Every mode served and measured under `cfg`'s engine settings; the eagle3 server's engine facts beside."""
+def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwargs, measured=None,
+                on_measured=None) -> dict:
+    """Every mode served and measured under `cfg`'s engine settings, but those `measured` holds (records of an
+    earlier run); the eagle3 server's engine facts beside, in its record too. `on_measured(mode, record)`: as in
+    `measure_modes`."""
     from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
     from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
     from eagle_pipeline.serve.measure import measure_modes
@@ -205,14 +233,24 @@ def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwa
     s = cfg.serve
     kwargs = server_kwargs(cfg)
     kwargs["env"] = server_env(cfg, kwargs["env"])
+    records = dict(measured or {})
+
+    def keep(mode: str, record: dict) -> None:
+        if mode == "eagle3":
+            record["engine"] = read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg))
+        records[mode] = record
+        if on_measured is not None:
+            on_measured(mode, record)
+
     report = measure_modes(
         target, drafter_dir, messages, num_speculative_tokens=s.num_speculative_tokens, modes=modes,
         max_tokens=s.max_tokens, temperature=s.temperature, concurrency=s.concurrency, seed=cfg.seed, port=s.port,
         log_dir=log_dir, **kwargs, startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
-        drafter_settings=drafter_engine_settings(cfg),
+        drafter_settings=drafter_engine_settings(cfg), measured=measured, on_measured=keep,
     )
     if "eagle3" in modes:
-        report["engine"] = read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg))
+        report["engine"] = (records["eagle3"].get("engine")
+                            or read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg)))
     return report
 
 

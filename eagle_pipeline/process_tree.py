@@ -61,6 +61,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def live_group_members(group: int) -> list[int]:
+    """The processes of process group `group` that have not exited. A zombie (exited, its parent has not reaped
+    it yet, or never will where that parent is a container's init that does not reap) still answers
+    `killpg(group, 0)`, but holds nothing: it counts as gone."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[2]) == group and fields[0] not in ("Z", "X"):
+                members.append(int(entry.name))
+    return members
+
+
 def process_state(pid: int) -> str | None:
     """The process's state letter (R, S, Z, ...), None when it is gone."""
     try:

@@ -250,7 +250,7 @@ class Stage:
         self.log_path = self.dir / "logs" / f"{self.name}.log"
 
     # -- the manifest protocol -----------------------------------------------------------------
-    def start(self, inputs: dict[str, Any], samples: int | None = None) -> "Start":
+    def start(self, inputs: dict[str, Any], samples: int | None = None, keep: tuple[str, ...] = ()) -> "Start":
         """Start (or resume) the stage for these inputs, or say that it is already complete for them.
 
         STARTED: the manifest now says "running" with these inputs and the stage does its work.
@@ -259,13 +259,16 @@ class Stage:
         `samples` is how many samples this run wants: more than the finished output holds resumes the
         stage to extend it (scaling up keeps finished work); fewer is refused, since later stages would
         mix a smaller set with artifacts built from the larger one.
+
+        `keep`: names in the stage folder that --force leaves in place besides logs/ (what this run reads).
         """
         self.inputs = inputs
         # --force does not read the old manifest: it is how a damaged one gets replaced.
         if self.force and (self.dir / "manifest.json").exists():
-            log.info("--force: removing the output in %s (logs are kept)", self.dir)
+            log.info("--force: removing the output in %s (logs%s are kept)", self.dir,
+                     "".join(f", {name}" for name in keep))
             for child in self.dir.iterdir():
-                if child.name != "logs":
+                if child.name != "logs" and child.name not in keep:
                     shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
         old = self.check_unchanged(inputs, samples)
         if old is not None:

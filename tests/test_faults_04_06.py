@@ -58,8 +58,8 @@ def test_stage_06_killed_before_and_after_serving_reruns_to_the_reference_report
             when=lambda: "[eagle3] server healthy" in (tmp_path / "kill-2.log").read_text(errors="replace"),
             delay=rng.uniform(0.0, 1.0), log_path=tmp_path / "kill-2.log")
     assert not (stage / "report.json").exists()
-    # Past serving, while it predicts: served first, so the report without the prediction is already there.
-    kill_at("06_serve_test.py", config, *settings, stage_dir=stage, when=(stage / "served.json").exists, delay=0.0,
+    # Past serving, while it predicts: the report without the prediction is written first.
+    kill_at("06_serve_test.py", config, *settings, stage_dir=stage, when=(stage / "report.json").exists, delay=0.0,
             log_path=tmp_path / "kill-3.log")
     assert "predicted_mean_acceptance_length" not in json.loads((stage / "report.json").read_text())
 

@@ -737,13 +737,17 @@ def test_the_probe_serves_variants_in_turn_until_one_serves_as_predicted():
 
 
 def test_the_served_record_is_read_back_only_for_the_same_inputs(tmp_path):
+    from eagle_pipeline.serve.measure import mode_record, served_report
     from eagle_pipeline.serve.report import read_served, write_served
 
-    report = {"num_prompts": 1, "texts": {"none": ["a"]}, "token_ids": {"none": [([1, 2], [3])]}}
-    write_served(tmp_path, {"serve": "x"}, report)
-    back = read_served(tmp_path, {"serve": "x"})
-    assert back["token_ids"]["none"] == [([1, 2], [3])] and back["texts"] == {"none": ["a"]}
-    assert read_served(tmp_path, {"serve": "y"}) is None and read_served(tmp_path / "none", {"serve": "x"}) is None
+    record = mode_record(_measurements()["none"])
+    write_served(tmp_path, {"serve": "x"}, "none", json.loads(json.dumps(record)))
+    back = read_served(tmp_path, {"serve": "x"}, ["none", "eagle3"], 3)
+    assert list(back) == ["none"] and back["none"] == json.loads(json.dumps(record))
+    report = served_report(back, num_speculative_tokens=3, temperature=0.0)
+    assert report["texts"] == {"none": ["a", "b", "c"]} and report["token_ids"]["none"][0] == (None, None)
+    assert read_served(tmp_path, {"serve": "y"}, ["none"], 3) == {}
+    assert read_served(tmp_path / "no", {"serve": "x"}, ["none"], 3) == {}
 
 
 def test_report_lists_the_worst_prompts_the_engine_and_the_probe():

@@ -25,12 +25,13 @@ BASELINE_DIR = "baseline"
 ANSWERS = "answers.json"
 
 
-def save_baseline_answers(stage_dir: Path, shaped_by: dict[str, Any], report: dict[str, Any]) -> None:
-    """The no-speculation answers, written as soon as they are served (before any prediction can fail)."""
+def save_baseline_answers(stage_dir: Path, shaped_by: dict[str, Any], record: dict[str, Any]) -> None:
+    """The no-speculation answers (the "none" mode's record, `measure.mode_record`), written as soon as they are
+    served (before a later mode or the prediction can fail)."""
     folder = stage_dir / BASELINE_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(folder / ANSWERS, {"shaped_by": shaped_by, "texts": report["texts"]["none"],
-                                         "token_ids": report["token_ids"]["none"], "summary": report["modes"]["none"],
+    atomic.write_json(folder / ANSWERS, {"shaped_by": shaped_by, "texts": record["texts"],
+                                         "token_ids": record["token_ids"], "summary": record["summary"],
                                          "captured_layer_ids": None})
 
 

@@ -2,7 +2,10 @@
 
 Each mode ("none", "ngram", "eagle3") gets its own server process, one at a time. For each mode we send a
 warm-up request, scrape /metrics, run the prompts, scrape again, and keep the difference, so that start-up
-and warm-up traffic never count.
+and warm-up traffic never count. Each mode's record (`mode_record`: its summary, texts and token ids) is handed
+out as soon as its prompts are answered, before its server stops, so that a later mode's failure (a server that
+does not start) or a stop that hangs loses nothing measured; the report is built from the records
+(`served_report`), whether served now or by an earlier run.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from eagle_pipeline.engine import eagle3_speculative_config
 from eagle_pipeline.errors import BadInput
@@ -70,6 +73,12 @@ def greedy_mismatches(reference: Sequence[str], candidate: Sequence[str]) -> lis
     return [i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b]
 
 
+def mode_record(m: ModeMeasurement) -> dict:
+    """One served mode as it is kept (JSON): its report block, and per prompt its text and [prompt, answer] ids."""
+    return {"summary": summarize_mode(m), "texts": m.run.texts,
+            "token_ids": [[r.prompt_token_ids, r.token_ids] for r in m.run.requests]}
+
+
 def summarize(
     measurements: dict[str, ModeMeasurement],
     *,
@@ -84,8 +93,22 @@ def summarize(
     0); it is None when no such comparison is possible (temperature > 0 or "none" not measured). The
     headline flag speaks for eagle3 when measured, else for the other speculative modes.
     """
-    modes = {name: summarize_mode(m) for name, m in measurements.items()}
-    num_prompts = {len(m.run.requests) for m in measurements.values()}
+    return summarize_records({name: mode_record(m) for name, m in measurements.items()},
+                             num_speculative_tokens=num_speculative_tokens, temperature=temperature,
+                             max_tokens=max_tokens, concurrency=concurrency)
+
+
+def summarize_records(
+    records: Mapping[str, dict],
+    *,
+    num_speculative_tokens: int,
+    temperature: float,
+    max_tokens: int | None = None,
+    concurrency: int | None = None,
+) -> dict:
+    """`summarize` of the modes' records (`mode_record`)."""
+    modes = {name: record["summary"] for name, record in records.items()}
+    num_prompts = {len(record["texts"]) for record in records.values()}
     if len(num_prompts) > 1:
         raise ValueError(f"modes ran different numbers of prompts: {sorted(num_prompts)}")
     tokens_per_s = {mode: modes[mode]["tokens_per_s"] if mode in modes else None for mode in MODES}
@@ -93,11 +116,11 @@ def summarize(
         tokens_per_s.setdefault(name, modes[name]["tokens_per_s"])
 
     mismatches: dict[str, list[int]] = {}
-    if temperature == 0 and "none" in measurements:
-        reference = measurements["none"].run.texts
-        for name, m in measurements.items():
-            if name != "none" and m.speculative_config is not None:
-                mismatches[name] = greedy_mismatches(reference, m.run.texts)
+    if temperature == 0 and "none" in records:
+        reference = records["none"]["texts"]
+        for name, record in records.items():
+            if name != "none" and record["summary"].get("speculative_config") is not None:
+                mismatches[name] = greedy_mismatches(reference, record["texts"])
     if "eagle3" in mismatches:
         greedy_match = not mismatches["eagle3"]
     elif mismatches:
@@ -157,6 +180,31 @@ def speculative_config_for(
     raise BadInput(f"serve.modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 
+def served_report(records: Mapping[str, dict], **settings) -> dict:
+    """The report of the served modes' records (`summarize_records`, `settings` its keywords), with "texts" and
+    "token_ids" per mode beside it; records in the order the modes were served."""
+    report = summarize_records(records, **settings)
+    report["texts"] = {mode: record["texts"] for mode, record in records.items()}
+    report["token_ids"] = {mode: [tuple(pair) for pair in record["token_ids"]] for mode, record in records.items()}
+    return report
+
+
+def mode_server(mode: str, target_dir: str | os.PathLike, drafter_dir: str | os.PathLike | None, *,
+                num_speculative_tokens: int, log_path: str | os.PathLike, port: int | None = None,
+                max_model_len: int = 2048, dtype: str = "auto", extra_args: Sequence[str] = (),
+                env: dict[str, str] | None = None, drafter_settings: dict | None = None,
+                startup_timeout_s: float = 1200.0, prompt_lookup_max: int = 4,
+                prompt_lookup_min: int = 2) -> VllmServer:
+    """The server (not started) that serves `mode`: the target's settings, the mode's `speculative_config`, and for
+    a speculating mode each request's own acceptance (vLLM refuses that flag without speculation)."""
+    config = speculative_config_for(mode, num_speculative_tokens=num_speculative_tokens, drafter_dir=drafter_dir,
+                                    prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min,
+                                    drafter_settings=drafter_settings)
+    flags = [*extra_args, *(PER_REQUEST_FLAGS if config is not None else ())]
+    return VllmServer(target_dir, port=port, speculative_config=config, max_model_len=max_model_len, dtype=dtype,
+                      extra_args=flags, log_path=log_path, env=env, startup_timeout_s=startup_timeout_s)
+
+
 def measure_modes(
     target_dir: str | os.PathLike,
     drafter_dir: str | os.PathLike | None,
@@ -179,24 +227,32 @@ def measure_modes(
     log_dir: str | os.PathLike,
     startup_timeout_s: float = 1200.0,
     chat_template_kwargs: dict | None = None,
+    measured: Mapping[str, dict] | None = None,
+    on_measured: Callable[[str, dict], None] | None = None,
     log=print,
 ) -> dict:
-    """Serve the target once per mode (sequentially), measure, and return the report dict.
+    """Serve the target once per mode (sequentially), measure, and return the report dict (`served_report`).
 
-    The returned dict is `summarize(...)` plus "texts": {mode: [output text per prompt]}.
+    `measured` holds the records (`mode_record`) of modes an earlier run served: those are not served again.
+    `on_measured(mode, record)` gets each mode's record as soon as its prompts are answered, while its server
+    still runs: what it keeps survives a later mode's failure.
     """
     modes = tuple(modes)
     if not prompts:
         raise BadInput("prompts: no prompts to measure with; give at least one")
+    measured = dict(measured or {})
     configs = {
         mode: speculative_config_for(mode, num_speculative_tokens=num_speculative_tokens, drafter_dir=drafter_dir,
                                      prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min,
                                      drafter_settings=drafter_settings)
-        for mode in modes
+        for mode in modes if mode not in measured
     }
     warmup_prompt = [{"role": "user", "content": "Say hello."}]
-    measurements: dict[str, ModeMeasurement] = {}
+    records: dict[str, dict] = {}
     for mode in modes:
+        if mode in measured:
+            records[mode] = measured[mode]
+            continue
         log(f"[{mode}] starting vLLM server (log: {Path(log_dir) / f'server-{mode}.log'})")
         # Speculating servers also answer each request with its own acceptance (vLLM refuses the flag otherwise).
         flags = [*extra_args, *(PER_REQUEST_FLAGS if configs[mode] is not None else ())]
@@ -212,15 +268,14 @@ def measure_modes(
                               temperature=temperature, concurrency=concurrency, seed=seed,
                               chat_template_kwargs=chat_template_kwargs)
             after = wait_for_counted_tokens(server.base_url, before, run.output_tokens)
-        measurement = ModeMeasurement(mode=mode, speculative_config=configs[mode], run=run,
-                                      metrics=metrics_delta(before, after), server_start_s=server.start_seconds)
-        measurements[mode] = measurement
-        summary = summarize_mode(measurement)
+            measurement = ModeMeasurement(mode=mode, speculative_config=configs[mode], run=run,
+                                          metrics=metrics_delta(before, after), server_start_s=server.start_seconds)
+            records[mode] = mode_record(measurement)
+            if on_measured is not None:
+                on_measured(mode, records[mode])
+        summary = records[mode]["summary"]
         log(f"[{mode}] {summary['output_tokens']} tokens in {run.wall_s:.1f} s = {summary['tokens_per_s']:.1f} tok/s"
             + (f", mean acceptance length {summary['mean_acceptance_length']:.2f}"
                if summary.get("mean_acceptance_length") is not None else ""))
-    report = summarize(measurements, num_speculative_tokens=num_speculative_tokens, temperature=temperature,
-                       max_tokens=max_tokens, concurrency=concurrency)
-    report["texts"] = {mode: m.run.texts for mode, m in measurements.items()}
-    report["token_ids"] = {mode: [(r.prompt_token_ids, r.token_ids) for r in m.run.requests] for mode, m in measurements.items()}
-    return report
+    return served_report(records, num_speculative_tokens=num_speculative_tokens, temperature=temperature,
+                         max_tokens=max_tokens, concurrency=concurrency)

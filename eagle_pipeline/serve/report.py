@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -12,31 +13,96 @@ from typing import Any, Sequence
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
+from eagle_pipeline.serve.spec_metrics import acceptance_problem
 
 # The fields docs/contracts.md promises in report.json, with the types a reader may rely on.
 REQUIRED_FIELDS = {"num_prompts": int, "num_speculative_tokens": int, "per_position_acceptance": list, "tokens_per_s": dict}
-# The served measurements in full (texts and token ids too), written before the prediction: a rerun of the same
-# inputs after a failed prediction reads them instead of serving again.
-SERVED_RECORD = "served.json"
+# Each served mode's measurements in full (`measure.mode_record`: summary, texts, token ids), written as soon as
+# the mode is served: a rerun of the same inputs serves only the modes missing here.
+SERVED_DIR = "served"
 WORST_PROMPTS = 5
+log = logging.getLogger(__name__)
 
 
-def write_served(stage_dir: str | os.PathLike, inputs: dict, report: dict) -> None:
-    atomic.write_json(Path(stage_dir) / SERVED_RECORD, {"inputs": inputs, "report": report})
+def served_path(stage_dir: str | os.PathLike, mode: str) -> Path:
+    return Path(stage_dir) / SERVED_DIR / f"{mode}.json"
 
 
-def read_served(stage_dir: str | os.PathLike, inputs: dict) -> dict | None:
-    """The served report an earlier run of exactly these inputs recorded, else None."""
-    path = Path(stage_dir) / SERVED_RECORD
+def write_served(stage_dir: str | os.PathLike, inputs: dict, mode: str, record: dict) -> None:
+    path = served_path(stage_dir, mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(path, {"inputs": inputs, "mode": mode, "record": record})
+
+
+def read_served(stage_dir: str | os.PathLike, inputs: dict, modes: Sequence[str], num_speculative_tokens: int,
+                shaped_by: dict | None = None) -> dict[str, dict]:
+    """The records of those `modes` that an earlier run of exactly these inputs served, by mode.
+
+    Each mode's own file first. Where it is missing, torn or impossible, the same measurements are taken from
+    what the stage wrote once every mode was served (report.json and responses.jsonl; for "none", baseline/
+    answers.json when it was served with `shaped_by`), checked the same way, and written back to the mode's
+    file. A mode found nowhere is left out: it is served again."""
+    stage_dir = Path(stage_dir)
+    found: dict[str, dict] = {}
+    for mode in modes:
+        path = served_path(stage_dir, mode)
+        problem = "missing"
+        if path.exists():
+            try:
+                kept = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                kept, problem = None, f"unreadable or torn ({e})"
+            if isinstance(kept, dict) and kept.get("inputs") != inputs:
+                problem = "recorded for other inputs"
+            elif isinstance(kept, dict):
+                problem = record_problem(kept.get("record"), num_speculative_tokens)
+                if problem is None:
+                    found[mode] = kept["record"]
+                    continue
+        record, source = _recorded_elsewhere(stage_dir, mode, shaped_by)
+        if record is not None and record_problem(record, num_speculative_tokens) is None:
+            if path.exists():
+                log.warning("%s: %s; the %s measurements are taken from %s instead", path, problem, mode, source)
+            write_served(stage_dir, inputs, mode, record)
+            found[mode] = record
+        elif path.exists():
+            log.warning("%s: %s; serving %s again", path, problem, mode)
+    return found
+
+
+def record_problem(record: Any, num_speculative_tokens: int) -> str | None:
+    """What is wrong with a served mode's record (None when nothing is): its shape, or an impossible acceptance."""
+    if not isinstance(record, dict) or not isinstance(record.get("summary"), dict):
+        return "holds no served measurements"
+    texts, token_ids = record.get("texts"), record.get("token_ids")
+    if not isinstance(texts, list) or not isinstance(token_ids, list) or len(texts) != len(token_ids):
+        return "holds no texts and token ids per prompt"
+    return acceptance_problem(record["summary"], num_speculative_tokens)
+
+
+def _recorded_elsewhere(stage_dir: Path, mode: str, shaped_by: dict | None) -> tuple[dict | None, str]:
+    """A mode's record rebuilt from the stage's other files, and where from; (None, "") when they lack it."""
+    if mode == "none" and shaped_by is not None:
+        from eagle_pipeline.serve.baseline import kept_baseline
+
+        kept = kept_baseline(stage_dir, shaped_by)
+        if kept is not None:
+            return ({"summary": kept.get("summary"), "texts": kept.get("texts"), "token_ids": kept.get("token_ids")},
+                    str(Path(kept["dir"]) / "answers.json"))
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record.get("inputs") != inputs or not isinstance(record.get("report"), dict):
-        return None
-    report = record["report"]
-    report["token_ids"] = {mode: [tuple(pair) for pair in pairs] for mode, pairs in report.get("token_ids", {}).items()}
-    return report
+        report = json.loads((stage_dir / "report.json").read_text())
+        rows = [json.loads(line) for line in (stage_dir / "responses.jsonl").read_text().splitlines() if line.strip()]
+        summary = report["modes"][mode]
+        texts = [row["responses"][mode] for row in rows]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, ""
+    if len(texts) != report.get("num_prompts"):
+        return None, ""
+    # The answers' ids are kept only for "none" (the replay reads them); the other modes' are not needed again.
+    record = {"summary": summary, "texts": texts, "token_ids": [[None, None]] * len(texts)}
+    if mode == "eagle3" and isinstance(report.get("engine"), dict):
+        record["engine"] = report["engine"]
+    return record, "report.json and responses.jsonl"
 
 
 def per_prompt_acceptance(report: dict) -> list[dict]:
@@ -74,6 +140,9 @@ def read_report(path: str | os.PathLike) -> dict:
     length = report.get("mean_acceptance_length")
     if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))):
         raise BadInput(f"{path}: report's 'mean_acceptance_length' is not a number; {fix}")
+    problem = acceptance_problem(report, report["num_speculative_tokens"])
+    if problem:
+        raise BadInput(f"{path}: {problem}; {fix}")
     return report
 
 

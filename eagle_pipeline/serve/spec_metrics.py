@@ -109,6 +109,27 @@ def acceptance_stats(metrics: dict) -> dict:
     }
 
 
+def acceptance_problem(figures: dict, num_speculative_tokens: int) -> str | None:
+    """What makes a recorded acceptance impossible (None when nothing does): a mean acceptance length outside
+    [1, k + 1], a per-position figure outside [0, 1] or past position k - 1, or a mean length that is not 1 + the
+    sum of the per-position figures (both are counts of the same accepted tokens over the same drafts)."""
+    length, per_position = figures.get("mean_acceptance_length"), figures.get("per_position_acceptance") or []
+    if length is None:
+        return None
+    if (isinstance(length, bool) or not isinstance(length, (int, float))
+            or not 1 <= length <= num_speculative_tokens + 1):
+        return (f"mean acceptance length {length!r} is impossible with {num_speculative_tokens} draft tokens "
+                f"(between 1 and {num_speculative_tokens + 1})")
+    if (not isinstance(per_position, list) or len(per_position) > num_speculative_tokens
+            or any(isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1 for p in per_position)):
+        return (f"per-position acceptance {per_position!r} is impossible with {num_speculative_tokens} draft tokens "
+                f"(at most {num_speculative_tokens} figures, each between 0 and 1)")
+    if per_position and abs(1 + sum(per_position) - length) > 1e-6 * length:
+        return (f"mean acceptance length {length:.4g} is not 1 + the sum of its per-position acceptance "
+                f"({1 + sum(per_position):.4g})")
+    return None
+
+
 def request_acceptance(spec: dict | None) -> dict | None:
     """One request's acceptance from its `metrics.speculative_decoding`: {mean_acceptance_length, num_drafts,
     per_position_acceptance}, or None without metrics or drafts."""
