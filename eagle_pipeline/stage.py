@@ -213,8 +213,8 @@ class _OneLineParser(argparse.ArgumentParser):
         raise BadInput(f"{message}; {self.prog} --help lists the options")
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(description: str, argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    parser = _OneLineParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run config YAML (see configs/)")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -458,7 +458,7 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
     held = locks.HeldLocks()
     try:
         with _exit_codes(log_path_holder, STAGES[number]):
-            args = parse_args(description, argv)
+            args = parse_args(description, argv, prog=f"{STAGES[number]}.py")
             cfg = load_config(args.config, args.overrides)
             if args.dry_run and args.force:
                 print(f"note: --force with --dry-run: the dry run deletes nothing; the same command without --dry-run "

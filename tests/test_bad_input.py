@@ -381,6 +381,49 @@ CASES += [(f"{key}-missing-for-{script[:2]}", {}, _set(f"{key}=/nonexistent/{key
           for key, script in zip(REFERENCED_FOLDERS, LATER_STAGES)]
 
 
+def _symlink_loop(run_dir, tmp):
+    (tmp / "a.jsonl").symlink_to(tmp / "b.jsonl")
+    (tmp / "b.jsonl").symlink_to(tmp / "a.jsonl")
+    return ["--set", f"data.prompts={tmp / 'a.jsonl'}"]
+
+
+def _closed_port_endpoint(run_dir, tmp):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there: the dry run must ask, and be refused
+    return ["--set", "hidden_states.mode=online", "--set", f"hidden_states.capture_endpoints=[http://127.0.0.1:{port}/v1]"]
+
+
+# Wording: what YAML typed, what an override broke, a link loop, an endpoint's port, a repeated engine variant,
+# an unknown flag; and what a dry run now asks as the run does (a capture endpoint).
+CASES += [
+    ("run-name-a-date", {}, _config_file(b"extends: TINY\ndata_root: ROOT\nrun_name: 2024-06-01\n"), "01_generate_data.py",
+     ["--dry-run"], 'run_name: YAML read the unquoted value as a date (2024-06-01), not text; quote it, e.g. run_name: "2024-06-01"'),
+    ("run-name-off", {}, _config_file(b"extends: TINY\ndata_root: ROOT\nrun_name: off\n"), "01_generate_data.py",
+     ["--dry-run"], "run_name: YAML read the unquoted value as the boolean false"),
+    ("env-a-number", {}, _config_file(b"extends: TINY\ndata_root: ROOT\nenv: {OMP_NUM_THREADS: 4}\n"), "01_generate_data.py",
+     ["--dry-run"], 'env.OMP_NUM_THREADS: YAML read the unquoted value as the number 4, not text; quote it, e.g. OMP_NUM_THREADS: "4"'),
+    ("cross-field-blames-the-set", {}, _set("verifier.max_model_len=200"), "01_generate_data.py", ["--dry-run"],
+     "error: --set verifier.max_model_len=200: generation.max_tokens: 256 must be below verifier.max_model_len (200)"),
+    ("prompts-a-symlink-loop", {}, _symlink_loop, "01_generate_data.py", ["--dry-run"],
+     ("data.prompts: ", "a.jsonl is a symbolic link loop")),
+    ("capture-endpoint-port-out-of-range", {"hidden_states": {"mode": "online", "capture_endpoints": ["http://me:pw@10.0.0.5:99999/v1"]}},
+     None, "04_train.py", ["--dry-run"], "hidden_states.capture_endpoints: 'http://me:***@10.0.0.5:99999/v1': its port is not a number"),
+    ("engine-variant-twice", {"serve": {"engine_variants": [{"verifier.model_runner": "v1"}, {"verifier.model_runner": "v1"}]}},
+     None, "06_serve_test.py", ["--dry-run"], "serve.engine_variants: entry 1 repeats entry 0"),
+    ("unknown-flag", {}, None, "01_generate_data.py", ["--dry-run", "--froce"],
+     "error: unrecognized arguments: --froce; 01_generate_data.py --help lists the options"),
+    ("capture-endpoint-not-answering", {}, _closed_port_endpoint, "04_train.py", ["--dry-run"],
+     ("hidden_states.capture_endpoints: http://127.0.0.1:", "does not answer as a vLLM server")),
+]
+# Engine arguments that would make the engine compute another target than the folder every manifest fingerprints.
+CASES += [(f"engine-arg-{key}", {"verifier": {"engine_args": {key: "x"}}}, None, "02_extract_hidden.py", ["--dry-run"],
+           (f"verifier.engine_args.{key}: ", "remove it"))
+          for key in sorted(__import__("eagle_pipeline.config", fromlist=["x"]).ENGINE_ARGS_REFUSED)]
+
+
+
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     if not root.exists():
         return {}
@@ -536,3 +579,171 @@ def test_every_prompt_file_defect_is_refused_naming_the_file(tmp_path, key, defe
     assert isinstance(error, BadInput), f"{key} {defect}: {error!r}"
     message = str(error)
     assert "\n" not in message and expected in message and str(paths[key]) in message, message
+
+
+# -- every value the OS cannot carry, for every key that reaches a process (generated) --------------------------
+# Config values reach processes as command-line arguments (`--set key=value`, the detached runner, the `vllm serve`
+# flags engine_args become, the JSON arguments of the engine jobs) and as environment entries (env, an engine
+# variant's env). Each is refused when the config loads, before `--force` deletes anything.
+
+def _text_keys(model=None, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, kind) of every text-valued key of the schema: kind "path" (a file or folder), "text", "list"."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from eagle_pipeline import config as schema
+
+    def kind_of(annotation, metadata) -> str | None:
+        if any(getattr(m, "func", None) is schema._checked_path for m in metadata):
+            return "path"
+        if annotation is str:
+            return "text"
+        if typing.get_origin(annotation) is typing.Annotated and typing.get_args(annotation)[0] is str:
+            return kind_of(str, typing.get_args(annotation)[1:]) or "text"
+        if typing.get_origin(annotation) is list and typing.get_args(annotation) == (str,):
+            return "list"
+        for option in typing.get_args(annotation) if typing.get_origin(annotation) is typing.Union else ():
+            if option is not type(None) and kind_of(option, ()) is not None:
+                return kind_of(option, ())
+        return None
+
+    found = []
+    for name, field in (model or schema.RunConfig).model_fields.items():
+        options = typing.get_args(field.annotation) or (field.annotation,)
+        section = next((o for o in options if isinstance(o, type) and issubclass(o, BaseModel)), None)
+        if section is not None:
+            found += _text_keys(section, f"{prefix}{name}.")
+        elif kind_of(field.annotation, field.metadata):
+            found.append((prefix + name, kind_of(field.annotation, field.metadata)))
+    return found
+
+
+def _nested(dotted: str, value) -> dict:
+    head, _, rest = dotted.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+# run_name names the run's folder: a file name's limits apply to it (a plain name, no '/').
+TEXT_KEYS = [(key, "name" if key == "run_name" else kind) for key, kind in _text_keys()]
+TEXT_DEFECTS = {"nul": ("a\x00b", "contains a NUL character"), "200kB": ("x" * 200_000, "is 200000 bytes")}
+PATH_DEFECTS = {"name-300B": ("/tmp/" + "n" * 300, "has a component of 300 bytes"),
+                "path-5000B": ("/tmp/" + "/".join(["p" * 200] * 25), "bytes long, above the 4095")}
+NAME_DEFECTS = {"name-300B": ("n" * 300, "has a component of 300 bytes")}
+ENV_DEFECTS = {"empty-name": ({"": "x"}, "a variable with an empty name"), "name-with-=": ({"A=B": "x"}, "holds '='"),
+               "nul-in-name": ({"A\x00": "x"}, "contains a NUL character"), "nul-in-value": ({"A": "x\x00"}, "contains a NUL"),
+               "200kB-value": ({"A": "x" * 200_000}, "is 200000 bytes"),
+               "600kB-in-all": ({f"V{i}": "x" * 120_000 for i in range(5)}, "above the 524288 bytes")}
+OS_CASES = (
+    [(f"{key}-{d}", _nested(key, [bad] if kind == "list" else bad), key, why)
+     for key, kind in TEXT_KEYS for d, (bad, why) in TEXT_DEFECTS.items()]
+    + [(f"{key}-{d}", _nested(key, bad), key, why) for key, kind in TEXT_KEYS if kind in ("path", "name")
+       for d, (bad, why) in (PATH_DEFECTS if kind == "path" else NAME_DEFECTS).items()]
+    + [(f"env-{d}", {"env": bad}, "env", why) for d, (bad, why) in ENV_DEFECTS.items()]
+    + [(f"serve.engine_variants.env-{d}", {"serve": {"engine_variants": [{"env": bad}]}}, "serve.engine_variants", why)
+       for d, (bad, why) in ENV_DEFECTS.items()]
+    + [(f"{key}-{d}", _nested(key, bad), key, why) for key in ("verifier.engine_args", "generation.chat_template_kwargs")
+       for d, (bad, why) in {"nul-in-name": ({"a\x00": 1}, "contains a NUL"), "nul-in-value": ({"compilation_config": "\x00"}, "contains a NUL"),
+                             "200kB-value": ({"compilation_config": "x" * 200_000}, "is 200000 bytes"),
+                             "140kB-as-json": ({"compilation_config": {"a": "x" * 70_000, "b": "y" * 70_000}}, "bytes, above the")}.items()]
+)
+
+
+def test_the_generated_os_cases_reach_every_text_key():
+    keys = dict(TEXT_KEYS)
+    assert keys["verifier.path"] == keys["data.prompts"] == keys["data_root"] == keys["serve.drafter"] == "path"
+    assert keys["generation.system_prompt"] == keys["hidden_states.mooncake.device"] == "text"
+    assert keys["hidden_states.capture_endpoints"] == "list" and keys["run_name"] == "name"
+    assert len(keys) >= 20 and len(OS_CASES) == len(set(c[0] for c in OS_CASES))
+
+
+@pytest.mark.parametrize("case", OS_CASES, ids=[c[0] for c in OS_CASES])
+def test_a_value_no_process_can_be_given_is_refused_before_force_deletes(tmp_path, capsys, case):
+    name, overrides, key, expected = case
+    root = tmp_path / "data"
+    config = write_config(tmp_path / "run.yaml", data_root=str(root), run_name="r")
+    config.write_text(yaml.safe_dump(_merge(yaml.safe_load(config.read_text()), overrides)))
+    finished = fake_stage(root / "r", "06_serve_test", {"samples": 2})  # what --force would delete
+    (finished / "report.json").write_text("{}")
+    before = snapshot(root)
+    code, _, stderr = run_stage_in_process("06_serve_test.py", config, capsys, "--force")
+    lines = without_log_records(stderr)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), f"{name}: exit {code}\n{stderr[-2000:]}"
+    assert f"{key}:" in lines[0] or f"{key}." in lines[0], f"{name}: {lines[0][:300]!r} does not name {key}"
+    assert expected in lines[0], f"{name}: {lines[0][:300]!r} lacks {expected!r}"
+    assert len(lines[0]) < 1000, f"{name}: the error line repeats the value"
+    assert snapshot(root) == before, f"{name}: files under the data root changed"
+
+
+def _merge(base: dict, overlay: dict) -> dict:
+    from eagle_pipeline.config_file import deep_merge
+
+    return deep_merge(base, overlay)
+
+
+# -- dry runs meet what the run meets, and say it after the plan ----------------------------------------------
+
+def _dry_run(tmp_path, capsys, script: str, *args: str, **overrides) -> tuple[int, str, list[str]]:
+    config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="r", **overrides)
+    code, out, err = run_stage_in_process(script, config, capsys, "--dry-run", *args)
+    return code, out, without_log_records(err)
+
+
+@pytest.mark.parametrize("script", ["01_generate_data.py", "04_train.py", "06_serve_test.py"])
+def test_a_dry_run_prints_its_whole_plan_then_the_gpus_the_host_lacks(tmp_path, capsys, monkeypatch, script):
+    # A GPU config planned on a host without GPUs (a laptop): the plan, then one error line, exit 2.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    code, out, err = _dry_run(tmp_path, capsys, script, device="cuda")
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: device: cuda, but this host has no GPU"), err
+    assert f"stage {script[:2]}:" in out and len(out.splitlines()) >= 3, out
+    # scripts/run_pipeline.sh --dry-run plans every stage this way and says what the host lacks once, at the end.
+    monkeypatch.setenv("EAGLE_DRY_RUN_HOST", "later")
+    code, later_out, err = _dry_run(tmp_path, capsys, script, device="cuda")
+    assert code == 0 and not err and later_out.splitlines()[0] == out.splitlines()[0]
+
+
+def test_the_pipelines_dry_run_ends_with_what_the_host_lacks(tmp_path):
+    import subprocess
+    import sys
+
+    config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="r", device="cuda")
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(config), "--plan"],
+                            capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert result.returncode == 2 and "| total |" in result.stdout, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "this host has no GPU" in result.stderr
+
+
+def test_a_dry_run_of_the_mooncake_transfer_needs_mooncake_here(tmp_path, capsys, monkeypatch):
+    from eagle_pipeline.online import mooncake
+
+    monkeypatch.setattr(mooncake, "mooncake_problem", lambda: "the mooncake package is not installed")
+    code, out, err = _dry_run(tmp_path, capsys, "04_train.py", hidden_states={"mode": "online", "transfer": "mooncake"})
+    assert code == 2 and "online: hidden states captured live" in out, out
+    assert err == ["error: hidden_states.transfer: mooncake, but the mooncake package is not installed; pip install -r "
+                   "requirements/online.txt (and apt-get install libibverbs1, which its binaries load), or use transfer: file"]
+    monkeypatch.setattr(mooncake, "mooncake_problem", lambda: None)
+    code, _, err = _dry_run(tmp_path, capsys, "04_train.py", hidden_states={"mode": "online", "transfer": "mooncake"})
+    assert code == 0 and not err
+
+
+def test_a_dry_run_refuses_a_data_root_it_could_not_write(tmp_path, capsys, monkeypatch):
+    import eagle_pipeline.stage as stage_module_
+
+    root = tmp_path / "data"
+    root.mkdir()
+    real_access = os.access
+    # A read-only mount (or another user's folder): the tests run as root, who may write anywhere else.
+    monkeypatch.setattr(stage_module_.os, "access", lambda path, mode: False if Path(path) == root else real_access(path, mode))
+    code, out, err = _dry_run(tmp_path, capsys, "01_generate_data.py")
+    assert code == 2 and err == [f"error: data_root: cannot write under {root} ({root} is read-only for this user); choose "
+                                 f"another data_root or fix permissions"], err
+    assert not (root / "r").exists()
+
+
+def test_force_with_dry_run_says_that_it_deletes_nothing(tmp_path, capsys):
+    finished = fake_stage(tmp_path / "data" / "r", "03_build_vocab_map", {"samples": 2})
+    before = snapshot(tmp_path / "data")
+    code, out, _ = _dry_run(tmp_path, capsys, "03_build_vocab_map.py", "--force")
+    assert code == 0 and snapshot(tmp_path / "data") == before
+    assert out.splitlines()[0] == (f"note: --force with --dry-run: the dry run deletes nothing; the same command without "
+                                   f"--dry-run deletes the output in {finished} (logs are kept) and redoes the stage")

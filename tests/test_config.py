@@ -237,3 +237,101 @@ def test_engine_settings_are_checked_against_vllm(tmp_path):
                                "serve.drafter_attention_backend=TRITON_MLA"])
     assert (cfg.verifier.attention_backend, cfg.verifier.kv_cache_dtype, cfg.serve.drafter_attention_backend) == (
         "TRITON_MLA", "fp8", "TRITON_MLA")
+
+
+@pytest.mark.parametrize("key", sorted(__import__("eagle_pipeline.config", fromlist=["x"]).ENGINE_ARGS_REFUSED))
+def test_engine_args_that_swap_the_targets_weights_config_or_tokenizer_are_refused(tmp_path, key):
+    # Each is a real engine argument (so the refusal is this rule, not the spelling check), refused naming why.
+    from eagle_pipeline.config import ENGINE_ARGS_REFUSED, vllm_engine_arg_names
+
+    assert vllm_engine_arg_names() is None or key in vllm_engine_arg_names()
+    with pytest.raises(BadInput, match=rf"verifier\.engine_args\.{key}: {re.escape(ENGINE_ARGS_REFUSED[key][:30])}.*remove it"):
+        load_config(write_config(tmp_path / "c.yaml", verifier={"engine_args": {key: "dummy"}}))
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"": "x"}, r"env: a variable with an empty name"),
+    ({"A=B": "x"}, r"env: variable name 'A=B' holds '='"),
+    ({"A\x00": "x"}, r"env: the name 'A\\x00' contains a NUL character"),
+    ({"A": "x\x00y"}, r"env: 'A' contains a NUL character"),
+    ({"A": "x" * 200_000}, r"env: 'A' is 200000 bytes, above the 131071 bytes one command-line argument"),
+    ({"A": "x" * 131_070}, r"env: A: is 131072 bytes"),  # A=value is the entry the kernel counts
+    ({f"V{i}": "x" * 120_000 for i in range(5)}, r"env: 5 variables of \d+ bytes in all, above the 524288"),
+])
+def test_env_the_os_would_refuse_is_refused_at_load_naming_the_key(tmp_path, env, expected):
+    with pytest.raises(BadInput, match=expected):
+        load_config(write_config(tmp_path / "c.yaml", env=env))
+
+
+def test_env_at_the_os_limits_loads_and_a_process_starts_with_it(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", env={"A": "x" * (131_071 - 2), "B": "é" * 100}))
+    out = subprocess.run([sys.executable, "-c", "import os; print(len(os.environ['A']))"], env={**cfg.env},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "131069"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("run_name: 2024-06-01\n", r'run_name: YAML read the unquoted value as a date \(2024-06-01\), not text; quote it, e.g. run_name: "2024-06-01"'),
+    ("run_name: off\n", r"run_name: YAML read the unquoted value as the boolean false \(as it reads off, no and false\), not text; quote it"),
+    ("env: {A: 1}\n", r'env\.A: YAML read the unquoted value as the number 1, not text; quote it, e.g. A: "1"'),
+    ("env: {A: 0.5}\n", r"env\.A: YAML read the unquoted value as the number 0\.5, not text; quote it"),
+    ("env: {7: a}\n", r"env: YAML read the unquoted name 7 as the number 7, not text; quote it"),
+])
+def test_text_that_yaml_typed_says_quote_it(tmp_path, text, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\n{text}")
+    with pytest.raises(BadInput, match=expected) as error:
+        load_config(path)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("base", "override", "expected"), [
+    ({}, "verifier.max_model_len=200", r"^--set verifier\.max_model_len=200: generation\.max_tokens: 256 must be below"),
+    ({"train": {"num_gpus": 1, "fsdp_shard": True}}, "train.num_gpus=0", r"^--set train\.num_gpus=0: train\.fsdp_shard: needs GPUs"),
+    ({"serve": {"min_acceptance_length": 3.5}}, "serve.num_speculative_tokens=2",
+     r"^--set serve\.num_speculative_tokens=2: serve\.min_acceptance_length: 3\.5 can never be reached"),
+])
+def test_a_cross_field_error_blames_the_set_that_caused_it_not_the_base(tmp_path, base, override, expected):
+    config = write_config(tmp_path / "c.yaml", **base)
+    load_config(config)  # the file alone loads
+    with pytest.raises(BadInput, match=expected):
+        load_config(config, [override])
+
+
+def test_a_cross_field_error_of_the_file_alone_still_blames_the_file(tmp_path):
+    config = write_config(tmp_path / "c.yaml", train={"num_gpus": 0, "fsdp_shard": True})
+    with pytest.raises(BadInput, match=rf"^{re.escape(str(config))}: train\.fsdp_shard: needs GPUs"):
+        load_config(config, ["train.epochs=2"])
+
+
+def test_a_duplicate_engine_variant_is_refused_naming_its_index(tmp_path):
+    variants = [{"verifier.enforce_eager": False}, {"verifier.model_runner": "v1"}, {"verifier.enforce_eager": False}]
+    with pytest.raises(BadInput, match=r"serve\.engine_variants: entry 2 repeats entry 0, and each entry is served with a "
+                                       r"cold start of the target; remove one"):
+        load_config(write_config(tmp_path / "c.yaml", serve={"engine_variants": variants}))
+    assert len(load_config(write_config(tmp_path / "c.yaml", serve={"engine_variants": variants[:2]})).serve.engine_variants) == 2
+
+
+def test_an_engine_variants_env_is_checked_like_the_runs(tmp_path):
+    with pytest.raises(BadInput, match=r"serve\.engine_variants: entry 0: env: variable name 'X=1' holds '='"):
+        load_config(write_config(tmp_path / "c.yaml", serve={"engine_variants": [{"env": {"X=1": "a"}}]}))
+
+
+def test_a_capture_endpoints_password_is_never_printed_or_recorded(tmp_path):
+    from eagle_pipeline.config import dump_config, redact_url
+    from eagle_pipeline.online.session import plan_lines
+
+    assert redact_url("http://me:s3cret@10.0.0.5:8000/v1") == "http://me:***@10.0.0.5:8000/v1"
+    assert redact_url("http://10.0.0.5:8000/v1") == "http://10.0.0.5:8000/v1"
+    url = "http://me:s3cret@10.0.0.5:8000/v1"
+    cfg = load_config(write_config(tmp_path / "c.yaml", hidden_states={"mode": "online", "capture_endpoints": [url]}))
+    assert cfg.hidden_states.capture_endpoints == [url]  # the run itself still has it
+    recorded = [dump_config(cfg), str(cfg.model_dump(mode="json")), "\n".join(plan_lines(cfg, 4, 576, 1024))]
+    assert all("s3cret" not in text and "me:***@10.0.0.5:8000" in text for text in recorded)
+    with pytest.raises(BadInput, match=r"'http://me:\*\*\*@10\.0\.0\.5:99999/v1': its port is not a number from 1 to 65535") as error:
+        load_config(write_config(tmp_path / "c.yaml", hidden_states={"mode": "online",
+                                                                     "capture_endpoints": ["http://me:s3cret@10.0.0.5:99999/v1"]}))
+    assert "s3cret" not in str(error.value)

@@ -200,3 +200,18 @@ def test_stop_sends_sigkill_to_a_job_that_ignores_sigterm_and_clears_its_lock(tm
     assert "stopped 04_train of run r with SIGKILL" in result.stdout, result.stdout
     assert job.wait(timeout=5) == -9
     assert not (logs / "run.lock").exists() and not (logs / "04_train.pid").exists()
+
+
+def test_command_line_mistakes_are_one_error_line_and_exit_2(tmp_path):
+    script = str(REPO / "scripts" / "remote.sh")
+    without_host = {k: v for k, v in os.environ.items() if k != "EAGLE_HOST"}
+    no_host = subprocess.run([script, "status", "configs/tiny.yaml"], env=without_host, capture_output=True, text=True, timeout=60)
+    assert one_error_line(no_host) == "error: EAGLE_HOST is not set; set EAGLE_HOST=user@host (or EAGLE_HOST=local to act on this machine)"
+    for args in (["stats", "configs/tiny.yaml"], []):
+        result = remote(tmp_path, *args)
+        line = one_error_line(result)
+        assert not result.stdout and "one of setup, sync, run, stop, log, status, capture, capture-stop" in line, line
+    assert "unknown command 'stats'" in one_error_line(remote(tmp_path, "stats"))
+    assert one_error_line(remote(tmp_path, "status")) == "error: usage: remote.sh status CONFIG"
+    usage = subprocess.run([script, "help"], env=without_host, capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0 and "remote.sh capture-stop CONFIG" in usage.stdout and not usage.stderr
