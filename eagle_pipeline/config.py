@@ -87,21 +87,23 @@ def argument_problem(text: str, limit: int = MAX_ARG_BYTES) -> str | None:
     return None
 
 
-def _nul_inside(value: Any, where: str = "") -> str | None:
-    """Where a NUL hides in a value read from YAML (a string, or a name or value of a mapping or list inside), or
-    None: "" for the value itself, else a path such as "'A'" or "'kwargs'[0]"."""
+def _unpassable_inside(value: Any, where: str = "") -> tuple[str, str] | None:
+    """(where, why) for the first string in a value read from YAML (itself, or a name or value of a mapping or list
+    inside) that no process can be given, or None: `where` is "" for the value itself, else a path such as "'A'"
+    or "'kwargs'[0]"."""
     if isinstance(value, str):
-        return where if "\x00" in value else None
+        problem = argument_problem(value)
+        return (where, problem) if problem else None
     if isinstance(value, dict):
         for key, item in value.items():
-            if isinstance(key, str) and "\x00" in key:
-                return f"the name {key!r}"
-            found = _nul_inside(item, f"{where}[{key!r}]" if where else repr(key))
+            if isinstance(key, str) and argument_problem(key):
+                return f"the name {key[:40]!r}", argument_problem(key)
+            found = _unpassable_inside(item, f"{where}[{key!r}]" if where else repr(key))
             if found is not None:
                 return found
     if isinstance(value, list):
         for index, item in enumerate(value):
-            found = _nul_inside(item, f"{where}[{index}]")
+            found = _unpassable_inside(item, f"{where}[{index}]")
             if found is not None:
                 return found
     return None
@@ -202,17 +204,13 @@ class Section(BaseModel):
         # pydantic reads true as 1; `seed: true` or `epochs: yes` is a mistake, not a number.
         if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"expected a number, got {str(value).lower()}")
-        # A NUL byte makes every file-system call and every process start fail with a traceback; it is refused
-        # inside mappings and lists too (env, engine_args, chat_template_kwargs).
-        where = None if _is_section(cls.model_fields[info.field_name].annotation) else _nul_inside(value)
-        if where == "":
-            raise ValueError("contains a NUL character; remove it")
-        if where is not None:
-            raise ValueError(f"{where} contains a NUL character, which no command line, environment or file name can "
-                             f"carry; remove it")
-        # Every value must fit one command-line argument: `--set key=value` and the detached runner pass it as one.
-        if isinstance(value, str) and os_bytes(value) is not None and os_bytes(value) > MAX_ARG_BYTES:
-            raise ValueError(argument_problem(value))
+        # A NUL byte makes every file-system call and every process start fail with a traceback, and every value
+        # must fit one command-line argument (`--set key=value` and the detached runner pass it as one; env and
+        # engine_args reach processes as entries and flags): refused inside mappings and lists too.
+        found = None if _is_section(cls.model_fields[info.field_name].annotation) else _unpassable_inside(value)
+        if found is not None:
+            where, problem = found
+            raise ValueError(f"{where} {problem}" if where else problem)
         return value
 
 
