@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from eagle_pipeline import atomic, plots
-from eagle_pipeline.disk_plan import later_stages_bytes, same_disk
+from eagle_pipeline.disk_plan import amount, later_stages_bytes, plan_run, same_disk
 from eagle_pipeline.engine import target_engine_settings
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
@@ -89,10 +89,10 @@ def plan_without_conversations(stage: Stage) -> None:
     print(f"  aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}; stored as {layout.storage_dtype} "
           f"[seq, {layout.num_hidden_states}, {layout.hidden_size}]")
     later, what = later_stages_bytes(cfg, verifier, layout)
-    per_thousand = estimate_bytes(1000 * cfg.data.num_samples, layout.num_hidden_states, layout.hidden_size, layout.storage_dtype)
-    print(f"  disk: {per_thousand / 1e9:.1f} GB of hidden states per 1,000 tokens of an average conversation "
-          f"({need / max_tokens / 1e3:.1f} KB/token), at most ~{need / 1e9:.1f} GB (every conversation at "
-          f"hidden_states.max_seq_len {cfg.hidden_states.max_seq_len}), under {stage.dir}; stage 02 also reserves {what}")
+    expected = plan_run(cfg, verifier, layout).stage(2)
+    print(f"  disk: ~{amount(expected.bytes)} of hidden states {expected.detail} ({need / max_tokens / 1e3:.1f} KB/token), "
+          f"at most ~{need / 1e9:.1f} GB (every conversation at hidden_states.max_seq_len {cfg.hidden_states.max_seq_len}), "
+          f"under {stage.dir}; stage 02 also reserves {what}")
     from eagle_pipeline.capture import capture_memory_line
 
     print(capture_memory_line(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len) + " (at most)")

@@ -10,9 +10,11 @@ model, the host and the folders it names.
 - every folder the config names exists: `vocab.from_drafter`, `train.init_from`, `convert.reference_dir`,
   `serve.drafter` (drafter folders, with a config.json) and `serve.baseline`. Every stage refuses a missing
   one, not only the stage that reads it, so that a mistyped path is found before hours of earlier stages;
-- the run folder stays within `disk_budget_gb`: refused when it already holds more, and from stage 02 on, while
-  stage 02 has not finished, when the hidden states it will write (estimated from stage 01's token counts)
-  would take it above.
+- stage 04 of an online run with `hidden_states.transfer: mooncake` finds the Mooncake package and programs;
+- the run folder stays within `disk_budget_gb`: refused when it already holds more, and when what this stage and
+  the later ones plan to write (eagle_pipeline.disk_plan: hidden states from stage 01's token counts, or before
+  stage 01 from data.num_samples x the expected tokens of a sample; checkpoints, converted folders, stage 06's
+  captured states) would take it above. Dry run included, and before stage 01 starts.
 
 Stage-specific checks (a drafter's shapes, its layer ids, the vocabulary map) stay with the stage that uses it.
 In a dry run what the host lacks (GPUs, the Mooncake software) is said after the plan, as its last line
@@ -21,6 +23,7 @@ In a dry run what the host lacks (GPUs, the Mooncake software) is said after the
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -205,27 +208,20 @@ def folder_bytes(folder: Path) -> int:
     return total
 
 
-def planned_hidden_state_bytes(cfg: RunConfig) -> tuple[int, str] | None:
-    """What stage 02 will write in all, once stage 01 has finished and stage 02 has not; None otherwise (and in
-    online mode, where stage 02 stores no states)."""
-    if cfg.hidden_states.mode == "online":
-        return None
-    from eagle_pipeline.samples import estimate_bytes
-    from eagle_pipeline.stage import STAGES, planned_sample_layout, read_manifest
-    from eagle_pipeline.verifier import Verifier
+def projected_bytes(cfg: RunConfig, plan, stage_number: int, held: int) -> tuple[int, list]:
+    """What the run folder will hold once this stage and the later ones have written what they plan, and the
+    stages that add most to it. A stage from this one on holds at most the larger of its planned figure and what its
+    folder holds now (a rerun replaces it; an interrupted stage 02's samples are part of its plan, not beside
+    it); earlier stages, and files outside the stage folders, count as they are."""
+    from eagle_pipeline.stage import STAGES
 
-    conversations = read_manifest(cfg.stage_dir(STAGES[1]))
-    hidden = read_manifest(cfg.stage_dir(STAGES[2]))
-    if (conversations or {}).get("status") != "complete" or (hidden or {}).get("status") == "complete":
-        return None
-    counts = conversations["counts"]
-    tokens = int(counts.get("prompt_tokens") or 0) + int(counts.get("completion_tokens") or 0)
-    # Stage 02 cuts each sequence at hidden_states.max_seq_len: the total is at most that per sample.
-    tokens = min(tokens, int(counts.get("samples") or 0) * cfg.hidden_states.max_seq_len)
-    verifier = Verifier.from_config(cfg)
-    layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
-    need = estimate_bytes(tokens, layout.num_hidden_states, layout.hidden_size, layout.storage_dtype)
-    return need, f"stage 02's hidden states (~{_amount(need)} for {tokens} tokens)"
+    projected, adding = held, {}
+    for stage in plan.stages:
+        if stage.number >= stage_number:
+            adding[stage] = max(stage.bytes - folder_bytes(cfg.stage_dir(STAGES[stage.number])), 0)
+    projected += sum(adding.values())
+    # The error line names the stages that make the difference, not a vocabulary map of a few KB.
+    return projected, [stage for stage, more in adding.items() if more and more >= 0.01 * sum(adding.values())]
 
 
 def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
@@ -237,18 +233,16 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
     if held > budget * GB:
         raise BadInput(f"disk_budget_gb: the run folder {run_dir} already holds {_amount(held)}, above disk_budget_gb "
                        f"({budget:g} GB); raise disk_budget_gb if the run needs more, or free space in it")
-    if stage_number < 2:
-        return
-    planned = planned_hidden_state_bytes(cfg)
-    if planned is None:
-        return
-    need, what = planned
-    from eagle_pipeline.samples import SAMPLES_DIR
-    from eagle_pipeline.stage import STAGES
+    from eagle_pipeline.disk_plan import plan_for_config
 
-    # Samples of an interrupted stage 02 are counted in `need` already.
-    projected = held - folder_bytes(cfg.stage_dir(STAGES[2]) / "data" / SAMPLES_DIR) + need
+    plan = plan_for_config(cfg)
+    if plan is None:  # an embedded target not converted yet: its shape is read once stage 01 has converted it
+        return
+    projected, adding = projected_bytes(cfg, plan, stage_number, held)
     if projected > budget * GB:
-        raise BadInput(f"disk_budget_gb: {what} would take the run folder {run_dir} to ~{_amount(projected)}, above "
-                       f"disk_budget_gb ({budget:g} GB); raise disk_budget_gb, or lower data.num_samples or "
-                       f"hidden_states.max_seq_len, or store hidden_states.storage_dtype: fp8")
+        states = max(adding, key=lambda stage: stage.bytes).number == 2  # the hidden states weigh most
+        fix = (", or lower data.num_samples or hidden_states.max_seq_len, or store hidden_states.storage_dtype: fp8"
+               if states else ", or free space in the run folder")
+        raise BadInput(f"disk_budget_gb: {', '.join(stage.phrase() for stage in adding)} would take the run folder "
+                       f"{run_dir} to ~{_amount(projected)}, above disk_budget_gb ({budget:g} GB); raise "
+                       f"disk_budget_gb to at least {math.ceil(projected / GB)}{fix}")

@@ -253,7 +253,8 @@ CASES = [
     ("prompts-empty", {}, _prompts(""), "01_generate_data.py", ["--dry-run"], "holds no prompts"),
     ("prompts-malformed", {}, _prompts('{"prompt": "ok"}\n{not json\n'), "01_generate_data.py", ["--dry-run"], "prompts.jsonl:2: not valid JSON"),
     ("prompts-wrong-field", {}, _prompts('{"question": "hi"}\n'), "01_generate_data.py", ["--dry-run"], "set data.prompt_field"),
-    ("too-many-samples", {"data": {"num_samples": 5000}}, None, "01_generate_data.py", ["--dry-run"], "data.num_samples: 5000 exceeds"),
+    # No budget: tiny.yaml's would refuse the disk that 5,000 samples plan first.
+    ("too-many-samples", {"data": {"num_samples": 5000}, "disk_budget_gb": None}, None, "01_generate_data.py", ["--dry-run"], "data.num_samples: 5000 exceeds"),
     ("data-root-not-writable", {}, _file_as_root, "01_generate_data.py", [], "is a file; choose another data_root"),
     ("stage-before-its-input", {}, None, "04_train.py", [], "run 02_extract_hidden.py"),
     ("layer-id-out-of-range", {"hidden_states": {"layer_ids": [2, 15, 30]}}, lambda r, t: fake_conversations(r), "02_extract_hidden.py", ["--dry-run"], "hidden_states.layer_ids: 30 is out of range for a 30-layer verifier"),
@@ -421,7 +422,6 @@ CASES += [
 CASES += [(f"engine-arg-{key}", {"verifier": {"engine_args": {key: "x"}}}, None, "02_extract_hidden.py", ["--dry-run"],
            (f"verifier.engine_args.{key}: ", "remove it"))
           for key in sorted(__import__("eagle_pipeline.config", fromlist=["x"]).ENGINE_ARGS_REFUSED)]
-
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

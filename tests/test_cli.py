@@ -33,7 +33,9 @@ def test_dry_run_prints_plan_without_writing(tiny_config, tmp_path):
 
 
 def test_prompt_count_beyond_the_file_is_refused(tmp_path):
-    config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "d"), run_name="x", data={"num_samples": 100000})
+    # No budget: tiny.yaml's would refuse the disk that 100,000 samples plan first.
+    config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "d"), run_name="x", data={"num_samples": 100000},
+                          disk_budget_gb=None)
     result = run_stage("01_generate_data.py", config, "--dry-run")
     assert result.returncode == 2 and "data.num_samples: 100000 exceeds" in result.stderr
 

@@ -10,12 +10,13 @@ import sys
 from unittest import mock
 
 import pytest
-from conftest import run_stage, write_config
+from conftest import REPO, run_stage, run_stage_in_process, write_config
 
-from eagle_pipeline import preconditions
+from eagle_pipeline import disk_plan, preconditions
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.preconditions import check_gpu_count, check_parallel_split, parallel_split_problem
+from eagle_pipeline.stage import STAGES
 
 
 @pytest.mark.parametrize("heads,kv_heads,tp,problem", [
@@ -116,22 +117,28 @@ def test_every_referenced_folder_is_checked_and_present_ones_pass(tmp_path):
 
 
 def test_the_budget_counts_what_the_run_folder_holds(tmp_path):
-    cfg = load_config(write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r", disk_budget_gb=1e-5))
-    preconditions.check_disk_budget(cfg, 3)  # no run folder yet
-    (cfg.run_dir / "02_extract_hidden").mkdir(parents=True)
-    (cfg.run_dir / "02_extract_hidden" / "a.bin").write_bytes(b"x" * 9_000)
-    preconditions.check_disk_budget(cfg, 3)
-    (cfg.run_dir / "02_extract_hidden" / "b.bin").write_bytes(b"x" * 2_000)
-    with pytest.raises(BadInput, match=r"^disk_budget_gb: the run folder \S+ already holds 11.0 KB, above disk_budget_gb \(1e-05 GB\)"):
+    config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r", disk_budget_gb=1e-5)
+    cfg = load_config(config)
+    with mock.patch.object(disk_plan, "plan_for_config", return_value=None):  # what is held, not what is planned
+        preconditions.check_disk_budget(cfg, 3)  # no run folder yet
+        (cfg.run_dir / "02_extract_hidden").mkdir(parents=True)
+        (cfg.run_dir / "02_extract_hidden" / "a.bin").write_bytes(b"x" * 9_000)
         preconditions.check_disk_budget(cfg, 3)
-    preconditions.check_disk_budget(load_config(write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r")), 3)
+        (cfg.run_dir / "02_extract_hidden" / "b.bin").write_bytes(b"x" * 2_000)
+        above = r"^disk_budget_gb: the run folder \S+ already holds 11.0 KB, above disk_budget_gb \(1e-05 GB\)"
+        with pytest.raises(BadInput, match=above):
+            preconditions.check_disk_budget(cfg, 3)
+    preconditions.check_disk_budget(load_config(config, ["disk_budget_gb=null"]), 3)
 
 
 def test_stage_02s_hidden_states_are_planned_into_the_budget_once(tmp_path):
-    """From stage 02 on, stage 01's token counts say what the hidden states will take (4 states x 576 x 2 bytes a
-    token for the embedded target); samples an interrupted stage 02 already wrote are not counted twice."""
-    budget = 0.01  # GB: 10 MB, about 2,170 tokens of samples
-    cfg = load_config(write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r", disk_budget_gb=budget))
+    """Once stage 01 has run, its token counts say what the hidden states will take (4 states x 576 x 2 bytes a
+    token for the embedded target), beside what stages 03-06 plan; samples an interrupted stage 02 already wrote
+    are not counted twice. Stage 01 itself is held to it too: a rerun of it would lead to the same states."""
+    config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r")
+    later = sum(s.bytes for s in disk_plan.plan_for_config(load_config(config)).stages if s.number > 2)
+    budget = (later + 10_000_000) / 1e9  # 10 MB for stage 02: about 2,170 tokens of samples
+    cfg = load_config(config, [f"disk_budget_gb={budget}"])
     first = cfg.stage_dir("01_generate_data")
     first.mkdir(parents=True)
 
@@ -143,11 +150,135 @@ def test_stage_02s_hidden_states_are_planned_into_the_budget_once(tmp_path):
     preconditions.check_disk_budget(cfg, 2)
     preconditions.check_disk_budget(cfg, 1)
     conversations(3_000)
-    with pytest.raises(BadInput, match=r"^disk_budget_gb: stage 02's hidden states \(~13.8 MB for 3000 tokens\) would take"):
-        preconditions.check_disk_budget(cfg, 4)
-    preconditions.check_disk_budget(cfg, 1)  # stage 01 itself is not held to what stage 02 will write
+    above = (r"^disk_budget_gb: stage 02's hidden states \(~13.8 MB for 3000 tokens\), stage 04's checkpoints .* "
+             r"would take the run folder \S+ to ~0.\d\d GB, above disk_budget_gb")
+    with pytest.raises(BadInput, match=above):
+        preconditions.check_disk_budget(cfg, 2)
+    with pytest.raises(BadInput, match=r"^disk_budget_gb: stage 02's hidden states \(~13.8 MB for 3000 tokens\)"):
+        preconditions.check_disk_budget(cfg, 1)
     conversations(2_000)
     samples = cfg.stage_dir("02_extract_hidden") / "data" / "hidden_states"
     samples.mkdir(parents=True)
     (samples / "hs_0.safetensors").write_bytes(b"x" * 4_000_000)  # part of the 9.2 MB planned, not beside it
     preconditions.check_disk_budget(cfg, 2)
+
+
+# -- the disk plan of the Kimi-K2.5 configs ----------------------------------------------------------------------
+
+KIMI_CONFIGS = sorted((REPO / "configs").glob("kimi-k2.5*.yaml"))
+
+
+@pytest.fixture
+def kimi_target(tmp_path):
+    """Kimi-K2.5's config.json, as far as the disk plan reads it (the weights are not read)."""
+    model = tmp_path / "Kimi-K2.5"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
+                        "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432}}))
+    return model
+
+
+def kimi_config(path, target, tmp_path, *overrides):
+    return load_config(path, [f"verifier.path={target}", f"data_root={tmp_path / 'data'}", *overrides])
+
+
+@pytest.mark.parametrize("path", KIMI_CONFIGS, ids=lambda p: p.name)
+def test_every_kimi_configs_disk_budget_is_its_plan_with_room(path, kimi_target, tmp_path):
+    """disk_budget_gb of each Kimi config covers what eagle_pipeline/disk_plan.py plans for it, with at most 10%
+    room: a change to the plan or the config that leaves the budget behind (or far above) fails here."""
+    cfg = kimi_config(path, kimi_target, tmp_path)
+    plan = disk_plan.plan_for_config(cfg)
+    assert cfg.disk_budget_gb is not None, f"{path.name}: set disk_budget_gb (the plan: {plan.total / 1e9:.1f} GB)"
+    assert plan.total <= cfg.disk_budget_gb * 1e9 <= 1.1 * plan.total + 1e9, (path.name, plan.total / 1e9)
+    # Whatever the scale: 3 checkpoints of ~8.6 GB (bf16 weights of 2.37B parameters, AdamW's bf16 moments of the
+    # 0.96B trained ones: not the target's embedding and lm_head rows) and stage 06's 10 captured layers.
+    assert 8.5e9 < plan.stage(4).bytes / 3 < 8.7e9 or cfg.train.init_from or cfg.hidden_states.mode == "online"
+    assert "10 states: layers [1, 2, 3, 29, 30, 31, 57, 58, 59] and the final one" in plan.stage(6).detail
+
+
+def test_the_budget_is_compared_with_the_plan_before_stage_01_and_in_its_dry_run(kimi_target, tmp_path, capsys):
+    old = kimi_config(REPO / "configs" / "kimi-k2.5-10.yaml", kimi_target, tmp_path, "disk_budget_gb=26")
+    above = (r"^disk_budget_gb: stage 02's hidden states \(~0.82 GB for 10 samples x ~1434 tokens expected\), "
+             r"stage 04's checkpoints \(~25.73 GB, 3 on disk at once, ~8.58 GB each\), stage 05's .*, stage 06's "
+             r"captured states \(~11.74 GB .* would take the run folder \S+ to ~40.68 GB, above disk_budget_gb "
+             r"\(26 GB\); raise disk_budget_gb to at least 41")
+    with pytest.raises(BadInput, match=above):
+        preconditions.check_disk_budget(old, 1)
+    config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r", disk_budget_gb=0.5)
+    code, _, stderr = run_stage_in_process("01_generate_data.py", config, capsys, "--dry-run")
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1, stderr
+    assert lines[0].startswith("error: disk_budget_gb: stage 02's hidden states (~0.41 GB for 500 samples x ~180 "
+                               "tokens expected), stage 04's checkpoints"), lines[0]
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_stage_06_rerun_of_a_full_kimi_run_within_its_plan_is_not_refused(kimi_target, tmp_path):
+    """Every stage folder holding what the plan says it writes (sparse files: no disk is used): a rerun of any
+    stage fits kimi-k2.5-10.yaml's budget, as it did not at the former 26 GB (refused from stage 05 on)."""
+    cfg = kimi_config(REPO / "configs" / "kimi-k2.5-10.yaml", kimi_target, tmp_path)
+    plan = disk_plan.plan_for_config(cfg)
+    for stage in plan.stages:
+        folder = cfg.stage_dir(STAGES[stage.number])
+        folder.mkdir(parents=True)
+        with open(folder / "planned.bin", "wb") as f:
+            f.truncate(stage.bytes)
+        if stage.number == 1:  # as many tokens as the plan expected
+            (folder / "manifest.json").write_text(json.dumps({"status": "complete", "inputs": {}, "counts": {
+                "samples": 10, "prompt_tokens": 0, "completion_tokens": 10 * disk_plan.expected_sample_tokens(cfg)}}))
+    for number in STAGES:
+        preconditions.check_disk_budget(cfg, number)
+    with pytest.raises(BadInput, match=r"^disk_budget_gb: the run folder \S+ already holds 40.68 GB, above "
+                                       r"disk_budget_gb \(26 GB\)"):
+        preconditions.check_disk_budget(kimi_config(REPO / "configs" / "kimi-k2.5-10.yaml", kimi_target, tmp_path,
+                                                    "disk_budget_gb=26"), 6)
+
+
+# -- how many checkpoints stage 04 keeps ------------------------------------------------------------------------
+
+
+def simulate_checkpoints(out_dir, keep_last: int, patience: int | None, losses: list[float]) -> int:
+    """Stage 04's checkpoint folder through training with these validation losses: each epoch's save, its
+    validation, keep_checkpoints, the early-stopping rule (eagle_pipeline/train/checkpoints.py); the most
+    checkpoints on disk at once."""
+    from eagle_pipeline.train import checkpoints as kept
+    from eagle_pipeline.train.settings import CHECKPOINTS
+
+    folder, peak = out_dir / CHECKPOINTS, 0
+    for epoch, loss in enumerate(losses):
+        saved = folder / str(epoch)
+        saved.mkdir(parents=True)
+        for name in kept.CHECKPOINT_FILES:
+            (saved / name).write_text("x")
+        state = {"epoch": epoch, "global_step": epoch + 1, "local_step": 0}
+        (saved / kept.TRAINING_STATE).write_text(json.dumps(state))
+        peak = max(peak, sum(1 for p in folder.iterdir() if p.is_dir()))
+        kept.mark_complete(folder, epoch, {"loss": loss})
+        kept.keep_checkpoints(out_dir, keep_last, "val_loss")
+        if kept.stopped_early(out_dir, patience, "val_loss"):
+            break
+    return peak
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+@pytest.mark.parametrize("patience", [None, 1, 2, 3])
+@pytest.mark.parametrize("epochs", [2, 8])
+def test_the_plan_counts_the_checkpoints_stage_04_keeps(tmp_path, keep_last, patience, epochs):
+    patterns = {"best first": [float(e) for e in range(epochs)], "improving": [float(-e) for e in range(epochs)],
+                "mixed": [5, 3, 4, 2, 6, 7, 1, 8][:epochs]}
+    peaks = {name: simulate_checkpoints(tmp_path / name, keep_last, patience, losses)
+             for name, losses in patterns.items()}
+    train = load_config(write_config(tmp_path / "c.yaml"), [f"train.keep_last={keep_last}", f"train.epochs={epochs}",
+                                                            f"train.early_stop_patience={patience or 'null'}"]).train
+    assert max(peaks.values()) == disk_plan.kept_checkpoints(train), peaks
+
+
+def test_the_replay_captures_every_readings_layers():
+    """disk_plan's count of stage 06's captured layers is what the replay captures (predict.diagnose)."""
+    from eagle_pipeline.predict.diagnose import capture_ids, readings
+
+    for ids, layers in [((2, 30, 58), 61), ((2, 15, 27), 30), ((1, 2, 3), 4), ((1,), 3), ((5, 9), 12), ((3,), 3)]:
+        expected = capture_ids(readings(ids, layers, {"norm_before_fc": True}, has_d2t=True), layers)
+        assert disk_plan.reading_layer_ids(ids, layers) == expected, (ids, layers)
