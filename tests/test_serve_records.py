@@ -41,7 +41,7 @@ class FakeServers:
 
         class Server:
             def __init__(self, target_dir, *, speculative_config=None, log_path, **kwargs):
-                self.log_path = log_path
+                self.log_path, self.speculative_config = log_path, speculative_config
                 self.mode = Path(log_path).stem.removeprefix("server-")
                 self.model, self.base_url, self.start_seconds = str(target_dir), self.mode, None
 

@@ -54,15 +54,14 @@ def read_served(stage_dir: str | os.PathLike, inputs: dict, modes: Sequence[str]
                 kept, problem = None, f"unreadable or torn ({e})"
             if isinstance(kept, dict) and kept.get("inputs") != inputs:
                 problem = "recorded for other inputs"
-            elif isinstance(kept, dict):
-                problem = record_problem(kept.get("record"), num_speculative_tokens)
+            elif isinstance(kept, dict) or problem == "missing":
+                problem = record_problem(kept.get("record") if isinstance(kept, dict) else None, num_speculative_tokens)
                 if problem is None:
                     found[mode] = kept["record"]
                     continue
         record, source = _recorded_elsewhere(stage_dir, mode, shaped_by)
         if record is not None and record_problem(record, num_speculative_tokens) is None:
-            if path.exists():
-                log.warning("%s: %s; the %s measurements are taken from %s instead", path, problem, mode, source)
+            log.warning("%s: %s; the %s measurements are taken from %s instead", path, problem, mode, source)
             write_served(stage_dir, inputs, mode, record)
             found[mode] = record
         elif path.exists():
