@@ -28,7 +28,7 @@ import sys
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
-from eagle_pipeline.preconditions import check_preconditions
+from eagle_pipeline.preconditions import check_preconditions, speculation_warnings
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.released_drafter import check_weights_whole
 from eagle_pipeline.serve.baseline import (
@@ -113,6 +113,8 @@ def run(stage: Stage, dry_run: bool) -> None:
               + (f"; no-speculation answers from {s.baseline}" if s.baseline else ""))
         if s.predict:
             print_replay_capture_plan(cfg, foreign, drafter_dir)
+        for warning in speculation_warnings(cfg):
+            print(f"warning: {warning}")
         if s.engine_variants:
             from eagle_pipeline.serve.engine_probe import describe
 

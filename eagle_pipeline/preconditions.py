@@ -246,3 +246,21 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
         raise BadInput(f"disk_budget_gb: {', '.join(stage.phrase() for stage in adding)} would take the run folder "
                        f"{run_dir} to ~{_amount(projected)}, above disk_budget_gb ({budget:g} GB); raise "
                        f"disk_budget_gb to at least {math.ceil(projected / GB)}{fix}")
+
+
+# -- warnings ------------------------------------------------------------------------------------------------
+
+
+def speculation_warnings(cfg: RunConfig) -> list[str]:
+    """Settings that work but cost speculation what it is for, printed by stage 06's dry run (which serves the
+    target speculating): decode context parallelism on TRITON_MLA (vLLM's MLA backend on SM120), whose metadata
+    builder lacks `supports_dcp_with_varlen`, so that vLLM sends every verification of drafts through the prefill
+    path (vllm/v1/attention/backend.py, `_init_reorder_batch_threshold`)."""
+    warnings = []
+    dcp = cfg.verifier.engine_args.get("decode_context_parallel_size", 1)
+    if isinstance(dcp, int) and dcp > 1 and cfg.verifier.attention_backend in (None, "TRITON_MLA"):
+        backend = cfg.verifier.attention_backend or "vLLM's choice (TRITON_MLA for an MLA target on SM120)"
+        warnings.append(f"verifier.engine_args.decode_context_parallel_size {dcp} with speculation on {backend}: "
+                        f"TRITON_MLA verifies drafts through the prefill path under decode context parallelism, "
+                        f"slower; keep it at 1 on stock vLLM")
+    return warnings

@@ -282,3 +282,17 @@ def test_the_replay_captures_every_readings_layers():
     for ids, layers in [((2, 30, 58), 61), ((2, 15, 27), 30), ((1, 2, 3), 4), ((1,), 3), ((5, 9), 12), ((3,), 3)]:
         expected = capture_ids(readings(ids, layers, {"norm_before_fc": True}, has_d2t=True), layers)
         assert disk_plan.reading_layer_ids(ids, layers) == expected, (ids, layers)
+
+
+def test_decode_context_parallelism_with_speculation_on_triton_mla_is_warned_about(tmp_path):
+    def warnings(**verifier):
+        return preconditions.speculation_warnings(load_config(write_config(
+            tmp_path / "c.yaml", data_root=str(tmp_path / "d"), run_name="t", verifier=verifier)))
+
+    assert warnings() == [] and warnings(engine_args={"decode_context_parallel_size": 1}) == []
+    kimi = warnings(attention_backend="TRITON_MLA", engine_args={"decode_context_parallel_size": 2})
+    assert kimi == ["verifier.engine_args.decode_context_parallel_size 2 with speculation on TRITON_MLA: TRITON_MLA "
+                    "verifies drafts through the prefill path under decode context parallelism, slower; keep it at 1 on "
+                    "stock vLLM"]
+    assert "vLLM's choice (TRITON_MLA" in warnings(engine_args={"decode_context_parallel_size": 4})[0]
+    assert warnings(attention_backend="FLASH_ATTN", engine_args={"decode_context_parallel_size": 2}) == []

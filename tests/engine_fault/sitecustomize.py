@@ -3,7 +3,8 @@ through a run's `env:` and set EAGLE_TEST_ENGINE_FAULT=fc_noise, and every Pytho
 that imports vLLM's EAGLE-3 drafter (`vllm/model_executor/models/llama_eagle3.py`) feeds the drafter's `fc`
 noise of the states' scale instead of the target's states (`Eagle3LlamaForCausalLM.combine_hidden_states`).
 The drafter folder, the target and the offline replay are untouched: only the engine computes the drafter
-wrongly, as vLLM's FLASHINFER_MLA backend with an fp8 KV cache does on SM120 (docs/engines.md). Any other
+wrongly, as vLLM's FLASHINFER_MLA backend with an fp8 KV cache is reported to on SM120 in builds that enable it
+there (docs/engines.md). Any other
 value of the variable (an engine variant's `env`) plants nothing.
 """
 
