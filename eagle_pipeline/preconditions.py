@@ -235,7 +235,12 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
                        f"({budget:g} GB); raise disk_budget_gb if the run needs more, or free space in it")
     from eagle_pipeline.disk_plan import plan_for_config
 
-    plan = plan_for_config(cfg)
+    try:
+        plan = plan_for_config(cfg)
+    except BadInput:
+        if stage_number == 1:  # a target or layer ids the plan cannot read: named by stage 01's checks, or stage 02's
+            return
+        raise
     if plan is None:  # an embedded target not converted yet: its shape is read once stage 01 has converted it
         return
     projected, adding = projected_bytes(cfg, plan, stage_number, held)
