@@ -24,7 +24,6 @@ metrics.csv, loss_curves.png, tensorboard/, manifest.json (tokens/s, peak memory
 """
 
 import contextlib
-import subprocess
 from pathlib import Path
 
 from eagle_pipeline import released_drafter
@@ -216,8 +215,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         else:
             command = launch.torchrun_command(t, train_run)
             print("running:", " ".join(command))
-            result = subprocess.run(command, cwd=REPO_ROOT)  # each rank imports eagle_pipeline from the repository
-            if result.returncode != 0:
+            returncode = launch.run_torchrun(command, cwd=REPO_ROOT)  # each rank imports eagle_pipeline from the repository
+            if returncode != 0:
                 reason = stopped_reason(stage.dir)  # the ranks stopped themselves (a loss that is not finite)
                 if reason:
                     raise BadInput(reason)
@@ -225,7 +224,7 @@ def run(stage: Stage, dry_run: bool) -> None:
 
                 if online and capture_failure(stage.dir):  # a capture server stayed away
                     raise CaptureUnavailable(capture_failure(stage.dir))
-                raise RuntimeError(f"torch.distributed.run exited with {result.returncode}")
+                raise RuntimeError(f"torch.distributed.run exited with {returncode}")
             summary = runner.finalize_training(t, train_run)
 
     final_val = summary.get("final_val") or {}

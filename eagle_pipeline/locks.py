@@ -108,7 +108,8 @@ def _open_lock_file(path: Path) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except IsADirectoryError:
-        raise BadInput(f"{path}: is a folder where the lock file belongs; remove it (a lock holds no data) and rerun") from None
+        raise BadInput(f"{path}: is a folder where the lock file belongs; remove it (a lock holds no data) and "
+                       f"rerun") from None
     except PermissionError as e:
         where = path if path.exists() else path.parent
         raise BadInput(f"{path}: cannot open the lock file ({e.strerror}; {where} belongs to {_owner(where)}): another "

@@ -72,8 +72,8 @@ case "$cmd" in
       command -v ps >/dev/null || return 0
       ps -e -o pid=,pgid=,stat= | awk -v p="$pid" -v g="$pgid" '(g == "" ? $1 == p : $2 == g) && $3 !~ /^Z/ {found = 1} END {exit !found}'
     }
-    # Stage 04's trainer answers SIGTERM by saving a checkpoint of the epoch in progress, which takes up to
-    # about two minutes on a Kimi-sized drafter; other stages stop in seconds.
+    # Stage 04 answers SIGTERM by completing the checkpoint of an epoch whose training has ended (validation
+    # and replay) before it stops (eagle_pipeline/train/stop.py); other stages stop in seconds.
     default_grace=30; [ "$stage" != 04_train ] || default_grace=180
     grace="${EAGLE_STOP_GRACE:-$default_grace}"
     echo "stopping $stage of run $run, job $job: SIGTERM, SIGKILL after ${grace}s"

@@ -173,6 +173,68 @@ def test_stage_04_killed_while_saving_and_while_training_resumes_to_the_referenc
     assert complete[last]["val_loss"] == pytest.approx(want_loss, rel=0.02)
 
 
+def test_stage_04_stopped_by_sigterm_keeps_its_complete_epochs_and_resumes_after_them(small_run, run, tmp_path):
+    """SIGTERM to the stage's process group (scripts/remote.sh stop) once the first epoch has trained: the epoch's
+    checkpoint is completed (validated, replayed) before the stage exits 130 with the `interrupted:` line, and
+    the rerun trains the second epoch only."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    from eagle_pipeline.train import checkpoints as train_checkpoints
+    from eagle_pipeline.train import metrics
+
+    _, _, reference = small_run
+    config, run_dir = run
+    link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden", "03_build_vocab_map")
+    stage = run_dir / "04_train"
+    checkpoints = stage / "checkpoints"
+    log_path = tmp_path / "stopped.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, str(REPO / "04_train.py"), "--config", str(config)], cwd=REPO,
+                                   env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not (checkpoints / "0").is_dir():  # epoch 0 trained: its checkpoint is being saved and validated
+            assert process.poll() is None, log_path.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 900 s"
+            time.sleep(0.02)
+        validated_at_stop = (checkpoints / "0" / train_checkpoints.COMPLETE_MARKER).exists()
+        os.killpg(process.pid, signal.SIGTERM)
+        code = process.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    output = log_path.read_text(errors="replace")
+    assert code == 130, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith(
+        "interrupted: stage 04_train stopped by SIGTERM; finished work is kept; rerun the same command"), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    # Stopped before epoch 0's checkpoint was validated, which it then was before the stage stopped.
+    assert not validated_at_stop and "SIGTERM: completing the checkpoint of epoch 0" in output, output[-3000:]
+    assert list(train_checkpoints.complete_checkpoints(checkpoints)) == [0]
+    assert not (checkpoints / train_checkpoints.INTERRUPTED_DIR).exists()  # no mid-epoch save to throw away
+    assert status(stage) == "running"
+
+    rerun = ok(run_stage("04_train.py", config, timeout=1800))
+    assert "Removed incomplete checkpoint" not in rerun.stdout + rerun.stderr
+    manifest = assert_complete_and_whole(stage)
+    assert manifest["counts"]["epochs_completed"] == 2
+    assert json.loads((stage / "run_stats.json").read_text())["resumed_from"]["epoch"] == 0
+    rows = metrics.read_metrics(stage / "metrics.csv")
+    steps = [r["step"] for r in rows if r["split"] == "train"]
+    assert steps == list(range(1, len(steps) + 1))  # every step once: epoch 0's were not trained again
+    assert [r["epoch"] for r in rows if r["split"] == "val"] == [0, 1]
+
+
 def test_stage_04_refuses_a_disk_without_room_for_its_checkpoints(small_run, run):
     _, _, reference = small_run
     config, run_dir = run

@@ -178,7 +178,8 @@ def test_a_lock_file_of_another_user_is_one_error_line(tmp_path, config, capsys,
 
         monkeypatch.setattr(locks.os, "open", refused)
     line = _refusal("03_build_vocab_map.py", config, capsys)
-    assert f"{lock}: cannot open the lock file (Permission denied" in line and "data_root (or run_name) of your own" in line
+    assert f"{lock}: cannot open the lock file (Permission denied" in line
+    assert "data_root (or run_name) of your own" in line
 
 
 def test_two_stages_starting_together_each_probe_the_data_root_with_their_own_file(tmp_path, config, monkeypatch):

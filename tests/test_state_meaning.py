@@ -150,7 +150,8 @@ def test_every_sample_training_reads_is_checked_for_flat_rows(target, tmp_path):
 
     rows, states = _samples(target, 12)
     data = tmp_path / "data"
-    Dataset.from_list([{**row, "seq_len": len(row["input_ids"])} for row in rows]).with_format("torch").save_to_disk(str(data))
+    table = Dataset.from_list([{**row, "seq_len": len(row["input_ids"])} for row in rows])
+    table.with_format("torch").save_to_disk(str(data))
     zeroed = [i for i in range(12) if i not in spread(12, MAX_SAMPLES)][:3]
     assert len(zeroed) == 3
     for i in zeroed:
@@ -182,7 +183,8 @@ def test_every_sample_training_reads_is_checked_for_flat_rows(target, tmp_path):
         wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
     with pytest.raises(FlatSampleStates) as reraised:
         wrapped.reraise()
-    assert str(reraised.value).startswith(f"{sample_path(folder, zeroed[1])}: slot 3") and "\n" not in str(reraised.value)
+    line = str(reraised.value)
+    assert line.startswith(f"{sample_path(folder, zeroed[1])}: slot 3") and "\n" not in line
     # Online samples (states from capture servers, checked as they arrive) are left to speculators.
     online = CheckedArrowDataset(max_len=64, datapath=str(data), on_missing="skip", hidden_states_dtype=torch.float32)
     assert online[zeroed[0]]["verifier_last_hidden_states"].abs().sum() == 0

@@ -90,8 +90,9 @@ def _remove_dangling_links(checkpoint_dir: Path) -> None:
             link.unlink()
 
 
-# speculators' save of the epoch in progress when it is stopped (SIGTERM, Ctrl-C). It never resumes from it by
-# itself, and it may be torn by a SIGKILL after the stop's grace; the pipeline resumes from complete epochs.
+# speculators' save of the epoch in progress when it is stopped (SIGTERM, Ctrl-C), left by runs before the
+# pipeline answered stops itself (train/stop.py). It never resumes from it by itself, and it may be torn by a
+# SIGKILL after the stop's grace; the pipeline resumes from complete epochs.
 INTERRUPTED_DIR = "interrupted"
 
 

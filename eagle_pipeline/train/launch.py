@@ -20,6 +20,7 @@ from eagle_pipeline.config import TrainConfig
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.train.runner import prepare, run_speculators
 from eagle_pipeline.train.settings import TrainRun
+from eagle_pipeline.train.stop import STOP_GRACE_S
 
 LAUNCH_FILE = "launch.json"
 
@@ -46,10 +47,41 @@ def torchrun_command(train: TrainConfig, run: TrainRun, num_processes: int | Non
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={processes}",
+        # After a stop, the ranks complete the checkpoint of an epoch whose training ended (train/stop.py).
+        f"--shutdown-timeout={STOP_GRACE_S}",
         "-m",
         "eagle_pipeline.train.launch",
         str(launch_file),
     ]
+
+
+def run_torchrun(command: list[str], cwd: Path) -> int:
+    """Run torch.distributed.run to its end and return its exit code. It runs in a session of its own: a stop of
+    this process (SIGTERM, Ctrl-C, to it or its process group) reaches torchrun once, from here, and torchrun
+    passes it to its ranks (each in a session of its own too) and waits for them; the stop is raised here once
+    torchrun has ended. Should this process be killed outright, torchrun gets SIGTERM from the kernel."""
+    import signal
+    import subprocess
+
+    from eagle_pipeline.parent_death import signal_on_parent_death
+    from eagle_pipeline.stage import Terminated
+
+    process = subprocess.Popen(command, cwd=cwd, start_new_session=True,
+                               preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM))
+    stop: BaseException | None = None
+    while True:
+        try:
+            code = process.wait()
+            break
+        except KeyboardInterrupt as e:  # Terminated too; a second one waits on: torchrun's timeout bounds it
+            if stop is None:
+                stop = e
+                process.send_signal(signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+                print(f"stopping: the training ranks complete the epoch they are validating (up to {STOP_GRACE_S} s)",
+                      flush=True)
+    if stop is not None:
+        raise stop
+    return code
 
 
 def read_launch_file(path: Path) -> tuple[TrainConfig, TrainRun]:
@@ -64,7 +96,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="Run one training rank (started by torch.distributed.run).")
     parser.add_argument("launch_file", help=f"{LAUNCH_FILE} written by torchrun_command()")
     args = parser.parse_args(argv)
-    run_speculators(*read_launch_file(Path(args.launch_file)))
+    try:
+        run_speculators(*read_launch_file(Path(args.launch_file)))
+    except KeyboardInterrupt:  # a stop, passed on by torchrun: stage 04 prints the `interrupted:` line
+        return 130
     return 0
 
 

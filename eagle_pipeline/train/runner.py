@@ -37,6 +37,7 @@ from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.metrics import LOSS_PNG, METRICS_CSV, MetricsRecorder, plot_metrics, read_metrics, truncate_metrics
 from eagle_pipeline.train.predicted_acceptance import CheckpointPredictor
 from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun
+from eagle_pipeline.train.stop import GracefulStop
 from eagle_pipeline.train.topic_split import dataset_topics, read_split, split_by_topic, split_summary, write_split_view
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
         speculators_cpu,
         speculators_packing,
         speculators_sample_check,
+        speculators_stop,
         speculators_ttt_attention,
         torch_process_group_timeout,
     )
@@ -197,6 +199,9 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     speculators_capture_stop.apply()
     # Every sample read from stage 02's files: no token row all zero or constant in any slot.
     speculators_sample_check.apply()
+    # A stop (SIGTERM, Ctrl-C) keeps every epoch whose training ended (eagle_pipeline/train/stop.py).
+    graceful = GracefulStop()
+    speculators_stop.apply(graceful)
     # speculators trains on the accelerator whenever there is one.
     if run.device == "cpu" and torch.accelerator.is_available():
         raise BadInput("train.num_gpus: 0 trains on the CPU but this host has an accelerator; set it to the GPUs to use")
@@ -228,8 +233,8 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     # into text; the recorder must see them first.
     setup_root_logger()
     # The guard first (a non-finite validation must not mark its checkpoint complete), then the recorder (an
-    # epoch is marked validated before early stopping may end the run after it).
-    handlers = [h for h in (guard, recorder, early_stop) if h is not None]
+    # epoch is marked validated before early stopping may end the run after it), then a deferred stop.
+    handlers = [h for h in (guard, recorder, early_stop, graceful) if h is not None]
     for handler in reversed(handlers):
         root.handlers.insert(0, handler)
     started = time.perf_counter()
@@ -240,7 +245,7 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
             # speculators always asks its loaders for pinned memory, which means nothing without an accelerator.
             warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
             try:
-                with online_rank(run.online, run.out_dir, _rank()):
+                with graceful, online_rank(run.online, run.out_dir, _rank()):
                     main(SpeculatorsTrainConfig.resolve(argv))
             except StopTraining as stop:
                 logger.info("Stopped early: %s.", stop)
@@ -252,6 +257,7 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
                     atomic.write_json(run.out_dir / STOPPED_FILE, {"reason": " ".join(str(refused).splitlines())})
                 raise
     finally:
+        speculators_stop.apply(None)
         for handler in handlers:
             root.removeHandler(handler)
     if recorder is not None:
