@@ -215,7 +215,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         else:
             command = launch.torchrun_command(t, train_run)
             print("running:", " ".join(command))
-            returncode = launch.run_torchrun(command, cwd=REPO_ROOT)  # each rank imports eagle_pipeline from the repository
+            # Each rank imports eagle_pipeline from the repository.
+            returncode = launch.run_torchrun(command, cwd=REPO_ROOT)
             if returncode != 0:
                 reason = stopped_reason(stage.dir)  # the ranks stopped themselves (a loss that is not finite)
                 if reason:
