@@ -15,8 +15,9 @@ Output in <data_root>/<run_name>/02_extract_hidden/:
     data/                         arrow dataset: sample_id, topic, input_ids, loss_mask, seq_len (row i <-> hs_i)
     data/hidden_states/hs_<i>.safetensors   hidden_states [seq, n_aux+1, H], token_ids [seq]
     manifest.json                 inputs (verifier, tokenizer, chat template, layer ids, ...), counts, tokens/s
-A sample's file is checked (token ids, shape, finite values) before it is written, atomically; a rerun
-keeps every file whose token ids still match its row and captures the rest.
+A sample's file is checked (token ids, shape, finite values) before it is written, atomically; the first batch's
+states are checked for meaning (eagle_pipeline/state_meaning.py) before the rest is captured; a rerun keeps every
+file whose token ids still match its row and captures the rest.
 With hidden_states.mode: online it writes data/ without hidden_states: stage 04 captures the states live from vLLM
 capture servers and discards them after use (docs/online.md).
 """
@@ -71,6 +72,25 @@ def samples_to_capture(rows: list[dict], hs_dir: Path, num_states: int, hidden_s
 
     return [i for i, row in enumerate(tqdm(rows, desc="check existing", unit="file", leave=False))
             if not sample_matches(sample_path(hs_dir, i), row["input_ids"], num_states, hidden_size)]
+
+
+def check_first_batch(hs_dir: Path, rows: list[dict], batch: list[int], head, layer_ids: list[int], num_layers: int, *,
+                      greedy: bool, model_runner: str) -> dict:
+    """The meaning check on the first batch captured, before the rest: a systematic fault of the capture path (a
+    slot lost or shifted) shows in every batch, and at full scale the whole capture costs hours and a terabyte
+    first. On a failure the batch's files are removed, so that a rerun captures them again."""
+    from eagle_pipeline.state_meaning import check_stage02_samples
+
+    other = ("" if model_runner == "v1" else
+             ", or capture with vLLM's V1 model runner, whose capture path is the tested one (verifier.model_runner: v1)")
+    fix = (f"stage 02 stopped after its first batch ({len(batch)} samples, their files removed): check the engine's "
+           f"settings (docs/engines.md, \"Engine settings\"){other}, and rerun stage 02")
+    try:
+        return check_stage02_samples(hs_dir, rows, head, layer_ids, num_layers, greedy=greedy, among=batch, fix=fix)
+    except BadInput:
+        for row_index in batch:
+            sample_path(hs_dir, row_index).unlink(missing_ok=True)
+        raise
 
 
 def plan_without_conversations(stage: Stage) -> None:
@@ -188,7 +208,11 @@ def run(stage: Stage, dry_run: bool) -> None:
     check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples and {later_what}")
     print(f"stage 02: {len(rows) - len(todo)} of {len(rows)} samples already captured, {len(todo)} to capture ({todo_tokens} tokens)")
 
-    # -- capture with vLLM ----------------------------------------------------------------------------
+    # -- capture with vLLM, its first batch checked for meaning before the rest ------------------------
+    from eagle_pipeline.state_meaning import check_stage02_samples, target_head_for
+
+    head = target_head_for(verifier)  # read once, for the first batch and for the end
+    greedy = cfg.generation.temperature == 0
     capture_seconds = 0.0
     if todo:
         from tqdm import tqdm
@@ -211,14 +235,14 @@ def run(stage: Stage, dry_run: bool) -> None:
                     write_sample(hs_dir, row_index, sample, rows[row_index]["input_ids"], num_states=num_states,
                                  hidden_size=hidden_size, storage_dtype=hs_cfg.storage_dtype)
                     bar.update(rows[row_index]["seq_len"])
+                if start == 0:
+                    check_first_batch(hs_dir, rows, batch, head, layer_ids, verifier.num_layers, greedy=greedy,
+                                      model_runner=cfg.verifier.model_runner)
             capture_seconds = time.monotonic() - t0
         shutil.rmtree(stage.dir / "connector_scratch", ignore_errors=True)
 
     # -- meaning: whole, finite files of the right shape may still hold the wrong layer or position ----
-    from eagle_pipeline.state_meaning import check_stage02_samples, target_head_for
-
-    meaning = check_stage02_samples(hs_dir, rows, target_head_for(verifier), layer_ids, verifier.num_layers,
-                                    greedy=cfg.generation.temperature == 0)
+    meaning = check_stage02_samples(hs_dir, rows, head, layer_ids, verifier.num_layers, greedy=greedy)
 
     # -- summary --------------------------------------------------------------------------------------
     stored = sum(sample_path(hs_dir, i).stat().st_size for i in range(len(rows)))

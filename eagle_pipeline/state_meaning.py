@@ -185,9 +185,15 @@ def check_meaning(samples: Sequence[CapturedSample], head: TargetHead | None, na
     return result
 
 
+STAGE02_FIX = ("the engine captured wrong states; check its settings (docs/engines.md, \"Engine settings\") and rerun "
+               "stage 02 with --force")
+
+
 def check_stage02_samples(samples_dir: Path, rows: Sequence[dict], head: TargetHead | None, layer_ids: Sequence[int],
-                          num_layers: int, *, greedy: bool) -> dict:
-    """The meaning check on stage 02's stored samples: up to MAX_SAMPLES dataset rows, evenly spread."""
+                          num_layers: int, *, greedy: bool, among: Sequence[int] | None = None,
+                          fix: str = STAGE02_FIX) -> dict:
+    """The meaning check on stage 02's stored samples: up to MAX_SAMPLES dataset rows, evenly spread over all of
+    them or over the rows `among` (a batch just captured)."""
     from eagle_pipeline.samples import read_sample, sample_path
 
     def load(index: int) -> CapturedSample:
@@ -197,9 +203,9 @@ def check_stage02_samples(samples_dir: Path, rows: Sequence[dict], head: TargetH
         answer_rows = [t for t in range(len(mask) - 1) if mask[t + 1]]
         return CapturedSample(str(path), row["input_ids"], read_sample(path)["hidden_states"], answer_rows)
 
-    return check_meaning([load(i) for i in spread(len(rows), MAX_SAMPLES)], head, slot_names(layer_ids, num_layers),
-                         greedy=greedy, fix="the engine captured wrong states; check its settings (docs/engines.md, "
-                                            "\"Engine settings\") and rerun stage 02 with --force")
+    among = range(len(rows)) if among is None else among
+    return check_meaning([load(among[i]) for i in spread(len(among), MAX_SAMPLES)], head, slot_names(layer_ids, num_layers),
+                         greedy=greedy, fix=fix)
 
 
 def check_replay_states(states: Sequence[torch.Tensor], pairs: Sequence[tuple[Sequence[int], Sequence[int]]],

@@ -7,6 +7,7 @@ import json
 import random
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import ok, run_stage
@@ -198,3 +199,60 @@ def test_disk_full_in_stage_03_is_one_disk_full_line_even_when_its_log_cannot_be
         assert_complete_and_whole(stage)
         for name in ("d2t.npy", "t2d.npy", "token_counts.npy"):
             assert (stage / name).read_bytes() == (reference / "03_build_vocab_map" / name).read_bytes(), name
+
+
+class ReferenceCapture:
+    """Stage 02's engine (eagle_pipeline.capture.HiddenStateCapture) with its model load and capture replaced:
+    each sequence gets the reference run's states, with `fault` applied. What a systematic fault of vLLM's
+    capture path looks like to the stage, without an engine start."""
+
+    def __init__(self, reference: Path, monkeypatch, fault=None):
+        from eagle_pipeline.capture import HiddenStateCapture
+        from eagle_pipeline.samples import read_sample
+
+        hs = reference / "02_extract_hidden" / "data" / "hidden_states"
+        self.by_ids = {tuple(row["input_ids"]): read_sample(hs / f"hs_{i}.safetensors")
+                       for i, row in enumerate(dataset_rows(reference / "02_extract_hidden" / "data"))}
+        self.fault, self.batches = fault, []
+        monkeypatch.setattr(HiddenStateCapture, "__enter__", lambda engine: engine)
+        monkeypatch.setattr(HiddenStateCapture, "__exit__", lambda engine, *exc_info: None)
+        monkeypatch.setattr(HiddenStateCapture, "capture", lambda engine, batch: self.capture(batch))
+
+    def capture(self, batch):
+        self.batches.append(len(batch))
+        samples = []
+        for ids in batch:
+            sample = {key: value.clone() for key, value in self.by_ids[tuple(int(t) for t in ids)].items()}
+            if self.fault:
+                self.fault(sample["hidden_states"])
+            samples.append(sample)
+        return samples
+
+
+def test_a_capture_fault_is_named_after_the_first_batch_and_the_rerun_captures_it_again(small_run, run, monkeypatch, capsys):
+    """The final layer's slot lost on every sample (as vLLM #48124 did to DeepSeek-family targets): stage 02 stops
+    after its first batch, naming the V1 model runner as the alternative, and removes that batch's files; the
+    rerun with a sound capture ends with the reference states."""
+    from conftest import run_stage_in_process, without_log_records
+
+    _, _, reference = small_run
+    config, run_dir = run
+    shutil.copytree(reference / "01_generate_data", run_dir / "01_generate_data")
+    batch_size = read_manifest(reference / "02_extract_hidden")["config"]["hidden_states"]["batch_size"]
+    lost_final_slot = ReferenceCapture(reference, monkeypatch, fault=lambda states: states[:, -1].zero_())
+    code, _, err = run_stage_in_process("02_extract_hidden.py", config, capsys)
+    errors = [line for line in without_log_records(err) if line.startswith(("error:", "failed:"))]
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0].startswith("error: ") and "the final layer) is all zero" in errors[0]
+    assert (f"stage 02 stopped after its first batch ({batch_size} samples, their files removed)" in errors[0]
+            and "verifier.model_runner: v1" in errors[0])
+    assert lost_final_slot.batches == [batch_size]  # the rest never captured
+    assert not list((run_dir / "02_extract_hidden" / "data" / "hidden_states").glob("hs_*.safetensors"))
+
+    sound = ReferenceCapture(reference, monkeypatch)
+    code, _, err = run_stage_in_process("02_extract_hidden.py", config, capsys)
+    assert code == 0, err
+    assert sum(sound.batches) == len(dataset_rows(reference / "02_extract_hidden" / "data"))
+    assert_same_hidden_states(run_dir / "02_extract_hidden" / "data" / "hidden_states",
+                              reference / "02_extract_hidden" / "data" / "hidden_states")
+
