@@ -30,6 +30,7 @@ from eagle_pipeline import released_drafter
 from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.disk_plan import DraftDims, drafter_params, training_bytes
+from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.online.settings import OnlineTraining
@@ -57,20 +58,20 @@ from eagle_pipeline.verifier import Verifier
 INIT_FROM_DIR = "init_from"  # a flat train.init_from in speculators' layout
 
 
-def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[released_drafter.FlatDrafter | None, dict | None]:
+def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[FlatDrafter | None, dict | None]:
     """A flat train.init_from checked against this run (target, aux layers, stage 03's vocabulary) before
     any work, and the layer-id record for the manifest; (None, None) for a speculators folder."""
     t = cfg.train
     init_from = cfg.resolve_path(t.init_from)
     if not (init_from / "config.json").exists():
         raise BadInput(f"train.init_from: {init_from} is not a drafter directory (no config.json); point it at a speculators or released drafter")
-    if released_drafter.is_speculators_drafter(init_from):
-        released_drafter.check_weights_whole(init_from, "train.init_from")
+    if is_speculators_drafter(init_from):
+        check_weights_whole(init_from, "train.init_from")
         if t.init_from_convention == "sglang":
             raise BadInput(f"train.init_from_convention: sglang, but {init_from} is a speculators drafter, whose ids are "
                            f"always HF indices (the vllm convention); leave it out")
         return None, None
-    drafter = released_drafter.read_flat_drafter(init_from, "train.init_from")
+    drafter = read_flat_drafter(init_from, "train.init_from")
     released_drafter.check_against_target(drafter, hidden_size=verifier.hidden_size, vocab_size=verifier.vocab_size)
     released_drafter.check_draft_vocab_size(drafter, cfg.vocab.draft_vocab_size)
     convention = released_drafter.layer_id_convention(drafter, t.init_from_convention)

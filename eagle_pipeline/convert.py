@@ -6,7 +6,7 @@ speculators saves its own nested format: a config with `speculators_config` and 
 vLLM reads that format natively, but SGLang and most tooling expect the flat layout of the
 released EAGLE-3 drafters: one Llama-shaped config.json with architecture `LlamaForCausalLMEagle3`
 and weights `midlayer.*`, `fc.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`. Every name goes through the one table
-of drafter_format.py; flat_to_speculators.py writes the other way.
+of drafter/layouts.py; drafter/to_speculators.py writes the other way.
 
 Layer ids are given once, in the vLLM/speculators convention (id k = the residual stream entering
 target layer k = HF `hidden_states[k]`), and written per engine: as they are for vLLM, minus one for
@@ -17,14 +17,14 @@ SGLang, whose target models add one to every explicit id (`set_eagle3_layers_to_
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagle_pipeline.atomic import atomic_dir
-from eagle_pipeline.drafter_format import (
+from eagle_pipeline.drafter.folder import SpeculatorsCheckpoint, read_speculators_checkpoint, target_vocab
+from eagle_pipeline.drafter.layouts import (
     FLAT,
     FLAT_ARCHITECTURE,
     NORM_FLAGS,
@@ -33,94 +33,15 @@ from eagle_pipeline.drafter_format import (
     VERIFIER_ONLY_KEYS,
     WEIGHTS_NAME,
     layer_index,
-    speculators_norm_flags,
-    weight_files,
     weight_name,
     weight_row,
 )
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import to_convention
 from eagle_pipeline.vocab_map import check_vocab_map
 
-# The layout each engine's folder is written in (drafter_format.WEIGHT_NAMES).
+# The layout each engine's folder is written in (drafter.layouts.WEIGHT_NAMES).
 ENGINE_LAYOUTS = {"vllm": FLAT, "sglang": SGLANG}
-
-
-@dataclass
-class SpeculatorsCheckpoint:
-    """What a speculators EAGLE-3 checkpoint says about itself, read from config.json and weight headers."""
-
-    path: Path
-    config: dict[str, Any]
-    layer: dict[str, Any]          # transformer_layer_config
-    tensor_files: dict[str, Path]  # tensor name -> safetensors file holding it
-    flags: dict[str, bool] = field(default_factory=dict)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.layer["hidden_size"])
-
-    @property
-    def target_hidden_size(self) -> int:
-        return int(self.config.get("target_hidden_size") or self.hidden_size)
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.layer.get("num_hidden_layers", 1))
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.layer["vocab_size"])
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return int(self.config.get("draft_vocab_size") or self.vocab_size)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.layer.get("head_dim") or self.hidden_size // int(self.layer["num_attention_heads"]))
-
-    @property
-    def verifier_path(self) -> str | None:
-        return ((self.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-
-    def tensor(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(self.tensor_files[name], framework="pt") as f:
-            return f.get_tensor(name)
-
-
-def read_config_json(path: Path, fix: str) -> dict[str, Any]:
-    """A model folder's config.json as a dict; every way it can be wrong is a BadInput naming it and `fix`."""
-    return read_json_object(path, fix)
-
-
-def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
-    ckpt_dir = Path(ckpt_dir)
-    config_path = ckpt_dir / "config.json"
-    if not config_path.exists():
-        raise BadInput(f"{config_path} is missing; point at a speculators checkpoint folder (04_train output)")
-    config = read_config_json(config_path, "rerun 04_train.py to write the checkpoint again")
-    if config.get("speculators_model_type") != "eagle3":
-        raise BadInput(
-            f"{config_path}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'; "
-            "this converter reads speculators EAGLE-3 checkpoints only"
-        )
-    layer = config.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise BadInput(f"{config_path}: transformer_layer_config is missing; the checkpoint is not a speculators drafter")
-    if layer.get("model_type", "llama") != "llama":
-        raise BadInput(
-            f"{config_path}: transformer_layer_config.model_type is {layer.get('model_type')!r}; the flat "
-            f"{FLAT_ARCHITECTURE} format holds llama layers only (serve this checkpoint with vLLM as it is)"
-        )
-    if "norm_before_residual" not in config:
-        # speculators builds the layer with False, vLLM serves a speculators config with True.
-        raise BadInput(f"{config_path}: norm_before_residual is not written; speculators reads a missing flag as "
-                       "false and vLLM as true, so write the value the drafter was trained with")
-    return SpeculatorsCheckpoint(ckpt_dir, config, layer, weight_files(ckpt_dir), speculators_norm_flags(config))
 
 
 def resolve_layer_ids(ckpt: SpeculatorsCheckpoint, layer_ids: list[int] | tuple[int, ...] | None) -> list[int]:
@@ -249,15 +170,6 @@ def float_dtype_name(tensors: dict[str, torch.Tensor]) -> str:
     if len(dtypes) != 1:
         raise BadInput(f"drafter weights mix float dtypes {sorted(map(str, dtypes))}; save the checkpoint in one dtype")
     return str(dtypes.pop()).removeprefix("torch.")
-
-
-def target_vocab(ckpt: SpeculatorsCheckpoint, target_vocab_size: int | None) -> int:
-    if target_vocab_size is not None and int(target_vocab_size) != ckpt.vocab_size:
-        raise BadInput(
-            f"target_vocab_size {target_vocab_size} differs from the checkpoint's transformer_layer_config.vocab_size "
-            f"{ckpt.vocab_size}; the drafter was built for another verifier"
-        )
-    return ckpt.vocab_size
 
 
 def write_flat_dir(out_dir: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

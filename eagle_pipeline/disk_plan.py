@@ -129,7 +129,7 @@ def _flat_init_from(cfg) -> bool:
     """Whether stage 04 rewrites train.init_from in speculators' layout: a flat folder, or one not readable here."""
     if not cfg.train.init_from:
         return False
-    from eagle_pipeline.released_drafter import is_speculators_drafter
+    from eagle_pipeline.drafter.folder import is_speculators_drafter
 
     return not is_speculators_drafter(cfg.resolve_path(cfg.train.init_from))
 
@@ -173,9 +173,9 @@ def replay_layer_ids(cfg, layout: SampleLayout) -> list[int]:
     """The aux ids stage 06's replay captures: every reading's (06_serve_test.print_replay_capture_plan)."""
     ids = list(layout.layer_ids)
     if cfg.serve.drafter:  # a drafter from elsewhere: the ids its config declares, where it can be read
+        from eagle_pipeline.drafter.folder import read_flat_config
         from eagle_pipeline.errors import BadInput
         from eagle_pipeline.layer_ids import vllm_read_aux_ids
-        from eagle_pipeline.predict.flat_drafter import read_flat_config
 
         try:
             read = vllm_read_aux_ids(read_flat_config(cfg.resolve_path(cfg.serve.drafter)))

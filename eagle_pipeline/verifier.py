@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.config import RunConfig
-from eagle_pipeline.drafter_format import FLAT_ARCHITECTURE
+from eagle_pipeline.drafter.layouts import FLAT_ARCHITECTURE, SPECULATORS, config_layout
 from eagle_pipeline.embedded import EMBEDDED_PREFIX, gguf_path, resolve_verifier_path
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, model_dir_fingerprint, text_fingerprint
@@ -87,7 +87,7 @@ class Verifier:
         except BadInput as e:
             raise BadInput(f"verifier.path: {e}") from None
         architectures = config.get("architectures") if isinstance(config.get("architectures"), list) else []
-        if "speculators_model_type" in config or FLAT_ARCHITECTURE in architectures:
+        if config_layout(config) == SPECULATORS or FLAT_ARCHITECTURE in architectures:
             raise BadInput(f"verifier.path: {path} is an EAGLE-3 drafter's config, not a target model's; point "
                            f"verifier.path at the model the drafter is trained for")
         text = config.get("text_config") or config

@@ -1,5 +1,5 @@
-"""The one table of drafter tensor names (eagle_pipeline/drafter_format.py) and the two directions through it:
-speculators -> flat (convert.py) and flat -> speculators (flat_to_speculators.py, as fine-tuning and the replay
+"""The one table of drafter tensor names (eagle_pipeline/drafter/layouts.py) and the two directions through it:
+speculators -> flat (convert.py) and flat -> speculators (drafter/to_speculators.py, as fine-tuning and the replay
 call it). Drafters are built by speculators itself against a tiny random Llama verifier (tests/test_convert.py).
 """
 
@@ -15,7 +15,8 @@ from test_convert import edit_weights, make_speculators_drafter, make_verifier
 
 from eagle_pipeline import released_drafter
 from eagle_pipeline.convert import convert_for_sglang, convert_for_vllm
-from eagle_pipeline.drafter_format import (
+from eagle_pipeline.drafter.folder import read_flat_drafter
+from eagle_pipeline.drafter.layouts import (
     FLAT,
     SGLANG,
     SPECULATORS,
@@ -90,7 +91,7 @@ def speculators_to_flat_to_speculators(verifier: Path, tmp_path: Path, caller: s
     convert_for_vllm(checkpoint, flat)
     back = tmp_path / "back"
     if caller == "train.init_from":
-        folder = released_drafter.read_flat_drafter(flat, "train.init_from")
+        folder = read_flat_drafter(flat, "train.init_from")
         ids = released_drafter.hf_layer_ids(folder, released_drafter.layer_id_convention(folder, None))
         released_drafter.write_speculators_folder(folder, back, verifier_dir=verifier, layer_ids=ids, ttt_steps=3)
     else:

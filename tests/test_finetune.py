@@ -22,6 +22,7 @@ from released_drafter_standin import KIMI_STANDIN, SMOLLM2, sglang_ids, standin_
 from test_bad_input import snapshot
 
 from eagle_pipeline import released_drafter
+from eagle_pipeline.drafter.folder import read_flat_drafter
 from eagle_pipeline.embedded import resolve_verifier_path
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.verifier import target_embedding
@@ -54,7 +55,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("shape", [SMOLLM2, KIMI_STANDIN], ids=["smollm2", "kimi-standin"])
 def test_released_layout_converts_to_speculators_with_hf_layer_ids(tmp_path, shape):
     folder = write_released_standin(tmp_path / "released", shape)
-    drafter = released_drafter.read_flat_drafter(folder, "train.init_from")
+    drafter = read_flat_drafter(folder, "train.init_from")
     released_drafter.check_against_target(drafter, hidden_size=shape.hidden_size, vocab_size=shape.vocab_size)
     with pytest.raises(BadInput, match=r"train.init_from_convention: not set, .*only in eagle_config"):
         released_drafter.layer_id_convention(drafter, None)
@@ -87,7 +88,7 @@ def test_layers_0_keys_and_a_top_level_id_list_are_read_too(tmp_path):
     tensors["embed_tokens.weight"] = torch.zeros(SMOLLM2.vocab_size, SMOLLM2.hidden_size, dtype=torch.bfloat16)
     config = standin_config(SMOLLM2) | {"eagle_aux_hidden_state_layer_ids": list(SMOLLM2.hf_layer_ids)}
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(SMOLLM2.hf_layer_ids)
-    drafter = released_drafter.read_flat_drafter(write_released_standin(tmp_path / "d", tensors=tensors, config=config), "f")
+    drafter = read_flat_drafter(write_released_standin(tmp_path / "d", tensors=tensors, config=config), "f")
     # Only vLLM reads a top-level id list, so such a folder is in the vllm convention.
     assert released_drafter.layer_id_convention(drafter, None) == "vllm"
     with pytest.raises(BadInput, match=r"train.init_from_convention: sglang, but .* top-level"):

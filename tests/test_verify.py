@@ -20,11 +20,11 @@ from test_convert import (  # shared checkpoint builders
 )
 
 from eagle_pipeline.convert import convert_for_sglang, convert_for_vllm  # noqa: E402
+from eagle_pipeline.drafter.tensors import expected_tensor_specs  # noqa: E402
 from eagle_pipeline.drafter_checks import format_table, verify_drafter  # noqa: E402
 from eagle_pipeline.drafter_checks.config_checks import check_config, vllm_config_problems  # noqa: E402
 from eagle_pipeline.drafter_checks.parity import acceptance_parity, compare_acceptance  # noqa: E402
 from eagle_pipeline.drafter_checks.shapes import check_shapes, compare_with_reference, reference_specs  # noqa: E402
-from eagle_pipeline.drafter_checks.tensors import expected_tensor_specs  # noqa: E402
 from eagle_pipeline.drafter_checks.vllm_load import check_vllm  # noqa: E402
 
 KIMI_LAYER_IDS = [2, 30, 58]

@@ -7,7 +7,7 @@
 - SGLang (stage 05's `sglang/`): the flat names, for the one-layer, no-norm-variant drafters it can run.
 
 `WEIGHT_NAMES` is the one table of tensor names across them. Everything that renames a tensor goes through
-it: the conversion to flat (convert.py), the writer of speculators folders (flat_to_speculators.py), the
+it: the conversion to flat (convert.py), the writer of speculators folders (drafter/to_speculators.py), the
 shape check, fine-tuning from a flat folder and the replay of one. docs/formats.md describes the formats.
 """
 
@@ -23,6 +23,9 @@ from eagle_pipeline.errors import BadInput
 SPECULATORS, FLAT, SGLANG = "speculators", "flat", "sglang"
 
 FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The key that makes a config.json speculators' own: speculators' `from_pretrained` dispatches on it, and vLLM
+# reads a config that has it through its speculators config path.
+SPECULATORS_TYPE_KEY = "speculators_model_type"
 # What speculators' own EAGLE-3 checkpoints name as their architecture.
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 WEIGHTS_NAME = "model.safetensors"
@@ -34,6 +37,9 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 SPECULATORS_FLAG_DEFAULTS = {name: False for name in NORM_FLAGS}
 # vLLM's default for a flag a flat config leaves out (llama_eagle3.py: getattr(config, flag, False)).
 FLAT_FLAG_DEFAULT = False
+# Some exports prefix every decoder key with `model.`; the replay reads them as the unprefixed names, the
+# shapes check reports them as a slip.
+EXPORT_PREFIX = "model."
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,15 @@ def layer_index(name: str) -> int | None:
     return int(index) if index.isdigit() else None
 
 
+def config_layout(config: dict[str, Any]) -> str:
+    """SPECULATORS for speculators' own nested config, FLAT for any other (flat and SGLang folders share it)."""
+    return SPECULATORS if SPECULATORS_TYPE_KEY in config else FLAT
+
+
+def strip_export_prefix(name: str) -> str:
+    return name.removeprefix(EXPORT_PREFIX)
+
+
 def flat_norm_flags(config: dict[str, Any]) -> dict[str, bool]:
     """The norm flags of a flat config as vLLM's llama_eagle3 reads them: a missing flag is false, and
     `eagle_config.norm_before_fc` comes before the top-level one."""
@@ -129,6 +144,14 @@ def flat_norm_flags(config: dict[str, Any]) -> dict[str, bool]:
 def speculators_norm_flags(config: dict[str, Any]) -> dict[str, bool]:
     """The norm flags of a speculators config as speculators builds the drafter from them."""
     return {name: bool(config.get(name, default)) for name, default in SPECULATORS_FLAG_DEFAULTS.items()}
+
+
+def vllm_config_flags(config: dict[str, Any]) -> dict[str, bool]:
+    """The norm flags as vLLM's config path holds them: its speculators path reads a missing
+    norm_before_residual as true (transformers_utils/configs/speculators/algos.py), a flat config's is false."""
+    if config_layout(config) == SPECULATORS:
+        return {n: bool(config.get(n, n == "norm_before_residual")) for n in NORM_FLAGS}
+    return {n: bool(config.get(n, FLAT_FLAG_DEFAULT)) for n in NORM_FLAGS}
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:

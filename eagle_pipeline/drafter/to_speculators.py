@@ -3,7 +3,7 @@
 speculators reads only its own layout, both its trainer (`--from-pretrained`, for fine-tuning a flat folder:
 released_drafter.py) and its `Eagle3DraftModel` (for replaying one offline: predict/flat_drafter.py). The
 config is built with speculators' own classes from the flat config's fields (the decoder as a LlamaConfig,
-rope in either spelling), the tensors are renamed by drafter_format's table, and the folder always carries an
+rope in either spelling), the tensors are renamed by layouts.py's table, and the folder always carries an
 embedding: speculators' `load_verifier_weights` fills only an embedding that loaded as NaN, and one missing
 from a folder loads as zeros. Which embedding, which aux layer ids and which norm flags are the caller's to
 decide, since fine-tuning and the replay read a flat folder differently.
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.atomic import atomic_dir
-from eagle_pipeline.drafter_checks.tensors import draft_dims
-from eagle_pipeline.drafter_format import EMBED_KEY, NORM_FLAGS, SPECULATORS_ARCHITECTURE, WEIGHTS_NAME, speculators_name
+from eagle_pipeline.drafter.layouts import EMBED_KEY, NORM_FLAGS, SPECULATORS_ARCHITECTURE, WEIGHTS_NAME, speculators_name
+from eagle_pipeline.drafter.tensors import draft_dims
 
 if TYPE_CHECKING:
     import torch

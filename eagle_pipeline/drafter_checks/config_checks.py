@@ -8,8 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.convert import FLAT_ARCHITECTURE, NORM_FLAGS
-from eagle_pipeline.drafter_checks.tensors import draft_dims, is_speculators_config
+from eagle_pipeline.drafter.layouts import FLAT_ARCHITECTURE, NORM_FLAGS, SPECULATORS, config_layout, vllm_config_flags
+from eagle_pipeline.drafter.tensors import draft_dims
+
+
+def is_speculators_config(config: dict[str, Any]) -> bool:
+    return config_layout(config) == SPECULATORS
 
 
 def _dotted(config: dict[str, Any], key: str) -> Any:
@@ -136,10 +140,9 @@ def vllm_config_problems(config: dict[str, Any], view: dict[str, Any], check_lay
         problems.append(f"vLLM reads draft_vocab_size {view.get('draft_vocab_size')}, the file says {dims.draft_vocab_size}")
     if is_speculators_config(config):
         ids = config.get("eagle_aux_hidden_state_layer_ids")
-        flags = {n: bool(config.get(n, True if n == "norm_before_residual" else False)) for n in NORM_FLAGS}
-    else:
+    else:  # the ids a flat folder declares for the engines; vLLM's readings of them are compared below
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        flags = {n: bool(config.get(n, False)) for n in NORM_FLAGS}
+    flags = vllm_config_flags(config)
     for runner, captured in (view.get("aux_layer_ids") or {}).items() if check_layer_ids else ():
         if ids and captured != list(ids):
             problems.append(f"vLLM's {runner} would capture aux layers {captured or 'default'}, the file says "

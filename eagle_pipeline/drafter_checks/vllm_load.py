@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.convert import NORM_FLAGS, weight_files
+from eagle_pipeline.drafter.layouts import NORM_FLAGS, weight_files
 from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S, run_json_subprocess
 from eagle_pipeline.engine import eagle3_engine_kwargs
 

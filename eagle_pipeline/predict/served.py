@@ -45,7 +45,7 @@ class ReplayPlan:
 def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, findings: list[dict]) -> ReplayPlan:
     import json
 
-    from eagle_pipeline.drafter_format import speculators_norm_flags
+    from eagle_pipeline.drafter.layouts import speculators_norm_flags
 
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     flags = speculators_norm_flags(config)
@@ -57,7 +57,7 @@ def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, fi
 def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_size: int, device: str,
                 scratch_dir: Path, num_speculative_tokens: int) -> ReplayPlan:
     """A flat folder read as vLLM reads it: the ids the runner of `device` takes, the declared flags."""
-    from eagle_pipeline.drafter_format import flat_norm_flags
+    from eagle_pipeline.drafter.layouts import flat_norm_flags
     from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
     from eagle_pipeline.predict.flat_drafter import flat_tensor_names, read_flat_config, write_speculators_checkpoint
 

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from eagle_pipeline.drafter_format import NORM_FLAGS
+from eagle_pipeline.drafter.layouts import NORM_FLAGS
 
 
 def load_drafter(drafter_dir: str | os.PathLike, *, load_verifier: bool = True,

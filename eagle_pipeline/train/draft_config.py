@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from eagle_pipeline.config import TrainConfig, resolve_path
-from eagle_pipeline.drafter_format import NORM_FLAGS
+from eagle_pipeline.drafter.layouts import NORM_FLAGS
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.train.settings import TrainRun
 

@@ -1,0 +1,371 @@
+"""The one reader of a drafter folder: which layout it is in (layouts.config_layout), its dimensions
+(tensors.draft_dims), its norm flags and aux layer ids as each engine reads them, and its tensor files.
+
+- `describe(path)`: any drafter folder, as `DrafterFolder` (layout, dims, flags, ids, tensor files);
+- `read_speculators_checkpoint`: a speculators checkpoint (stage 04's), refused unless stage 05 can convert it;
+- `read_flat_drafter`: a flat folder to adopt or fine-tune (a released drafter, stage 05's `vllm/`), refused
+  unless its tensors are exactly the ones its config implies;
+- `read_flat_config`, `read_flat_tensors`: a flat folder as vLLM reads it, for the offline replay, which must
+  run whatever the engine is asked to serve (so it does not refuse what vLLM would load).
+Error lines name the config key the caller passes (`field`) and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eagle_pipeline.drafter.layouts import (
+    EMBED_KEY,
+    FLAT_ARCHITECTURE,
+    SPECULATORS,
+    config_layout,
+    flat_name,
+    flat_norm_flags,
+    speculators_norm_flags,
+    strip_export_prefix,
+    vllm_config_flags,
+    weight_files,
+)
+from eagle_pipeline.drafter.tensors import DraftDims, draft_dims, read_tensor_specs, shape_problems
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.json_files import read_json_object
+from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DrafterFolder:
+    """What a drafter folder's config.json says, in either layout; `tensor_files` reads the weight headers."""
+
+    path: Path
+    config: dict[str, Any]
+
+    @property
+    def layout(self) -> str:
+        return config_layout(self.config)
+
+    @property
+    def dims(self) -> DraftDims:
+        return draft_dims(self.config)
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        """The norm flags as the drafter was built with them: speculators' reading of its own config, vLLM's
+        of a flat one (the engine a flat folder is made for)."""
+        return speculators_norm_flags(self.config) if self.layout == SPECULATORS else flat_norm_flags(self.config)
+
+    @property
+    def vllm_flags(self) -> dict[str, bool]:
+        return vllm_config_flags(self.config)
+
+    @property
+    def written_layer_ids(self) -> list[int] | None:
+        return written_layer_ids(self.config)
+
+    @property
+    def engine_layer_ids(self) -> dict[str, list[int] | None]:
+        return engine_layer_ids(self.config)
+
+    @property
+    def tensor_files(self) -> dict[str, Path]:
+        return weight_files(self.path)
+
+
+def written_layer_ids(config: dict[str, Any]) -> list[int] | None:
+    """The aux layer ids as the folder writes them (a flat folder's `eagle_config` first, then the top level);
+    their convention is the layout's and, for a flat folder, the writer's (layer_ids.py)."""
+    ids = None if config_layout(config) == SPECULATORS else (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    ids = ids if ids is not None else config.get("eagle_aux_hidden_state_layer_ids")
+    return None if ids is None else [int(k) for k in ids]
+
+
+def engine_layer_ids(config: dict[str, Any]) -> dict[str, list[int] | None]:
+    """The aux ids each engine takes from the folder (None: the target's defaults): vLLM's two model runners
+    (layer_ids.vllm_read_aux_ids; a speculators config is read at the top level by both) and SGLang, which
+    reads a flat folder's `eagle_config` only (and runs no speculators folder)."""
+    from eagle_pipeline.layer_ids import vllm_read_aux_ids
+
+    if config_layout(config) == SPECULATORS:
+        ids = config.get("eagle_aux_hidden_state_layer_ids") or None
+        ids = None if ids is None else [int(k) for k in ids]
+        return {"v1": ids, "v2": ids, "sglang": None}
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or None
+    return vllm_read_aux_ids(config) | {"sglang": None if nested is None else [int(k) for k in nested]}
+
+
+def read_config(path: str | Path) -> dict[str, Any] | None:
+    """A folder's config.json as a dict; None when it is missing or unreadable (the caller's reader names it)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def describe(path: str | Path) -> DrafterFolder | None:
+    """The drafter folder at `path`, or None without a readable config.json."""
+    config = read_config(path)
+    return None if config is None else DrafterFolder(Path(path), config)
+
+
+def folder_layout(path: str | Path) -> str | None:
+    """SPECULATORS or FLAT for a folder with a readable config.json; None otherwise."""
+    folder = describe(path)
+    return None if folder is None else folder.layout
+
+
+@dataclass
+class SpeculatorsCheckpoint:
+    """What a speculators EAGLE-3 checkpoint says about itself, read from config.json and weight headers."""
+
+    path: Path
+    config: dict[str, Any]
+    layer: dict[str, Any]          # transformer_layer_config
+    tensor_files: dict[str, Path]  # tensor name -> safetensors file holding it
+    flags: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.layer["hidden_size"])
+
+    @property
+    def target_hidden_size(self) -> int:
+        return int(self.config.get("target_hidden_size") or self.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.layer.get("num_hidden_layers", 1))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.layer["vocab_size"])
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.config.get("draft_vocab_size") or self.vocab_size)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.layer.get("head_dim") or self.hidden_size // int(self.layer["num_attention_heads"]))
+
+    @property
+    def verifier_path(self) -> str | None:
+        return ((self.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.tensor_files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def read_config_json(path: Path, fix: str) -> dict[str, Any]:
+    """A model folder's config.json as a dict; every way it can be wrong is a BadInput naming it and `fix`."""
+    return read_json_object(path, fix)
+
+
+def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
+    ckpt_dir = Path(ckpt_dir)
+    config_path = ckpt_dir / "config.json"
+    if not config_path.exists():
+        raise BadInput(f"{config_path} is missing; point at a speculators checkpoint folder (04_train output)")
+    config = read_config_json(config_path, "rerun 04_train.py to write the checkpoint again")
+    if config.get("speculators_model_type") != "eagle3":
+        raise BadInput(
+            f"{config_path}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'; "
+            "this converter reads speculators EAGLE-3 checkpoints only"
+        )
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise BadInput(f"{config_path}: transformer_layer_config is missing; the checkpoint is not a speculators drafter")
+    if layer.get("model_type", "llama") != "llama":
+        raise BadInput(
+            f"{config_path}: transformer_layer_config.model_type is {layer.get('model_type')!r}; the flat "
+            f"{FLAT_ARCHITECTURE} format holds llama layers only (serve this checkpoint with vLLM as it is)"
+        )
+    if "norm_before_residual" not in config:
+        # speculators builds the layer with False, vLLM serves a speculators config with True.
+        raise BadInput(f"{config_path}: norm_before_residual is not written; speculators reads a missing flag as "
+                       "false and vLLM as true, so write the value the drafter was trained with")
+    return SpeculatorsCheckpoint(ckpt_dir, config, layer, weight_files(ckpt_dir), speculators_norm_flags(config))
+
+
+def target_vocab(ckpt: SpeculatorsCheckpoint, target_vocab_size: int | None) -> int:
+    if target_vocab_size is not None and int(target_vocab_size) != ckpt.vocab_size:
+        raise BadInput(
+            f"target_vocab_size {target_vocab_size} differs from the checkpoint's transformer_layer_config.vocab_size "
+            f"{ckpt.vocab_size}; the drafter was built for another verifier"
+        )
+    return ckpt.vocab_size
+
+
+@dataclass
+class FlatDrafter:
+    """A flat drafter folder as read from config.json and its safetensors headers."""
+
+    path: Path
+    field: str  # the config key that named it, for error lines
+    config: dict[str, Any]
+    tensor_files: dict[str, Path]  # stored tensor name -> file
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def weights_path(self) -> Path:
+        files = set(self.tensor_files.values())
+        return files.pop() if len(files) == 1 else self.path
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.config.get("draft_vocab_size") or self.vocab_size)
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        # As vLLM reads them (a flag left out is false); the drafter was served (and trained) so.
+        return flat_norm_flags(self.config)
+
+    @property
+    def written_layer_ids(self) -> list[int] | None:
+        return written_layer_ids(self.config)
+
+    def fail(self, where: Path, problem: str) -> BadInput:
+        return BadInput(f"{self.field}: {where}: {problem}")
+
+
+def is_speculators_drafter(path: Path) -> bool:
+    """A folder in speculators' own nested format (stage 04's checkpoints), which needs no conversion; an
+    unreadable config is not one (read_flat_drafter names the defect)."""
+    return folder_layout(path) == SPECULATORS
+
+
+def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
+    """The drafter in `path`, refused (BadInput naming `field`, the file and the key) unless its tensors are
+    exactly the ones its config implies: no unknown key, none missing (d2t included), every shape right."""
+    path = Path(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise BadInput(f"{field}: {path} has no config.json; point it at a drafter folder")
+    try:
+        config = read_json_object(config_path, "point it at a released EAGLE-3 drafter or a speculators drafter folder",
+                                  what="drafter config")
+    except BadInput as error:
+        raise BadInput(f"{field}: {error}") from None
+    if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
+        raise BadInput(f"{field}: {config_path}: architectures is {config.get('architectures')!r}, expected "
+                       f"[{FLAT_ARCHITECTURE!r}] (a released EAGLE-3 drafter) or a speculators drafter folder")
+    check_weights_whole(path, field)
+    drafter = FlatDrafter(path, field, config, weight_files(path))
+    try:
+        draft_dims(config)
+    except BadInput as error:
+        raise drafter.fail(config_path, str(error).removeprefix("drafter config.json ")) from None
+    # `layers.0.*` (some exports) and `midlayer.*` (SpecForge, stage 05) name the same layer.
+    specs = {}
+    for name, spec in read_tensor_specs(path).items():
+        if flat_name(name) in specs:
+            raise drafter.fail(drafter.weights_path, f"{name}: holds layer 0 twice (midlayer.* and layers.0.*); keep one")
+        specs[flat_name(name)] = spec
+    embed = specs.pop(EMBED_KEY, None)
+    problems = shape_problems(specs, config)
+    if problems:
+        raise drafter.fail(drafter.weights_path, problems[0])
+    if embed is not None and embed.shape != (drafter.vocab_size, drafter.hidden_size):
+        raise drafter.fail(drafter.weights_path, f"{EMBED_KEY}: shape {list(embed.shape)}, expected "
+                                                 f"[{drafter.vocab_size}, {drafter.hidden_size}] (vocab_size, hidden_size)")
+    if "d2t" not in specs:  # a full-vocabulary drafter: nothing maps draft ids to target ids
+        raise drafter.fail(drafter.weights_path, "d2t: missing; the pipeline fine-tunes drafters with a draft "
+                                                 "vocabulary (d2t and t2d), so use one that has them")
+    problems = safetensors_vocab_map_problems(drafter.tensor_files["d2t"], drafter.tensor_files["t2d"],
+                                              drafter.vocab_size, drafter.draft_vocab_size, where="d2t/t2d")
+    if problems:
+        raise drafter.fail(drafter.weights_path, problems[0])
+    return drafter
+
+
+def check_weights_whole(path: str | Path, field: str) -> None:
+    """Read every tensor of the drafter folder `path` once, in full: a torn or unreadable weights file, or a
+    floating tensor holding NaN or infinity, is refused naming `field`, the file and the tensor. Headers alone
+    cannot tell: a drafter with NaN weights would fine-tune at `loss nan` for as long as it runs, and a torn
+    file would fail deep inside vocabulary building or a server start."""
+    import torch
+    from safetensors import safe_open
+
+    try:
+        files = weight_files(Path(path))
+    except BadInput as error:
+        raise BadInput(f"{field}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - an unreadable index, or a header safetensors refuses
+        raise BadInput(f"{field}: {path}: cannot read its weights ({type(error).__name__}: {error}); the file is "
+                       f"torn or not safetensors, replace it") from None
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        name = None
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in sorted(names):
+                    tensor = f.get_tensor(name)
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        bad = int((~torch.isfinite(tensor)).sum())
+                        raise BadInput(f"{field}: {file}: tensor {name} holds {bad} NaN or infinite values of "
+                                       f"{tensor.numel()}; this drafter cannot be used, replace it")
+        except BadInput:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever safetensors raises for a torn file
+            where = f"tensor {name}" if name else "its header"
+            raise BadInput(f"{field}: {file}: cannot read {where} ({type(error).__name__}: {error}); the file is "
+                           f"torn or not safetensors, replace it") from None
+
+
+def read_flat_config(drafter_dir: str | Path) -> dict[str, Any]:
+    path = Path(drafter_dir) / "config.json"
+    if not path.is_file():
+        raise BadInput(f"serve.drafter: {path} is missing; point at a flat {FLAT_ARCHITECTURE} folder")
+    config = json.loads(path.read_text())
+    if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
+        raise BadInput(f"serve.drafter: {path} has architectures {config.get('architectures')}, expected "
+                       f"[{FLAT_ARCHITECTURE!r}]; convert a speculators checkpoint with 05_convert.py first")
+    return config
+
+
+def flat_tensor_names(drafter_dir: str | Path) -> list[str]:
+    from safetensors import safe_open
+
+    files = sorted(Path(drafter_dir).glob("*.safetensors"))
+    if not files:
+        raise BadInput(f"serve.drafter: {drafter_dir} holds no .safetensors weights")
+    names = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
+def read_flat_tensors(drafter_dir: str | Path) -> dict:
+    """Every tensor of every .safetensors file in the folder (as vLLM reads a folder), under its flat name."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in sorted(Path(drafter_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({flat_name(strip_export_prefix(name)): f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
