@@ -29,7 +29,7 @@ from pathlib import Path
 from eagle_pipeline import released_drafter
 from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
-from eagle_pipeline.disk_plan import DraftDims, drafter_params, training_bytes
+from eagle_pipeline.disk_plan import drafter_params, planned_draft_dims, training_bytes
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
@@ -115,9 +115,10 @@ def run(stage: Stage, dry_run: bool) -> None:
             raise BadInput(f"hidden_states.mode: {cfg.hidden_states.mode}, but stage 02 prepared its data for mode "
                            f"{stored_mode}; rerun 02_extract_hidden.py --force with this config, or set mode: {stored_mode}")
     layer_ids = list(layout.layer_ids)
-    dims = DraftDims.for_run(cfg, verifier)
-    hidden, heads, kv_heads, head_dim, inter = dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.intermediate
-    params = drafter_params(dims, verifier.hidden_size, len(layer_ids), cfg.vocab.draft_vocab_size, verifier.vocab_size)
+    dims = planned_draft_dims(cfg, verifier, len(layer_ids))
+    hidden, heads, kv_heads = dims.hidden_size, dims.num_attention_heads, dims.num_key_value_heads
+    head_dim, inter = dims.head_dim, dims.intermediate_size
+    params = drafter_params(dims)
     need = training_bytes(cfg, verifier, layout)
     online = cfg.hidden_states.mode == "online"
     if t.num_gpus == 0:

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_pipeline.drafter.layouts import SPECULATORS
+from eagle_pipeline.drafter.tensors import DraftDims
 from eagle_pipeline.samples import SampleLayout, estimate_bytes
 
 GB = 1e9
@@ -41,39 +43,33 @@ CHECKPOINT_DTYPE_BYTES = 2
 ENGINE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-@dataclass(frozen=True)
-class DraftDims:
-    """The drafter's decoder shape: train.draft_shape where given, the verifier's otherwise."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    layers: int = 1
-
-    @classmethod
-    def for_run(cls, cfg, verifier) -> "DraftDims":
-        text = verifier.text_config()
-        shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
-        hidden = shape.get("hidden_size", verifier.hidden_size)
-        heads = shape.get("num_attention_heads", text.get("num_attention_heads"))
-        kv_heads = shape.get("num_key_value_heads", text.get("num_key_value_heads", heads))
-        return cls(hidden=hidden, heads=heads, kv_heads=kv_heads,
-                   head_dim=shape.get("head_dim", text.get("head_dim") or hidden // heads),
-                   intermediate=shape.get("intermediate_size", text.get("intermediate_size")),
-                   layers=int(shape.get("num_hidden_layers", 1)))
+def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
+    """The drafter stage 04 will train, in speculators' layout: train.draft_shape where given, the verifier's
+    decoder shape otherwise."""
+    text = verifier.text_config()
+    shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
+    hidden = shape.get("hidden_size", verifier.hidden_size)
+    heads = shape.get("num_attention_heads", text.get("num_attention_heads"))
+    return DraftDims(format=SPECULATORS, hidden_size=hidden, num_attention_heads=heads,
+                     num_key_value_heads=shape.get("num_key_value_heads", text.get("num_key_value_heads", heads)),
+                     head_dim=shape.get("head_dim", text.get("head_dim") or hidden // heads),
+                     intermediate_size=shape.get("intermediate_size", text.get("intermediate_size")),
+                     vocab_size=verifier.vocab_size, draft_vocab_size=cfg.vocab.draft_vocab_size, num_aux=n_aux,
+                     target_hidden_size=verifier.hidden_size, num_layers=int(shape.get("num_hidden_layers", 1)),
+                     attention_bias=False, mlp_bias=False, norm_before_fc=bool(cfg.train.norm_before_fc),
+                     fc_norm=bool(cfg.train.fc_norm))
 
 
-def drafter_params(dims: DraftDims, target_hidden: int, n_aux: int, draft_vocab: int, vocab: int) -> int:
+def drafter_params(dims: DraftDims) -> int:
     """speculators' Eagle3DraftModel as saved: fc, decoder layers (the first reads 2 x hidden), lm_head and
     embed_tokens."""
-    out = dims.heads * dims.head_dim * dims.hidden
-    mlp = 3 * dims.hidden * dims.intermediate
-    first = 2 * dims.hidden * (dims.heads + 2 * dims.kv_heads) * dims.head_dim + out + mlp
-    later = dims.hidden * (dims.heads + 2 * dims.kv_heads) * dims.head_dim + out + mlp
-    return (n_aux * target_hidden * dims.hidden + first + (dims.layers - 1) * later
-            + draft_vocab * dims.hidden + vocab * dims.hidden)
+    hidden, heads, kv_heads, head_dim = dims.hidden_size, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim
+    out = heads * head_dim * hidden
+    mlp = 3 * hidden * dims.intermediate_size
+    first = 2 * hidden * (heads + 2 * kv_heads) * head_dim + out + mlp
+    later = hidden * (heads + 2 * kv_heads) * head_dim + out + mlp
+    return (dims.num_aux * dims.target_hidden_size * hidden + first + (dims.num_layers - 1) * later
+            + dims.draft_vocab_size * hidden + dims.vocab_size * hidden)
 
 
 def vocab_map_bytes(draft_vocab: int, vocab: int) -> int:
@@ -111,11 +107,10 @@ class DrafterSize:
 
     @classmethod
     def for_run(cls, cfg, verifier, n_aux: int) -> "DrafterSize":
-        dims = DraftDims.for_run(cfg, verifier)
-        draft_vocab = cfg.vocab.draft_vocab_size
-        return cls(params=drafter_params(dims, verifier.hidden_size, n_aux, draft_vocab, verifier.vocab_size),
-                   embedding=verifier.vocab_size * dims.hidden, lm_head=draft_vocab * dims.hidden,
-                   map_bytes=vocab_map_bytes(draft_vocab, verifier.vocab_size))
+        dims = planned_draft_dims(cfg, verifier, n_aux)
+        return cls(params=drafter_params(dims), embedding=dims.vocab_size * dims.hidden_size,
+                   lm_head=dims.draft_vocab_size * dims.hidden_size,
+                   map_bytes=vocab_map_bytes(dims.draft_vocab_size, dims.vocab_size))
 
     def checkpoint(self, optimizer: str) -> int:
         return checkpoint_bytes(self.params, self.params - self.embedding - self.lm_head, optimizer) + self.map_bytes

@@ -107,15 +107,16 @@ def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
         return converted
     from eagle_pipeline import atomic
     from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
-    from eagle_pipeline.disk_plan import DraftDims
+    from eagle_pipeline.disk_plan import planned_draft_dims
     from eagle_pipeline.stage import planned_sample_layout
 
-    dims = DraftDims.for_run(cfg, verifier)
     text = verifier.text_config()
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    dims = planned_draft_dims(cfg, verifier, len(layout.layer_ids))
     shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
-    layer = {"hidden_size": dims.hidden, "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
-             "head_dim": dims.head_dim, "intermediate_size": dims.intermediate, "vocab_size": verifier.vocab_size,
+    layer = {"hidden_size": dims.hidden_size, "num_attention_heads": dims.num_attention_heads,
+             "num_key_value_heads": dims.num_key_value_heads, "head_dim": dims.head_dim,
+             "intermediate_size": dims.intermediate_size, "vocab_size": verifier.vocab_size,
              "rms_norm_eps": text.get("rms_norm_eps", 1e-6),
              "max_position_embeddings": text.get("max_position_embeddings", cfg.verifier.max_model_len),
              "rope_theta": shape.get("rope_theta", text.get("rope_theta", 10000.0))}

@@ -512,13 +512,16 @@ KIMI_TEXT = {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
 def kimi_plan(total_seq_len: int, utilization: float) -> memory_plan.MemoryPlan:
     """Kimi-K2.5 INT4 (~600 GB of weights, MLA) on 8 GPUs of 96 GB (97,887 MiB as nvidia-smi reports them), with
     configs/kimi-k2.5.yaml's drafter."""
-    from eagle_pipeline.disk_plan import DraftDims
+    from eagle_pipeline.drafter.tensors import DraftDims
 
     vocab, hidden = 163840, 7168
     target = memory_plan.TargetShape(weights_bytes=600 * 10**9, layers=61, hidden_size=hidden, vocab_size=vocab,
                                      kv_bytes_per_token=(512 + 64) * 61 * 2,
                                      replicated_bytes=2 * memory_plan.replicated_params(KIMI_TEXT))
-    drafter = memory_plan.DrafterShape.from_dims(DraftDims(hidden, 64, 64, 128, 18432), hidden, 3, 32000, vocab)
+    drafter = memory_plan.DrafterShape.from_dims(DraftDims(
+        format="speculators", hidden_size=hidden, num_attention_heads=64, num_key_value_heads=64, head_dim=128,
+        intermediate_size=18432, vocab_size=vocab, draft_vocab_size=32000, num_aux=3, target_hidden_size=hidden,
+        num_layers=1, attention_bias=False, mlp_bias=False, norm_before_fc=False, fc_norm=False))
     return memory_plan.plan_memory(gpu_bytes=97887 * 2**20, gpus=8, utilization=utilization, target=target,
                                    drafter=drafter, num_states=4, longest_sequence=total_seq_len,
                                    total_seq_len=total_seq_len, ttt_steps=3, window=1)

@@ -24,7 +24,6 @@ from eagle_pipeline.drafter.layouts import (
     weight_files,
 )
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,8 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class DraftDims:
-    """The numbers that fix every tensor shape of an EAGLE-3 drafter, from either config format."""
+    """The numbers that fix every tensor shape of an EAGLE-3 drafter: read from either config format
+    (`draft_dims`), or planned from a run config before stage 04 (disk_plan.planned_draft_dims)."""
 
     format: str  # layouts.FLAT (LlamaForCausalLMEagle3) or layouts.SPECULATORS
     hidden_size: int
@@ -257,5 +257,7 @@ def vocab_map_problems(model_dir: Path, specs: dict[str, TensorSpec], config: di
     expected = expected_tensor_specs(config)
     if "d2t" not in expected or any(specs.get(n) != expected[n] for n in ("d2t", "t2d")):
         return []
+    from eagle_pipeline.vocab_map import safetensors_vocab_map_problems  # torch: imported only to read the map
+
     files = weight_files(model_dir)
     return safetensors_vocab_map_problems(files["d2t"], files["t2d"], dims.vocab_size, dims.draft_vocab_size)

@@ -100,23 +100,24 @@ class DrafterShape:
 
     @classmethod
     def for_run(cls, cfg, verifier, n_aux: int) -> "DrafterShape":
-        from eagle_pipeline.disk_plan import DraftDims
+        from eagle_pipeline.disk_plan import planned_draft_dims
 
-        dims = DraftDims.for_run(cfg, verifier)
-        return cls.from_dims(dims, verifier.hidden_size, n_aux, cfg.vocab.draft_vocab_size, verifier.vocab_size)
+        return cls.from_dims(planned_draft_dims(cfg, verifier, n_aux))
 
     @classmethod
-    def from_dims(cls, dims, target_hidden: int, n_aux: int, draft_vocab: int, vocab: int) -> "DrafterShape":
+    def from_dims(cls, dims) -> "DrafterShape":
         """speculators' EAGLE-3 drafter (`Eagle3DraftModel`): one decoder layer, whose first layer reads 2 x hidden."""
         from eagle_pipeline.disk_plan import drafter_params
 
-        params = drafter_params(dims, target_hidden, n_aux, draft_vocab, vocab)  # with the embedding, not verifier_lm_head
-        embedding = vocab * dims.hidden
-        layer = (2 * dims.hidden * (dims.heads + 2 * dims.kv_heads) * dims.head_dim + dims.heads * dims.head_dim * dims.hidden
-                 + 3 * dims.hidden * dims.intermediate)
-        verifier_head = draft_vocab * dims.hidden
-        return cls(hidden=dims.hidden, heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
-                   intermediate=dims.intermediate, draft_vocab=draft_vocab, trainable_params=params - embedding,
+        hidden, heads, kv_heads, head_dim = dims.hidden_size, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim
+        draft_vocab = dims.draft_vocab_size
+        params = drafter_params(dims)  # with the embedding, not verifier_lm_head
+        embedding = dims.vocab_size * hidden
+        layer = (2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+                 + 3 * hidden * dims.intermediate_size)
+        verifier_head = draft_vocab * hidden
+        return cls(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   intermediate=dims.intermediate_size, draft_vocab=draft_vocab, trainable_params=params - embedding,
                    frozen_params=embedding + verifier_head, layer_params=layer,
                    root_params=params - layer + verifier_head)
 
