@@ -5,6 +5,7 @@ call it). Drafters are built by speculators itself against a tiny random Llama v
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,16 +16,18 @@ from test_convert import edit_weights, make_speculators_drafter, make_verifier
 
 from eagle_pipeline import released_drafter
 from eagle_pipeline.convert import convert_for_sglang, convert_for_vllm
-from eagle_pipeline.drafter.folder import read_flat_drafter
+from eagle_pipeline.drafter.folder import describe, is_speculators_drafter, read_flat_drafter
 from eagle_pipeline.drafter.layouts import (
     FLAT,
     SGLANG,
     SPECULATORS,
+    SPECULATORS_TYPE_KEY,
     VERIFIER_ONLY_KEYS,
     flat_name,
     layer_index,
     layer_prefix,
     speculators_name,
+    vllm_config_flags,
     weight_name,
 )
 from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
@@ -149,3 +152,28 @@ def test_sglang_folder_takes_its_names_from_the_table(verifier, tmp_path):
     expected = {weight_name(n, source=SPECULATORS, target=SGLANG) for n in load_file(checkpoint / "model.safetensors")}
     assert set(summary["tensors"]) == expected - {None}
     assert all(n.startswith("midlayer.") for n in summary["tensors"] if layer_index(n) is not None)
+
+
+def test_one_reader_describes_a_folder_in_every_layout(verifier, tmp_path):
+    """describe() gives the same drafter for its speculators checkpoint and the flat and SGLang folders made from
+    it: the layout, the dimensions, the flags as the drafter was built, and the aux ids as each engine reads them."""
+    checkpoint = make_speculators_drafter(verifier, tmp_path / "speculators", norm_before_fc=True)
+    convert_for_vllm(checkpoint, tmp_path / "vllm")
+    ids = json.loads((checkpoint / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    sglang_ids = [k - 1 for k in ids]
+    plain = make_speculators_drafter(verifier, tmp_path / "plain")
+    convert_for_sglang(plain, tmp_path / "sglang")
+    folders = {name: describe(tmp_path / name) for name in ("speculators", "vllm", "sglang", "plain")}
+    assert {name: f.layout for name, f in folders.items()} == {"speculators": SPECULATORS, "vllm": FLAT,
+                                                                "sglang": FLAT, "plain": SPECULATORS}
+    dims = {name: dataclasses.replace(f.dims, format="-", norm_before_fc=False) for name, f in folders.items()}
+    assert dims["speculators"] == dims["vllm"] == dims["sglang"] == dims["plain"]
+    assert folders["speculators"].flags == folders["vllm"].flags and folders["vllm"].flags["norm_before_fc"]
+    assert folders["vllm"].engine_layer_ids == {"v1": ids, "v2": ids, "sglang": ids}
+    assert folders["sglang"].engine_layer_ids == {"v1": sglang_ids, "v2": None, "sglang": sglang_ids}
+    assert folders["speculators"].engine_layer_ids == {"v1": ids, "v2": ids, "sglang": None}
+    assert set(folders["vllm"].tensor_files) == set(convert_for_vllm(checkpoint, tmp_path / "again")["tensors"])
+    assert describe(tmp_path / "nothing") is None and not is_speculators_drafter(tmp_path / "vllm")
+    # vLLM's config path reads a speculators config without norm_before_residual as true, a flat one as false.
+    assert vllm_config_flags({SPECULATORS_TYPE_KEY: "eagle3"})["norm_before_residual"]
+    assert not vllm_config_flags({"architectures": ["LlamaForCausalLMEagle3"]})["norm_before_residual"]

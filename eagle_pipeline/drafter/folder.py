@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,9 +39,10 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass(frozen=True)
+@dataclass
 class DrafterFolder:
-    """What a drafter folder's config.json says, in either layout; `tensor_files` reads the weight headers."""
+    """What a drafter folder's config.json says, in either layout; `tensor_files` (tensor name -> safetensors
+    file) reads the weights' index or header once."""
 
     path: Path
     config: dict[str, Any]
@@ -71,7 +73,7 @@ class DrafterFolder:
     def engine_layer_ids(self) -> dict[str, list[int] | None]:
         return engine_layer_ids(self.config)
 
-    @property
+    @cached_property
     def tensor_files(self) -> dict[str, Path]:
         return weight_files(self.path)
 
@@ -206,13 +208,10 @@ def target_vocab(ckpt: SpeculatorsCheckpoint, target_vocab_size: int | None) -> 
 
 
 @dataclass
-class FlatDrafter:
-    """A flat drafter folder as read from config.json and its safetensors headers."""
+class FlatDrafter(DrafterFolder):
+    """A flat drafter folder as read from config.json and its safetensors headers, checked by read_flat_drafter."""
 
-    path: Path
-    field: str  # the config key that named it, for error lines
-    config: dict[str, Any]
-    tensor_files: dict[str, Path]  # stored tensor name -> file
+    field: str = ""  # the config key that named it, for error lines
 
     @property
     def config_path(self) -> Path:
@@ -234,15 +233,6 @@ class FlatDrafter:
     @property
     def draft_vocab_size(self) -> int:
         return int(self.config.get("draft_vocab_size") or self.vocab_size)
-
-    @property
-    def flags(self) -> dict[str, bool]:
-        # As vLLM reads them (a flag left out is false); the drafter was served (and trained) so.
-        return flat_norm_flags(self.config)
-
-    @property
-    def written_layer_ids(self) -> list[int] | None:
-        return written_layer_ids(self.config)
 
     def fail(self, where: Path, problem: str) -> BadInput:
         return BadInput(f"{self.field}: {where}: {problem}")
@@ -270,7 +260,7 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
         raise BadInput(f"{field}: {config_path}: architectures is {config.get('architectures')!r}, expected "
                        f"[{FLAT_ARCHITECTURE!r}] (a released EAGLE-3 drafter) or a speculators drafter folder")
     check_weights_whole(path, field)
-    drafter = FlatDrafter(path, field, config, weight_files(path))
+    drafter = FlatDrafter(path, config, field)
     try:
         draft_dims(config)
     except BadInput as error:

@@ -14,8 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The folder is read by drafter/folder.py; stage 06 and the replay import these names from here.
-from eagle_pipeline.drafter.folder import flat_tensor_names, read_flat_config, read_flat_tensors  # noqa: F401
+# The folder is read by drafter/folder.py; stage 06 imports flat_tensor_names and read_flat_config from here.
+from eagle_pipeline.drafter.folder import (  # noqa: F401 - flat_tensor_names
+    engine_layer_ids,
+    flat_tensor_names,
+    read_flat_config,
+    read_flat_tensors,
+)
 from eagle_pipeline.drafter.layouts import EMBED_KEY, flat_norm_flags
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.verifier import target_embedding
@@ -48,8 +53,8 @@ def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Pa
     flags["norm_before_fc"] = "input_norm.weight" in tensors
     flags["fc_norm"] = any(name.startswith("fc_norm.") for name in tensors)
     num_aux = tensors["fc.weight"].shape[1] // int(config.get("target_hidden_size") or config["hidden_size"])
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids") or list(range(num_aux))
+    # The ids vLLM's V1 runner takes from the folder (the top level first), else the first num_aux layers.
+    ids = engine_layer_ids(config)["v1"] or list(range(num_aux))
     write_speculators_folder(out_dir, config, tensors, embedding=embedding, verifier_dir=verifier_dir,
                              layer_ids=[int(k) for k in ids], flags=flags, speculative_tokens=speculative_tokens)
     return Path(out_dir)

@@ -57,9 +57,10 @@ def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, fi
 def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_size: int, device: str,
                 scratch_dir: Path, num_speculative_tokens: int) -> ReplayPlan:
     """A flat folder read as vLLM reads it: the ids the runner of `device` takes, the declared flags."""
+    from eagle_pipeline.drafter.folder import flat_tensor_names, read_flat_config
     from eagle_pipeline.drafter.layouts import flat_norm_flags
     from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
-    from eagle_pipeline.predict.flat_drafter import flat_tensor_names, read_flat_config, write_speculators_checkpoint
+    from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
 
     config = read_flat_config(drafter_dir)
     has_d2t = "d2t" in flat_tensor_names(drafter_dir)
