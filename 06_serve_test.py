@@ -2,9 +2,12 @@
 
 The held-out evaluation prompts (never used in training) go through vLLM's OpenAI server three times,
 one server at a time: with the trained drafter (EAGLE-3), without speculation, and with n-gram
-speculation. Acceptance comes from the server's Prometheus counters (`vllm:spec_decode_*`); at temperature
-0 the drafter must not change the text, so every differing prompt is reported. The stage fails (exit 1)
-when the mean acceptance length is below `serve.min_acceptance_length`.
+speculation; each server answers them at every level of `serve.concurrency` in turn. Acceptance comes from the
+server's Prometheus counters (`vllm:spec_decode_*`) and each request's own metrics; at temperature 0 the drafter
+must not change the text, so every differing prompt is reported. From the levels the stage chooses
+`num_speculative_tokens` per batch size (k = 0 where speculation loses), serves that schedule once to confirm it
+(eagle_pipeline/serve/plan.py), and ends report.md with the `vllm serve` command that serves it. The stage fails
+(exit 1) when the mean acceptance length is below `serve.min_acceptance_length`.
 
 Embedded default (CPU, a few minutes):
     python 06_serve_test.py --config configs/tiny.yaml
@@ -12,8 +15,9 @@ Full scale (8 GPUs):
     python 06_serve_test.py --config configs/kimi-k2.5-10k.yaml
 
 Output in <data_root>/<run_name>/06_serve_test/: report.json, report.md, report.png (acceptance per
-position, tokens/s per mode), responses.jsonl, served/<mode>.json (each mode's measurements in full), baseline/
-(the no-speculation answers and their captured states), logs/server-<mode>.log, manifest.json.
+position, tokens/s per mode, speed-up and per-request acceptance against concurrency), responses.jsonl,
+served/<mode>.json (each mode's measurements in full; served/schedule.json the confirming run), baseline/ (the
+no-speculation answers and their captured states), logs/server-<mode>.log, manifest.json.
 
 Each mode's measurements are written as soon as it is served (served/<mode>.json, and baseline/answers.json for
 the answers without speculation), and report.json and report.md before the offline prediction starts: a rerun
@@ -111,6 +115,13 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature {s.temperature}, "
               f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}"
               + (f"; no-speculation answers from {s.baseline}" if s.baseline else ""))
+        from eagle_pipeline.serve.plan import sweep_plan_line
+
+        print(sweep_plan_line(s.concurrency_levels, modes, len(prompts), s.max_tokens, s.confirm_schedule, cfg.device,
+                              configured=bool(s.num_speculative_tokens_per_batch_size)))
+        if s.num_speculative_tokens_per_batch_size:
+            print(f"  schedule to confirm (serve.num_speculative_tokens_per_batch_size): "
+                  f"{[list(entry) for entry in s.num_speculative_tokens_per_batch_size]}")
         if s.predict:
             print_replay_capture_plan(cfg, foreign, drafter_dir)
         for warning in speculation_warnings(cfg):
@@ -185,7 +196,9 @@ def run(stage: Stage, dry_run: bool) -> None:
     if baseline is not None:
         report = merge_baseline(report, baseline)
     report["prompt_ids"] = [p["id"] for p in prompts]
-    if missing:
+    report["serving_plan"], confirmed_now = plan_and_confirm(cfg, stage, inputs, verifier.path, drafter_dir, messages,
+                                                             template_kwargs, report)
+    if missing or confirmed_now:
         # Written before predicting: what was served survives a failed prediction.
         report["per_prompt"] = per_prompt_acceptance(report)
         write_report(stage.dir, {**report, "verdict": "served; prediction pending" if s.predict else None}, messages)
@@ -211,12 +224,18 @@ def run(stage: Stage, dry_run: bool) -> None:
                                          "predicted_mean_acceptance_length", "predicted_per_position_acceptance")}
     diagnosis = report.get("diagnosis")
     counts["diagnosis"] = None if diagnosis is None else {k: diagnosis.get(k) for k in ("status", "cause", "engine_variant")}
+    plan = report["serving_plan"]
+    counts["serving_plan"] = {"concurrency_levels": plan["levels"], "kind": plan["kind"], "schedule": plan["schedule"],
+                              "confirmed_speedup": [row["speedup"] for row in (plan["confirmed"] or {}).get("levels", [])],
+                              "findings": [finding["kind"] for finding in plan["findings"]]}
     counts["passed"] = ok
     stage.finish(counts, output_fingerprint=value_fingerprint(counts))
     print(render_report_md(report))
     print(message)
     if diagnosis is not None:
         print(diagnosis["line"])
+    for finding in plan["findings"]:
+        print(f"warning: {finding['text']}")
     if not report.get("greedy_match"):
         print(f"warning: greedy outputs differ with the drafter on prompts {report.get('greedy_mismatches')}; see responses.jsonl")
     if not ok:
@@ -224,10 +243,11 @@ def run(stage: Stage, dry_run: bool) -> None:
 
 
 def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwargs, measured=None,
-                on_measured=None) -> dict:
-    """Every mode served and measured under `cfg`'s engine settings, but those `measured` holds (records of an
-    earlier run); the eagle3 server's engine facts beside, in its record too. `on_measured(mode, record)`: as in
-    `measure_modes`."""
+                on_measured=None, levels=None, num_speculative_tokens=None, schedule=None) -> dict:
+    """Every mode served and measured under `cfg`'s engine settings at `levels` (default: serve.concurrency), but
+    those `measured` holds (records of an earlier run); the eagle3 server's engine facts beside, in its record too.
+    `on_measured(mode, record)`: as in `measure_modes`; `num_speculative_tokens` and `schedule` (the "schedule"
+    mode's) default to serve.num_speculative_tokens and none."""
     from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
     from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
     from eagle_pipeline.serve.measure import measure_modes
@@ -245,8 +265,9 @@ def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwa
             on_measured(mode, record)
 
     report = measure_modes(
-        target, drafter_dir, messages, num_speculative_tokens=s.num_speculative_tokens, modes=modes,
-        max_tokens=s.max_tokens, temperature=s.temperature, concurrency=s.concurrency, seed=cfg.seed, port=s.port,
+        target, drafter_dir, messages, num_speculative_tokens=num_speculative_tokens or s.num_speculative_tokens,
+        modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
+        concurrency=levels or s.concurrency_levels, schedule=schedule, seed=cfg.seed, port=s.port,
         log_dir=log_dir, **kwargs, startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
         drafter_settings=drafter_engine_settings(cfg), measured=measured, on_measured=keep,
     )
@@ -254,6 +275,40 @@ def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwa
         report["engine"] = (records["eagle3"].get("engine")
                             or read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg)))
     return report
+
+
+def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messages, template_kwargs,
+                     report: dict) -> tuple[dict, bool]:
+    """The serving plan chosen from the served levels (eagle_pipeline/serve/plan.py), its schedule served once to
+    confirm it unless a mode already served it (kept in served/schedule.json under the schedule it served, so a
+    rerun serves it only once), and the `vllm serve` command; (report.json's `serving_plan`, served now)."""
+    from eagle_pipeline.serve.plan import SCHEDULE_MODE, plan_serving, plan_speculative_config, served_by, serving_plan
+
+    s = cfg.serve
+    plan = plan_serving(report["modes"], s.concurrency_levels, s.num_speculative_tokens,
+                        s.num_speculative_tokens_per_batch_size)
+    spec = plan_speculative_config(plan, report["modes"]["eagle3"]["speculative_config"])
+    confirmed_by, confirmed, served_now = served_by(plan, s.num_speculative_tokens), None, False
+    if confirmed_by is not None:
+        confirmed = {"summary": report["modes"].get(confirmed_by), "texts": report["texts"].get(confirmed_by)}
+    elif spec is not None and s.confirm_schedule:
+        schedule_inputs = {**inputs, "speculative_config": spec}
+        kept = read_served(stage.dir, schedule_inputs, [SCHEDULE_MODE], plan["k"])
+        if SCHEDULE_MODE in kept:
+            print(f"stage 06: the schedule was confirmed by an earlier run of these inputs ({stage.dir / SERVED_DIR})")
+            confirmed = kept[SCHEDULE_MODE]
+        else:
+            print(f"stage 06: serving the chosen setting once to confirm it: {json.dumps(spec)}")
+            served = serve_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs", template_kwargs,
+                                 on_measured=lambda mode, record: write_served(stage.dir, schedule_inputs, mode, record),
+                                 num_speculative_tokens=plan["k"],
+                                 schedule=spec.get("num_speculative_tokens_per_batch_size"))
+            confirmed = {"summary": served["modes"][SCHEDULE_MODE], "texts": served["texts"][SCHEDULE_MODE]}
+            served_now = True
+        confirmed_by = SCHEDULE_MODE
+    from eagle_pipeline.engine import server_kwargs
+
+    return serving_plan(plan, report, cfg, spec, confirmed_by, confirmed, server_kwargs(cfg), target), served_now
 
 
 def should_probe(s, diagnosis: dict) -> bool:
@@ -269,7 +324,9 @@ def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: 
 
     def serve_variant(index: int, variant) -> dict:
         folder = log_dir / f"engine-variant-{index}"
-        served = serve_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder, template_kwargs)
+        # Acceptance is what a variant is served for: the headline level alone.
+        served = serve_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder, template_kwargs,
+                             levels=cfg.serve.concurrency_levels[:1])
         return {**served["modes"]["eagle3"], "engine": served["engine"], "log": str(folder / "server-eagle3.log")}
 
     rows = probe_engine(cfg.serve.engine_variants, serve_variant, report.get("predicted_per_position_acceptance") or [],

@@ -178,7 +178,7 @@ def measure_serving(cfg: RunConfig, target: Path, settings: Settings, work: Path
     prompts = load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field, "data.eval_prompts")[:num_prompts]
     spec = {"num_speculative_tokens": s.num_speculative_tokens}
     serve_args = dict(rounds=settings.repetitions, max_tokens=settings.serve_max_tokens or s.max_tokens,
-                      temperature=s.temperature, concurrency=s.concurrency, seed=cfg.seed,
+                      temperature=s.temperature, concurrency=s.concurrency_levels[-1], seed=cfg.seed,
                       log_dir=work / "logs", log=log, **server_kwargs(cfg))
     messages = [p["messages"] for p in prompts]
     # Two groups, so that at most three servers (a few GB each) are up at once: the figure-4 comparison

@@ -584,7 +584,17 @@ class ServeConfig(Section):
     num_speculative_tokens: int = Field(3, ge=1, le=64)
     max_tokens: int = Field(128, ge=1, lt=MAX_TOKENS)
     temperature: float = Field(0.0, ge=0, le=10)
-    concurrency: int = Field(4, ge=1, le=MAX_PARALLEL)
+    # Requests in flight while measuring. A list is a sweep: every server answers the prompts at each level in turn
+    # (client-side, no extra start), and stage 06 chooses `num_speculative_tokens` per batch size from it.
+    concurrency: int | list[int] = Field(4, description="requests in flight while measuring; a list measures each "
+                                                        "level in turn on every server, e.g. [1, 4, 16, 64]")
+    # vLLM's `num_speculative_tokens_per_batch_size` to confirm instead of the schedule stage 06 chooses: entries
+    # [batch_from, batch_to, k], the first from 1, k = 0 switching speculation off for that range.
+    num_speculative_tokens_per_batch_size: Optional[list[tuple[int, int, int]]] = Field(
+        None, description="the schedule to serve and confirm instead of the one chosen, e.g. [[1, 4, 3], [5, 64, 0]]")
+    # Serve the chosen schedule once more to confirm it (one target start; skipped when the choice is a setting
+    # already served: the drafter's k at every level, or no speculation at every level).
+    confirm_schedule: bool = True
     port: Optional[int] = Field(None, ge=1, le=65535)
     ngram_baseline: bool = True
     min_acceptance_length: float = Field(1.5, ge=1, le=65)
@@ -623,6 +633,51 @@ class ServeConfig(Section):
                 raise ValueError(f"entry {index} repeats entry {variants.index(variant)}, and each entry is served with a "
                                  f"cold start of the target; remove one")
         return variants
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels_in_order(cls, value):
+        levels = value if isinstance(value, list) else [value]
+        example = "[1, 4, 16, 64]"
+        if not levels:
+            raise ValueError(f"an empty list measures nothing; give one level (4) or several, e.g. {example}")
+        for level in levels:
+            if not 1 <= level <= MAX_PARALLEL:
+                raise ValueError(f"{level} is not a number of requests in flight (1 to {MAX_PARALLEL})")
+        if any(b <= a for a, b in zip(levels, levels[1:])):
+            raise ValueError(f"{levels}: list the levels in ascending order without repeats, e.g. {example}")
+        return value
+
+    @property
+    def concurrency_levels(self) -> list[int]:
+        """`concurrency` as a list of levels; the first is the headline level."""
+        return list(self.concurrency) if isinstance(self.concurrency, list) else [self.concurrency]
+
+    @model_validator(mode="after")
+    def _schedule_vllm_takes(self):
+        # vLLM checks these ranges only when its scheduler starts (v1/spec_decode/dynamic/utils.py); refused here
+        # before any server, with vLLM's own rules, and k no larger than the drafter's k, which vLLM would clamp.
+        schedule = self.num_speculative_tokens_per_batch_size
+        if schedule is None:
+            return self
+        field = "num_speculative_tokens_per_batch_size"
+        fix = "e.g. [[1, 4, 3], [5, 64, 0]]: ranges from batch 1 upwards, in order, without overlaps"
+        previous_end = 0
+        for start, end, k in schedule:
+            if start < 1 or end < start:
+                raise cross_field(field, f"[{start}, {end}, {k}] is not a batch-size range; {fix}")
+            if previous_end == 0 and start != 1:
+                raise cross_field(field, f"the first range [{start}, {end}, {k}] must start at batch 1; {fix}")
+            if start <= previous_end:
+                raise cross_field(field, f"[{start}, {end}, {k}] overlaps or precedes the range before; {fix}")
+            if not 0 <= k <= self.num_speculative_tokens:
+                raise cross_field(field, f"k = {k} in [{start}, {end}, {k}] is not between 0 and "
+                                         f"num_speculative_tokens {self.num_speculative_tokens}; lower it")
+            previous_end = end
+        if not any(k for _, _, k in schedule):
+            raise cross_field(field, "k = 0 in every range serves no speculation; leave the key out (stage 06 then "
+                                     "reports that choice without a speculating server)")
+        return self
 
     @model_validator(mode="after")
     def _reachable_acceptance(self):

@@ -152,20 +152,24 @@ def _stage_06_engines(cfg: RunConfig, verifier, scratch: Path) -> list[PlannedEn
     from eagle_pipeline.serve.engine_facts import server_env
     from eagle_pipeline.serve.engine_probe import describe, variant_config
     from eagle_pipeline.serve.measure import mode_server
+    from eagle_pipeline.serve.plan import SCHEDULE_MODE
 
     s = cfg.serve
     drafter = drafter_folder(cfg, verifier, scratch)
     modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
 
-    def server(run_cfg: RunConfig, mode: str, name: str, overrides: dict[str, str]) -> PlannedEngine:
+    def server(run_cfg: RunConfig, mode: str, name: str, overrides: dict[str, str], schedule=None) -> PlannedEngine:
         kwargs = server_kwargs(run_cfg)
         env = server_env(run_cfg, kwargs.pop("env"))
         argv = mode_server(mode, verifier.path, drafter, num_speculative_tokens=s.num_speculative_tokens,
                            drafter_settings=drafter_engine_settings(run_cfg), log_path=scratch / f"server-{mode}.log",
-                           **kwargs).serve_argv(None)
+                           schedule=schedule, **kwargs).serve_argv(None)
         return PlannedEngine(6, name, env, server_argv=argv, overrides=overrides)
 
     engines = [server(cfg, mode, f"server {mode}", {}) for mode in modes]
+    schedule = rehearsed_schedule(cfg)
+    if schedule is not None:
+        engines.append(server(cfg, SCHEDULE_MODE, "server schedule", {"variant": f"schedule {schedule}"}, schedule))
     if s.predict and s.engine_variants and s.probe_engine != "never":
         engines += [server(variant_config(cfg, v), "eagle3", f"engine variant {i}", {"variant": describe(v)})
                     for i, v in enumerate(s.engine_variants, 1)]
@@ -175,6 +179,22 @@ def _stage_06_engines(cfg: RunConfig, verifier, scratch: Path) -> list[PlannedEn
         engines.append(PlannedEngine(6, "replay capture", engine_env(cfg),
                                      engine_args=_capture_args(cfg, verifier, cfg.verifier.max_model_len - 1, scratch)))
     return engines
+
+
+def rehearsed_schedule(cfg: RunConfig) -> list[list[int]] | None:
+    """The schedule stage 06's confirming server is rehearsed with: the configured one, else (the chosen one is only
+    known once the levels are measured) one of the shape a choice takes over the configured levels, k_max at the
+    first and 0 above it; None where no schedule server can start (no confirmation, or a single level: its choice
+    is one k everywhere, the eagle3 server's setting)."""
+    from eagle_pipeline.serve.plan import batch_ranges
+
+    s = cfg.serve
+    if s.num_speculative_tokens_per_batch_size:
+        return [list(entry) for entry in s.num_speculative_tokens_per_batch_size]
+    levels = s.concurrency_levels
+    if not s.confirm_schedule or len(levels) < 2:
+        return None
+    return batch_ranges([(level, s.num_speculative_tokens if i == 0 else 0) for i, level in enumerate(levels)])
 
 
 @dataclass

@@ -3,7 +3,8 @@
 
 On the GPU host a cold start of the ~600 GB target costs tens of minutes, so the count matters as much as
 any throughput: a full pass of the pipeline starts the target in stage 01 (answers), stage 02 (capture) and
-stage 06 (a server per mode, and the prediction's capture unless a kept baseline has it). `loads_target`
+stage 06 (a server per mode, one confirming the chosen schedule, and the prediction's capture unless a kept
+baseline has it). `loads_target`
 tells those apart from jobs that read only the target's config (stage 05's load check).
 """
 
@@ -47,6 +48,9 @@ def planned_target_starts(cfg) -> dict[str, int]:
 
     s = cfg.serve
     served = (s.baseline is None) + s.ngram_baseline + 1  # none (unless a kept baseline answers), n-gram, EAGLE-3
+    # The chosen schedule's server, counted where it may start: it does not where the choice is a setting already
+    # served (k_max or no speculation at every level), known only once the levels are measured.
+    served += int(s.confirm_schedule)
     prediction = int(s.predict and s.baseline is None)  # a kept baseline holds the captured states too
     probe = probe_starts(cfg) if s.probe_engine == "always" else 0
     hs = cfg.hidden_states

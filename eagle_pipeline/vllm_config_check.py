@@ -168,6 +168,42 @@ def create_config(engine_args: dict[str, Any] | None = None, server_argv: list[s
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
+def requested_schedule(engine_args: dict[str, Any] | None, server_argv: list[str] | None) -> Any:
+    """The `num_speculative_tokens_per_batch_size` an engine's settings ask for (None where they ask for none)."""
+    spec = (engine_args or {}).get("speculative_config")
+    if server_argv is not None and "--speculative-config" in server_argv:
+        import json
+
+        spec = json.loads(server_argv[server_argv.index("--speculative-config") + 1])
+    return (spec or {}).get("num_speculative_tokens_per_batch_size") if isinstance(spec, dict) else None
+
+
+def schedule_problem(vllm_config, requested: Any) -> str | None:
+    """Why vLLM would not run the speculation schedule `requested` (None when it would, or none is asked for).
+
+    `create_engine_config` checks only its shape (entries of three integers); the ranges are checked when the
+    engine core builds its scheduler, which expands them with `build_dynamic_sd_schedule_lookup`
+    (`v1/core/sched/scheduler.py`, `v1/spec_decode/dynamic/utils.py`). The same call here refuses what the
+    scheduler would, before any model loads. With data parallelism vLLM drops the schedule and speculates with
+    `num_speculative_tokens` everywhere (`VllmConfig._maybe_disable_dynamic_sd_for_data_parallel`)."""
+    if requested is None:
+        return None
+    spec = vllm_config.speculative_config
+    if spec is None or spec.num_speculative_tokens_per_batch_size is None:
+        return (f"vLLM drops num_speculative_tokens_per_batch_size {requested} with data parallelism "
+                f"{vllm_config.parallel_config.data_parallel_size} and speculates with num_speculative_tokens at "
+                f"every batch size; serve without data parallelism or without the schedule")
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    try:
+        build_dynamic_sd_schedule_lookup(spec.num_speculative_tokens_per_batch_size,
+                                         vllm_max_batch_size=vllm_config.scheduler_config.max_num_seqs,
+                                         vllm_num_speculative_tokens=spec.num_speculative_tokens)
+    except ValueError as error:
+        return f"num_speculative_tokens_per_batch_size {requested}: {short_error(error)}"
+    return None
+
+
 def model_runner(vllm_config, simulated: bool) -> str:
     """"V2" or "V1": vLLM's own decision; where CUDA is simulated, the one the GPU host makes (Triton present)."""
     if not simulated:
@@ -237,6 +273,9 @@ def check_engine(device: str, engine_args: dict[str, Any] | None = None, server_
             vllm_config = create_config(engine_args, server_argv)
         except Exception as error:  # noqa: BLE001 - vLLM's refusal of the settings is the finding
             return EngineCheck(platform=device, error=short_error(error))
+        problem = schedule_problem(vllm_config, requested_schedule(engine_args, server_argv))
+        if problem is not None:
+            return EngineCheck(platform=device, error=problem)
         with selection_platform(device) as (platform, where):
             simulated = platform.__class__.__name__ == "HostCuda"
             check = EngineCheck(platform=where, runner=model_runner(vllm_config, simulated))

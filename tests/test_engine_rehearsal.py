@@ -59,11 +59,15 @@ def test_every_engine_of_the_kimi_config_is_configured_by_cudas_selector(standin
     # variants of the config, and the replay's capture.
     names = [line.split(" (")[0].split(":")[0].strip() for line in lines]
     assert names == ["engine 01 answering engine", "engine 02 hidden-state capture", "engine 05 drafter load check",
-                     "engine 06 server none", "engine 06 server eagle3",
+                     "engine 06 server none", "engine 06 server eagle3", "engine 06 server schedule",
                      *[f"engine 06 engine variant {i}" for i in range(1, 5)], "engine 06 replay capture"], out
     assert all(CUDA in line and "target MLA -> TRITON_MLA" in line for line in lines), out
     eagle3 = next(line for line in lines if "server eagle3" in line)
     assert "drafter full attention -> TRITON_ATTN" in eagle3 and "runner V2" in eagle3 and "block 16" in eagle3, eagle3
+    # The schedule stage 06 confirms, in the shape a choice over the config's levels [1, 4, 16, 64] takes, passes
+    # the check vLLM's scheduler makes when its engine starts.
+    schedule = next(line for line in lines if "server schedule" in line)
+    assert "(schedule [[1, 2, 3], [3, 64, 0]])" in schedule and "drafter full attention -> TRITON_ATTN" in schedule
     variant = next(line for line in lines if "verifier.model_runner=v1)" in line)
     assert "runner V1" in variant, variant
 

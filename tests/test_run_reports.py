@@ -59,17 +59,19 @@ def test_the_plan_counts_the_targets_cold_starts_of_a_full_pass():
     from eagle_pipeline.engine_starts import planned_target_starts
 
     kimi = REPO / "configs" / "kimi-k2.5-10.yaml"
-    assert sum(planned_target_starts(load_config(kimi)).values()) == 5
-    # Rerunning stage 06 with the first run's baseline kept: the EAGLE-3 server alone.
-    assert planned_target_starts(load_config(kimi, ["serve.baseline=/data/k/06_serve_test"]))[STAGES[6]] == 1
+    assert sum(planned_target_starts(load_config(kimi)).values()) == 6
+    # Rerunning stage 06 with the first run's baseline kept: the EAGLE-3 server and the chosen schedule's.
+    assert planned_target_starts(load_config(kimi, ["serve.baseline=/data/k/06_serve_test"]))[STAGES[6]] == 2
+    # Without confirming the schedule, stage 06 starts what it did before the sweep: none, EAGLE-3, the capture.
+    assert planned_target_starts(load_config(kimi, ["serve.confirm_schedule=false"]))[STAGES[6]] == 3
     # The two-engine parity of stage 05, and n-gram, each cost their starts.
     assert planned_target_starts(load_config(kimi, ["convert.parity=vllm", "serve.ngram_baseline=true"]))[STAGES[5]] == 2
-    assert sum(planned_target_starts(load_config(kimi, ["serve.ngram_baseline=true"])).values()) == 6
+    assert sum(planned_target_starts(load_config(kimi, ["serve.ngram_baseline=true"])).values()) == 7
     # The smoke run's plan is what its manifests record (tests/test_stages_04_06.py).
-    assert sum(planned_target_starts(load_config(REPO / "configs" / "tiny-smoke.yaml")).values()) == 6
+    assert sum(planned_target_starts(load_config(REPO / "configs" / "tiny-smoke.yaml")).values()) == 7
     result = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(kimi), "--plan"],
                             capture_output=True, text=True, check=True)
-    assert "| total | 5 |" in result.stdout
+    assert "| total | 6 |" in result.stdout
     variants = len(load_config(kimi).serve.engine_variants)
     assert variants and f"engine probe adds up to {variants} more, only after an engine verdict" in result.stdout
-    assert planned_target_starts(load_config(kimi, ["serve.probe_engine=always"]))[STAGES[6]] == 3 + variants
+    assert planned_target_starts(load_config(kimi, ["serve.probe_engine=always"]))[STAGES[6]] == 4 + variants

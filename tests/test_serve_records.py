@@ -27,7 +27,9 @@ K = 3  # serve.num_speculative_tokens of configs/tiny.yaml
 
 class FakeServers:
     """Stands in for measure.VllmServer and the HTTP calls around it: every mode answers each prompt with two
-    tokens; eagle3 accepts its drafts as PER_POSITION says. `fail` names the modes whose server does not start."""
+    tokens; eagle3 (and the confirming "schedule") accepts its drafts as PER_POSITION says. `fail` names the modes
+    whose server does not start; `tpot_ms[(mode, level)]` the server's time per output token at a level (none:
+    not reported); `levels[mode]` records the levels each mode's prompts were run at."""
 
     PER_POSITION = [0.5, 0.25, 0.125]
 
@@ -36,7 +38,9 @@ class FakeServers:
 
         self.started: list[str] = []
         self.fail: set[str] = set()
-        self.tokens_per_s = {"none": 20.0, "ngram": 25.0, "eagle3": 30.0}
+        self.tokens_per_s = {"none": 20.0, "ngram": 25.0, "eagle3": 30.0, "schedule": 35.0}
+        self.tpot_ms: dict[tuple[str, int], float] = {}
+        self.levels: dict[str, list[int]] = {}
         fakes = self
 
         class Server:
@@ -56,6 +60,8 @@ class FakeServers:
                 pass
 
         def run_prompts(base_url, model, prompts, **kwargs):
+            if len(prompts) > 1:  # not the warm-up request
+                fakes.levels.setdefault(base_url, []).append(kwargs["concurrency"])
             # wall time such that tokens/s is the mode's figure
             requests = [RequestResult(text=f"answer {i}", output_tokens=2, prompt_tokens=3, latency_s=0.1,
                                       finish_reason="length", prompt_token_ids=[1, 2, 3], token_ids=[4, 5])
@@ -64,9 +70,11 @@ class FakeServers:
 
         def counters(base_url, drafts):
             accepted = [p * drafts for p in fakes.PER_POSITION] if base_url != "none" else []
+            tpot = fakes.tpot_ms.get((base_url, (fakes.levels.get(base_url) or [0])[-1])) if drafts else None
             return {"num_drafts": drafts if base_url != "none" else 0, "num_draft_tokens": K * drafts,
                     "num_accepted_tokens": sum(accepted), "accepted_per_pos": accepted, "generation_tokens": 0.0,
-                    "tpot_sum_s": 0.0, "tpot_count": 0.0, "ttft_sum_s": 0.0, "ttft_count": 0.0}
+                    "tpot_sum_s": 0.0 if tpot is None else tpot / 1000, "tpot_count": 0.0 if tpot is None else 1.0,
+                    "ttft_sum_s": 0.0, "ttft_count": 0.0}
 
         monkeypatch.setattr(measure, "VllmServer", Server)
         monkeypatch.setattr(measure, "run_prompts", run_prompts)

@@ -96,6 +96,31 @@ def test_serve_report_has_every_field_and_greedy_text_is_unchanged(finished):
     assert "acceptance" in (run_dir / "06_serve_test" / "report.md").read_text().lower()
 
 
+def test_the_sweep_serves_every_level_and_vllms_cpu_build_changes_k_with_the_batch_size(finished):
+    """The smoke config sweeps concurrency [1, 2] and confirms its own schedule [[1, 1, 3], [2, 2, 1]]: the server
+    drafted 3 tokens per step alone and fewer with two requests in flight (1 while both run, 3 once one is left)."""
+    _, run_dir = finished
+    report = read(run_dir / "06_serve_test" / "report.json")
+    assert report["concurrency_levels"] == [1, 2] and report["concurrency"] == 1
+    for mode in ("none", "ngram", "eagle3"):
+        levels = report["modes"][mode]["levels"]
+        assert [row["concurrency"] for row in levels] == [1, 2] and all(row["tokens_per_s"] > 0 for row in levels)
+    eagle = report["modes"]["eagle3"]["levels"]
+    assert [row["num_requests"] for row in eagle] == [3, 4] and len(eagle[1]["per_request"]) == 4
+    plan = report["serving_plan"]
+    assert plan["source"] == "configured" and plan["schedule"] == [[1, 1, 3], [2, 2, 1]]
+    assert [row["k"] is not None for row in plan["estimate"]] == [True, True]
+    confirmed = plan["confirmed"]
+    assert confirmed["by"] == "schedule" and confirmed["greedy_mismatches"] == []
+    alone, two = (row["draft_tokens_per_draft"] for row in confirmed["levels"])
+    assert alone == 3.0 and 1.0 <= two < 3.0, confirmed
+    served = read(run_dir / "06_serve_test" / "served" / "schedule.json")
+    assert served["record"]["summary"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 2, 1]]
+    lines = (run_dir / "06_serve_test" / "report.md").read_text().rstrip().splitlines()
+    assert lines[-1] == "```" and lines[-2] == plan["command"] and " vllm serve " in f" {lines[-2]}"
+    assert "num_speculative_tokens_per_batch_size" in lines[-2]
+
+
 def test_acceptance_below_the_floor_fails_the_stage(finished):
     config, _ = finished
     result = run_stage("06_serve_test.py", config, "--set", "serve.min_acceptance_length=3.99")
@@ -127,12 +152,14 @@ def test_the_run_summary_has_a_row_per_stage_with_its_key_figures(finished):
     assert "6 conversations" in rows["01_generate_data"] and "layers [2, 15, 27] + final" in rows["02_extract_hidden"]
     assert "checks all ok" in rows["05_convert"]
     # The target's cold starts, per stage and in all: the answering engine, the capture engine, none in stage 05
-    # (its parity replays offline), and stage 06's three servers and its prediction's capture engine.
+    # (its parity replays offline), and stage 06's three servers, the one confirming its schedule and its
+    # prediction's capture engine.
     starts = {name: [cell.strip() for cell in row.strip().strip("|").split("|")][3] for name, row in rows.items()}
-    assert [starts[name].split(" ")[0] for name in rows] == ["1", "1", "0", "0", "0", "4", "6"], starts
+    assert [starts[name].split(" ")[0] for name in rows] == ["1", "1", "0", "0", "0", "5", "7"], starts
     manifest = read(run_dir / "06_serve_test" / "manifest.json")
     assert sorted(s["what"] for s in manifest["engine_starts"]["starts"]) == [
-        "hidden-state capture engine", "vLLM server (server-eagle3)", "vLLM server (server-ngram)", "vLLM server (server-none)"]
+        "hidden-state capture engine", "vLLM server (server-eagle3)", "vLLM server (server-ngram)", "vLLM server (server-none)",
+        "vLLM server (server-schedule)"]
     assert (f"acceptance length {report['mean_acceptance_length']:.2f} served, "
             f"{report['predicted_mean_acceptance_length']:.2f} predicted (agrees), "
             f"n-gram {report['ngram_acceptance']['mean_acceptance_length']:.2f}") in rows["06_serve_test"]

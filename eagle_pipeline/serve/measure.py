@@ -1,8 +1,10 @@
 """Measure what speculative decoding buys: one server per mode, and the stage-06 summary of the runs.
 
-Each mode ("none", "ngram", "eagle3") gets its own server process, one at a time. For each mode we send a
-warm-up request, scrape /metrics, run the prompts, scrape again, and keep the difference, so that start-up
-and warm-up traffic never count. Each mode's record (`mode_record`: its summary, texts and token ids) is handed
+Each mode ("none", "ngram", "eagle3", and the chosen schedule: eagle_pipeline/serve/plan.py) gets its own server
+process, one at a time. For each mode we send a warm-up request, then for each concurrency level in turn scrape
+/metrics, run the prompts at that level, scrape again, and keep the difference, so that start-up, warm-up and
+the other levels' traffic never count. The first level is the headline: its first pass over the prompts gives
+the mode's texts and token ids. Each mode's record (`mode_record`: its summary, texts and token ids) is handed
 out as soon as its prompts are answered, before its server stops, so that a later mode's failure (a server that
 does not start) or a stop that hangs loses nothing measured; the report is built from the records
 (`served_report`), whether served now or by an earlier run.
@@ -18,6 +20,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from eagle_pipeline.engine import eagle3_speculative_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, run_prompts
+from eagle_pipeline.serve.plan import SCHEDULE_MODE, requests_at
 from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.serve.spec_metrics import (
     PER_REQUEST_FLAGS,
@@ -64,6 +67,17 @@ def summarize_mode(m: ModeMeasurement) -> dict:
     return summary
 
 
+def level_summary(m: ModeMeasurement, level: int) -> dict:
+    """One concurrency level of a mode: `summarize_mode`'s figures over every request the level sent, each
+    request's own acceptance as `per_request` (request i asked prompt i modulo the number of prompts)."""
+    summary = summarize_mode(m)
+    for key in ("speculative_config", "server_start_s"):
+        summary.pop(key, None)
+    if "per_prompt" in summary:
+        summary["per_request"] = summary.pop("per_prompt")
+    return {"concurrency": level, "num_requests": len(m.run.requests), **summary}
+
+
 def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
@@ -79,13 +93,26 @@ def mode_record(m: ModeMeasurement) -> dict:
             "token_ids": [[r.prompt_token_ids, r.token_ids] for r in m.run.requests]}
 
 
+def sweep_record(measurements: Sequence[ModeMeasurement], levels: Sequence[int], num_prompts: int) -> dict:
+    """One served mode swept over `levels` (a measurement each), as it is kept: the first level's record
+    (`mode_record`, texts and ids of its first pass over the prompts) with every level's figures in its summary's
+    `levels` (`level_summary`)."""
+    head = measurements[0]
+    record = mode_record(head)
+    record["texts"], record["token_ids"] = record["texts"][:num_prompts], record["token_ids"][:num_prompts]
+    if "per_prompt" in record["summary"]:
+        record["summary"]["per_prompt"] = record["summary"]["per_prompt"][:num_prompts]
+    record["summary"]["levels"] = [level_summary(m, level) for m, level in zip(measurements, levels)]
+    return record
+
+
 def summarize(
     measurements: dict[str, ModeMeasurement],
     *,
     num_speculative_tokens: int,
     temperature: float,
     max_tokens: int | None = None,
-    concurrency: int | None = None,
+    concurrency: int | Sequence[int] | None = None,
 ) -> dict:
     """The stage-06 report: headline numbers for eagle3, tokens/s for every mode, and the greedy check.
 
@@ -104,9 +131,11 @@ def summarize_records(
     num_speculative_tokens: int,
     temperature: float,
     max_tokens: int | None = None,
-    concurrency: int | None = None,
+    concurrency: int | Sequence[int] | None = None,
 ) -> dict:
-    """`summarize` of the modes' records (`mode_record`)."""
+    """`summarize` of the modes' records (`mode_record`); `concurrency` one level or the levels swept (the
+    headline figures are the first level's)."""
+    levels = None if concurrency is None else [concurrency] if isinstance(concurrency, int) else list(concurrency)
     modes = {name: record["summary"] for name, record in records.items()}
     num_prompts = {len(record["texts"]) for record in records.values()}
     if len(num_prompts) > 1:
@@ -151,7 +180,8 @@ def summarize_records(
         if "ngram" in modes else None,
         "temperature": temperature,
         "max_tokens": max_tokens,
-        "concurrency": concurrency,
+        "concurrency": levels[0] if levels else None,
+        "concurrency_levels": levels,
         "modes": modes,
     }
 
@@ -164,19 +194,25 @@ def speculative_config_for(
     prompt_lookup_max: int = 4,
     prompt_lookup_min: int = 2,
     drafter_settings: dict | None = None,
+    schedule: Sequence[Sequence[int]] | None = None,
 ) -> dict | None:
+    """vLLM's `speculative_config` of a mode; "schedule" is the drafter's with `schedule` as vLLM's
+    `num_speculative_tokens_per_batch_size` (None: one k at every batch size)."""
     if mode == "none":
         return None
     if mode == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                 "prompt_lookup_max": prompt_lookup_max, "prompt_lookup_min": prompt_lookup_min}
-    if mode == "eagle3":
+    if mode in ("eagle3", SCHEDULE_MODE):
         if drafter_dir is None:
             raise BadInput("eagle3 mode needs the drafter folder (stage 05 output); none was given")
         drafter_dir = Path(drafter_dir)
         if not (drafter_dir / "config.json").is_file():
             raise BadInput(f"{drafter_dir}: no config.json; point to a converted drafter (stage 05 output)")
-        return eagle3_speculative_config(drafter_dir, num_speculative_tokens, drafter_settings)
+        config = eagle3_speculative_config(drafter_dir, num_speculative_tokens, drafter_settings)
+        if mode == SCHEDULE_MODE and schedule is not None:
+            config["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
+        return config
     raise BadInput(f"serve.modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 
@@ -194,12 +230,12 @@ def mode_server(mode: str, target_dir: str | os.PathLike, drafter_dir: str | os.
                 max_model_len: int = 2048, dtype: str = "auto", extra_args: Sequence[str] = (),
                 env: dict[str, str] | None = None, drafter_settings: dict | None = None,
                 startup_timeout_s: float = 1200.0, prompt_lookup_max: int = 4,
-                prompt_lookup_min: int = 2) -> VllmServer:
+                prompt_lookup_min: int = 2, schedule: Sequence[Sequence[int]] | None = None) -> VllmServer:
     """The server (not started) that serves `mode`: the target's settings, the mode's `speculative_config`, and for
     a speculating mode each request's own acceptance (vLLM refuses that flag without speculation)."""
     config = speculative_config_for(mode, num_speculative_tokens=num_speculative_tokens, drafter_dir=drafter_dir,
                                     prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min,
-                                    drafter_settings=drafter_settings)
+                                    drafter_settings=drafter_settings, schedule=schedule)
     flags = [*extra_args, *(PER_REQUEST_FLAGS if config is not None else ())]
     return VllmServer(target_dir, port=port, speculative_config=config, max_model_len=max_model_len, dtype=dtype,
                       extra_args=flags, log_path=log_path, env=env, startup_timeout_s=startup_timeout_s)
@@ -214,7 +250,7 @@ def measure_modes(
     modes: Iterable[str] = MODES,
     max_tokens: int = 128,
     temperature: float = 0.0,
-    concurrency: int = 1,
+    concurrency: int | Sequence[int] = 1,
     seed: int | None = 0,
     prompt_lookup_max: int = 4,
     prompt_lookup_min: int = 2,
@@ -229,53 +265,58 @@ def measure_modes(
     chat_template_kwargs: dict | None = None,
     measured: Mapping[str, dict] | None = None,
     on_measured: Callable[[str, dict], None] | None = None,
+    schedule: Sequence[Sequence[int]] | None = None,
     log=print,
 ) -> dict:
     """Serve the target once per mode (sequentially), measure, and return the report dict (`served_report`).
 
-    `measured` holds the records (`mode_record`) of modes an earlier run served: those are not served again.
-    `on_measured(mode, record)` gets each mode's record as soon as its prompts are answered, while its server
-    still runs: what it keeps survives a later mode's failure.
+    `concurrency`: one level, or the levels each server answers the prompts at in turn (`plan.requests_at` requests
+    each). `measured` holds the records (`sweep_record`) of modes an earlier run served: those are not served
+    again. `on_measured(mode, record)` gets each mode's record as soon as its prompts are answered at every level,
+    while its server still runs: what it keeps survives a later mode's failure. `schedule`: the "schedule" mode's
+    `num_speculative_tokens_per_batch_size`.
     """
     modes = tuple(modes)
+    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
     if not prompts:
         raise BadInput("prompts: no prompts to measure with; give at least one")
     measured = dict(measured or {})
-    configs = {
-        mode: speculative_config_for(mode, num_speculative_tokens=num_speculative_tokens, drafter_dir=drafter_dir,
-                                     prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min,
-                                     drafter_settings=drafter_settings)
-        for mode in modes if mode not in measured
-    }
+    # Every server is built (a mode's bad setting refused) before the first one starts.
+    servers = {mode: mode_server(mode, target_dir, drafter_dir, num_speculative_tokens=num_speculative_tokens,
+                                 log_path=Path(log_dir) / f"server-{mode}.log", port=port, max_model_len=max_model_len,
+                                 dtype=dtype, extra_args=extra_args, env=env, drafter_settings=drafter_settings,
+                                 startup_timeout_s=startup_timeout_s, prompt_lookup_max=prompt_lookup_max,
+                                 prompt_lookup_min=prompt_lookup_min, schedule=schedule)
+               for mode in modes if mode not in measured}
     warmup_prompt = [{"role": "user", "content": "Say hello."}]
     records: dict[str, dict] = {}
     for mode in modes:
         if mode in measured:
             records[mode] = measured[mode]
             continue
-        log(f"[{mode}] starting vLLM server (log: {Path(log_dir) / f'server-{mode}.log'})")
-        # Speculating servers also answer each request with its own acceptance (vLLM refuses the flag otherwise).
-        flags = [*extra_args, *(PER_REQUEST_FLAGS if configs[mode] is not None else ())]
-        server = VllmServer(target_dir, port=port, speculative_config=configs[mode], max_model_len=max_model_len,
-                            dtype=dtype, extra_args=flags, log_path=Path(log_dir) / f"server-{mode}.log",
-                            env=env, startup_timeout_s=startup_timeout_s)
+        server = servers[mode]
+        log(f"[{mode}] starting vLLM server (log: {server.log_path})")
         with server:
             log(f"[{mode}] server healthy after {server.start_seconds:.1f} s; warm-up request")
             run_prompts(server.base_url, server.model, [warmup_prompt], max_tokens=8, temperature=temperature,
                         concurrency=1, seed=seed, chat_template_kwargs=chat_template_kwargs)
-            before = scrape_spec_metrics(server.base_url)
-            run = run_prompts(server.base_url, server.model, prompts, max_tokens=max_tokens,
-                              temperature=temperature, concurrency=concurrency, seed=seed,
-                              chat_template_kwargs=chat_template_kwargs)
-            after = wait_for_counted_tokens(server.base_url, before, run.output_tokens)
-            measurement = ModeMeasurement(mode=mode, speculative_config=configs[mode], run=run,
-                                          metrics=metrics_delta(before, after), server_start_s=server.start_seconds)
-            records[mode] = mode_record(measurement)
+            swept = []
+            for level in levels:
+                asked = [prompts[i % len(prompts)] for i in range(requests_at(level, len(prompts)))]
+                before = scrape_spec_metrics(server.base_url)
+                run = run_prompts(server.base_url, server.model, asked, max_tokens=max_tokens,
+                                  temperature=temperature, concurrency=level, seed=seed,
+                                  chat_template_kwargs=chat_template_kwargs)
+                after = wait_for_counted_tokens(server.base_url, before, run.output_tokens)
+                swept.append(ModeMeasurement(mode=mode, speculative_config=server.speculative_config, run=run,
+                                             metrics=metrics_delta(before, after), server_start_s=server.start_seconds))
+                summary = summarize_mode(swept[-1])
+                log(f"[{mode}] concurrency {level}: {summary['output_tokens']} tokens in {run.wall_s:.1f} s = "
+                    f"{summary['tokens_per_s']:.1f} tok/s"
+                    + (f", mean acceptance length {summary['mean_acceptance_length']:.2f}"
+                       if summary.get("mean_acceptance_length") is not None else ""))
+            records[mode] = sweep_record(swept, levels, len(prompts))
             if on_measured is not None:
                 on_measured(mode, records[mode])
-        summary = records[mode]["summary"]
-        log(f"[{mode}] {summary['output_tokens']} tokens in {run.wall_s:.1f} s = {summary['tokens_per_s']:.1f} tok/s"
-            + (f", mean acceptance length {summary['mean_acceptance_length']:.2f}"
-               if summary.get("mean_acceptance_length") is not None else ""))
     return served_report(records, num_speculative_tokens=num_speculative_tokens, temperature=temperature,
-                         max_tokens=max_tokens, concurrency=concurrency)
+                         max_tokens=max_tokens, concurrency=levels)

@@ -275,7 +275,57 @@ def render_report_md(report: dict) -> str:
                       "differently from one-token decoding; in bf16 a near-tied logit can flip and the texts "
                       "then part ways. A few differing prompts in bf16 are expected; serving in float32 "
                       "checks exactness (measured on SmolLM2-135M: bf16 1 of 3 prompts differed, float32 none)."]
+    plan = report.get("serving_plan")
+    if plan:
+        lines += render_plan_md(plan)
     return "\n".join(lines) + "\n"
+
+
+def _spread(values: Sequence[float | None]) -> str:
+    """Per-request acceptance at one level: median [min-max] over the requests that drafted."""
+    got = sorted(v for v in values if v is not None)
+    if not got:
+        return "-"
+    return f"{got[len(got) // 2]:.2f} [{got[0]:.2f}-{got[-1]:.2f}]"
+
+
+def render_plan_md(plan: dict) -> list[str]:
+    """report.md's load sections: speed-up and acceptance per concurrency level, the schedule with its estimate
+    and confirmation, the collapse findings, and last the `vllm serve` command that reproduces the result."""
+    levels = plan["levels"]
+    speedups = plan.get("speedup_by_concurrency") or {}
+    acceptance = {row["concurrency"]: row for row in plan.get("acceptance_by_concurrency") or []}
+    estimate = {row["concurrency"]: row for row in plan.get("estimate") or []}
+    confirmed = {row["concurrency"]: row for row in ((plan.get("confirmed") or {}).get("levels") or [])}
+    k_max = plan["num_speculative_tokens"]
+    names = [name for name in ("ngram", "eagle3") if name in speedups]
+    lines = ["", "## Acceptance and speed-up across load", "",
+             f"Each server answered the prompts at each concurrency level in turn. Speed-up: output tokens/s over no "
+             f"speculation's at the same level; eagle3 drafts k_max = {k_max}. Chosen k and its speed-up are "
+             f"estimates from the measured per-position acceptance and time per output token (eagle_pipeline/serve/"
+             f"plan.py); the confirmed speed-up is the chosen setting served.", "",
+             "| concurrency | " + " | ".join(f"{name} speed-up" for name in names)
+             + " | eagle3 mean acceptance length | per request: median [min-max] | chosen k | estimated speed-up "
+               "| confirmed speed-up | confirmed draft tokens per draft |",
+             "|---|" + "---|" * len(names) + "---|---|---|---|---|---|"]
+    for i, level in enumerate(levels):
+        row, est, conf = acceptance.get(level) or {}, estimate.get(level) or {}, confirmed.get(level) or {}
+        lines.append(f"| {level} | " + " | ".join(format_speedup(speedups[name][i]) for name in names)
+                     + f" | {format_number(row.get('mean_acceptance_length'))} | {_spread(row.get('per_request') or [])} "
+                       f"| {format_number(est.get('k'))} | {format_speedup(est.get('estimated_speedup'))} "
+                       f"| {format_speedup(conf.get('speedup'))} | {format_number(conf.get('draft_tokens_per_draft'))} |")
+    findings = plan.get("findings") or []
+    lines += ["", "Acceptance across load: " + ("no collapse found." if not findings else "")]
+    lines += [f"- FINDING: {finding['text']}" for finding in findings]
+    by = (plan.get("confirmed") or {}).get("by")
+    mismatches = (plan.get("confirmed") or {}).get("greedy_mismatches")
+    lines += ["", "## Serving command", "",
+              f"Schedule (`num_speculative_tokens_per_batch_size`, [batch_from, batch_to, k]): {plan.get('schedule')}"
+              + (f"; confirmed by the {by} run" if by else "") + "."]
+    if mismatches:
+        lines.append(f"Greedy texts of the confirming run differ from no speculation's on prompts {mismatches}.")
+    lines += [plan.get("note") or "", "", "```bash", plan["command"], "```"]
+    return lines
 
 
 def render_report_png(report: dict) -> bytes:
@@ -284,9 +334,14 @@ def render_report_png(report: dict) -> bytes:
     from matplotlib.figure import Figure
 
     modes = report.get("modes", {})
-    fig = Figure(figsize=(10, 4), dpi=100)
+    plan = report.get("serving_plan")
+    fig = Figure(figsize=(10, 8 if plan else 4), dpi=100)
     FigureCanvasAgg(fig)
-    left, right = fig.subplots(1, 2)
+    if plan:
+        (left, right), (load_left, load_right) = fig.subplots(2, 2)
+        _plot_load(plan, load_left, load_right)
+    else:
+        left, right = fig.subplots(1, 2)
 
     spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
     if spec_modes:
@@ -322,6 +377,44 @@ def render_report_png(report: dict) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+def _plot_load(plan: dict, speed, acceptance) -> None:
+    """Speed-up over no speculation against concurrency (n-gram, the drafter at k_max, the schedule confirmed and
+    estimated) and each request's acceptance at each level."""
+    levels = plan["levels"]
+    speedups = plan.get("speedup_by_concurrency") or {}
+    speed.axhline(1.0, color="tab:gray", linestyle=":", label="none")
+    styles = {"ngram": ("tab:green", "-", "n-gram"), "eagle3": ("tab:blue", "-", f"eagle3 k={plan['num_speculative_tokens']}"),
+              "schedule": ("tab:red", "-", "schedule (confirmed)")}
+    for name, (color, style, label) in styles.items():
+        points = [(c, v) for c, v in zip(levels, speedups.get(name) or []) if v is not None]
+        if points:
+            speed.plot(*zip(*points), marker="o", color=color, linestyle=style, label=label)
+    estimated = [(row["concurrency"], row["estimated_speedup"]) for row in plan.get("estimate") or []
+                 if row.get("estimated_speedup") is not None]
+    if estimated:
+        speed.plot(*zip(*estimated), marker="x", color="tab:red", linestyle="--", label="chosen k (estimate)")
+    speed.set_xscale("log", base=2)
+    speed.set_xticks(levels, [str(c) for c in levels])
+    speed.set_xlabel("concurrency (requests in flight)")
+    speed.set_ylabel("output tokens/s over no speculation")
+    speed.set_title("Speed-up against load")
+    speed.legend(fontsize=8)
+    rows = plan.get("acceptance_by_concurrency") or []
+    for i, row in enumerate(rows):
+        values = [v for v in row.get("per_request") or [] if v is not None]
+        acceptance.scatter([i] * len(values), values, alpha=0.5, color="tab:blue", s=12)
+        if row.get("mean_acceptance_length") is not None:
+            acceptance.scatter([i], [row["mean_acceptance_length"]], marker="_", s=400, color="black")
+    for finding in plan.get("findings") or []:
+        if finding["concurrency"] in levels:
+            acceptance.axvline(levels.index(finding["concurrency"]), color="tab:red", alpha=0.3)
+    acceptance.set_xticks(range(len(rows)), [str(row["concurrency"]) for row in rows])
+    acceptance.set_xlabel("concurrency")
+    acceptance.set_ylabel("mean acceptance length")
+    # Dots: each request; bar: all drafts of the level; a red band: a finding at that level.
+    acceptance.set_title("eagle3 acceptance per request")
 
 
 def write_report(out_dir: str | os.PathLike, report: dict, prompts: Sequence[list[dict]] | None = None) -> dict:
