@@ -39,7 +39,7 @@ from eagle_pipeline import atomic, engine_starts, plots
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.embedded import EMBEDDED_PREFIX
-from eagle_pipeline.engine import target_engine_settings
+from eagle_pipeline.engine import target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.preconditions import check_preconditions
@@ -168,7 +168,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         **verifier.fingerprints(),
         "prompts": prompt_input,
         "generation": value_fingerprint(generation),
-        "engine": value_fingerprint([generation_dtype, target_engine_settings(cfg), cfg.verifier.engine_args]),
+        "engine": target_engine_fingerprint(cfg, generation_dtype),
         "seed": cfg.seed,
         "chat_template_kwargs": template_kwargs,
         # Version of the records in parts/: 2 added the prompt's and the completion's token ids, 3 the

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from eagle_pipeline import atomic, plots
 from eagle_pipeline.disk_plan import amount, later_stages_bytes, plan_run, same_disk
-from eagle_pipeline.engine import target_engine_settings
+from eagle_pipeline.engine import target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.preconditions import check_preconditions
@@ -166,7 +166,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         "conversations": upstream_fingerprint(upstream),
         **verifier.fingerprints(),
         "layer_ids": layer_ids,
-        "engine": value_fingerprint([cfg.verifier.dtype, target_engine_settings(cfg), cfg.verifier.engine_args]),
+        "engine": target_engine_fingerprint(cfg, cfg.verifier.dtype),
         "storage_dtype": hs_cfg.storage_dtype,
         "max_seq_len": hs_cfg.max_seq_len,
     }

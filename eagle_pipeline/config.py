@@ -37,6 +37,16 @@ from eagle_pipeline.layer_ids import order_problem
 from eagle_pipeline.samples import StorageDtype
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The one list of the stages: folder `<run>/<name>/` (RunConfig.stage_dir), script `<name>.py`. scripts/launch.sh
+# and scripts/run_pipeline.sh read it through eagle_pipeline.stage.
+STAGES = {
+    1: "01_generate_data",
+    2: "02_extract_hidden",
+    3: "03_build_vocab_map",
+    4: "04_train",
+    5: "05_convert",
+    6: "06_serve_test",
+}
 
 
 # Upper bounds are far beyond any real run; they exist so that a slipped digit (1e10 epochs, a tensor

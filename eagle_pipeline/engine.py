@@ -49,6 +49,15 @@ def target_engine_settings(cfg: RunConfig) -> dict[str, Any]:
     return settings
 
 
+def target_engine_fingerprint(cfg: RunConfig, dtype: str | None) -> str:
+    """How the target's numbers are computed, as one stage input (`engine`): the dtype (stage 01's generation
+    dtype; verifier.dtype for stage 02 and the online capture servers), the engine settings and the extra engine
+    arguments. A change to any of them recomputes what the target wrote."""
+    from eagle_pipeline.fingerprint import value_fingerprint
+
+    return value_fingerprint([dtype, target_engine_settings(cfg), cfg.verifier.engine_args])
+
+
 def drafter_engine_settings(cfg: RunConfig) -> dict[str, Any]:
     """How vLLM computes the drafter: `speculative_config` fields from serve.drafter_* (unset ones left out,
     so vLLM applies its own defaults, the target's KV-cache dtype among them)."""

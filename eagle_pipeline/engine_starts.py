@@ -44,7 +44,7 @@ def planned_target_starts(cfg) -> dict[str, int]:
     06's engine probe counts only where it always runs (`serve.probe_engine: always`): otherwise it serves
     its `serve.engine_variants` only when served and predicted acceptance disagree with no config mistake to
     blame (`probe_starts`)."""
-    from eagle_pipeline.stage import STAGES
+    from eagle_pipeline.config import STAGES
 
     s = cfg.serve
     served = (s.baseline is None) + s.ngram_baseline + 1  # none (unless a kept baseline answers), n-gram, EAGLE-3

