@@ -225,8 +225,9 @@ def run(stage: Stage, dry_run: bool) -> None:
     diagnosis = report.get("diagnosis")
     counts["diagnosis"] = None if diagnosis is None else {k: diagnosis.get(k) for k in ("status", "cause", "engine_variant")}
     plan = report["serving_plan"]
+    confirmed_rows = (plan["confirmed"] or {}).get("levels", [])
     counts["serving_plan"] = {"concurrency_levels": plan["levels"], "kind": plan["kind"], "schedule": plan["schedule"],
-                              "confirmed_speedup": [row["speedup"] for row in (plan["confirmed"] or {}).get("levels", [])],
+                              "confirmed_speedup": [row["speedup"] for row in confirmed_rows],
                               "findings": [finding["kind"] for finding in plan["findings"]]}
     counts["passed"] = ok
     stage.finish(counts, output_fingerprint=value_fingerprint(counts))
@@ -299,9 +300,11 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
             confirmed = kept[SCHEDULE_MODE]
         else:
             print(f"stage 06: serving the chosen setting once to confirm it: {json.dumps(spec)}")
-            served = serve_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs", template_kwargs,
-                                 on_measured=lambda mode, record: write_served(stage.dir, schedule_inputs, mode, record),
-                                 num_speculative_tokens=plan["k"],
+            def keep(mode: str, record: dict) -> None:
+                write_served(stage.dir, schedule_inputs, mode, record)
+
+            served = serve_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs",
+                                 template_kwargs, on_measured=keep, num_speculative_tokens=plan["k"],
                                  schedule=spec.get("num_speculative_tokens_per_batch_size"))
             confirmed = {"summary": served["modes"][SCHEDULE_MODE], "texts": served["texts"][SCHEDULE_MODE]}
             served_now = True
@@ -325,8 +328,8 @@ def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: 
     def serve_variant(index: int, variant) -> dict:
         folder = log_dir / f"engine-variant-{index}"
         # Acceptance is what a variant is served for: the headline level alone.
-        served = serve_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder, template_kwargs,
-                             levels=cfg.serve.concurrency_levels[:1])
+        served = serve_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder,
+                             template_kwargs, levels=cfg.serve.concurrency_levels[:1])
         return {**served["modes"]["eagle3"], "engine": served["engine"], "log": str(folder / "server-eagle3.log")}
 
     rows = probe_engine(cfg.serve.engine_variants, serve_variant, report.get("predicted_per_position_acceptance") or [],

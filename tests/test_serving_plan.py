@@ -104,6 +104,12 @@ def test_a_setting_already_served_needs_no_confirming_server():
     partial = modes_with({1: 1.3, 4: 1.3})
     partial["none"]["levels"] = partial["none"]["levels"][:1]
     assert [row["k"] for row in plan_serving(partial, [1, 4], 3)["estimate"]] == [3, None]
+    # No level with both: no plan, and the command serves the drafter as it was measured, which its run confirms.
+    partial["none"]["levels"] = []
+    nothing = plan_serving(partial, [1, 4], 3)
+    assert nothing["kind"] is None and nothing["schedule"] is None and served_by(nothing, 3) == "eagle3"
+    assert plan_speculative_config(nothing, {"method": "eagle3", "num_speculative_tokens": 3}) == {
+        "method": "eagle3", "num_speculative_tokens": 3}
 
 
 def request(length: float, drafts: int, first: float | None = None) -> dict:
@@ -129,7 +135,8 @@ def test_acceptance_that_collapses_with_load_is_a_finding_with_its_numbers():
     # without one accepted is not chance (0.4^40); 3 drafts may be (0.4^3 = 6%).
     mixed = [request(1.9, 40, 0.6)] * 4 + [request(1.0, 40), request(1.0, 3)]
     stuck = stuck_requests(mixed)
-    assert stuck["requests"] == [4] and stuck["num_drafts"] == [40] and stuck["others_first_position"] == pytest.approx(0.6)
+    assert stuck["requests"] == [4] and stuck["num_drafts"] == [40]
+    assert stuck["others_first_position"] == pytest.approx(0.6)
     eagle = {"levels": [level(1, 10.0, [0.6, 0.2, 0.1], 1.9, healthy), level(4, 9.0, [0.6, 0.2, 0.1], 1.8, mixed)]}
     [finding] = collapse_findings(eagle, [1, 4])
     assert finding["kind"] == "requests_accept_nothing" and finding["concurrency"] == 4

@@ -115,7 +115,8 @@ def test_the_sweep_serves_every_level_and_vllms_cpu_build_changes_k_with_the_bat
     alone, two = (row["draft_tokens_per_draft"] for row in confirmed["levels"])
     assert alone == 3.0 and 1.0 <= two < 3.0, confirmed
     served = read(run_dir / "06_serve_test" / "served" / "schedule.json")
-    assert served["record"]["summary"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 2, 1]]
+    spec = served["record"]["summary"]["speculative_config"]
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 2, 1]]
     lines = (run_dir / "06_serve_test" / "report.md").read_text().rstrip().splitlines()
     assert lines[-1] == "```" and lines[-2] == plan["command"] and " vllm serve " in f" {lines[-2]}"
     assert "num_speculative_tokens_per_batch_size" in lines[-2]
@@ -158,8 +159,8 @@ def test_the_run_summary_has_a_row_per_stage_with_its_key_figures(finished):
     assert [starts[name].split(" ")[0] for name in rows] == ["1", "1", "0", "0", "0", "5", "7"], starts
     manifest = read(run_dir / "06_serve_test" / "manifest.json")
     assert sorted(s["what"] for s in manifest["engine_starts"]["starts"]) == [
-        "hidden-state capture engine", "vLLM server (server-eagle3)", "vLLM server (server-ngram)", "vLLM server (server-none)",
-        "vLLM server (server-schedule)"]
+        "hidden-state capture engine", "vLLM server (server-eagle3)", "vLLM server (server-ngram)",
+        "vLLM server (server-none)", "vLLM server (server-schedule)"]
     assert (f"acceptance length {report['mean_acceptance_length']:.2f} served, "
             f"{report['predicted_mean_acceptance_length']:.2f} predicted (agrees), "
             f"n-gram {report['ngram_acceptance']['mean_acceptance_length']:.2f}") in rows["06_serve_test"]

@@ -151,8 +151,11 @@ def plan_serving(modes: Mapping[str, Mapping[str, Any]], levels: Sequence[int], 
 
 def plan_speculative_config(plan: Mapping[str, Any], drafter_config: Mapping[str, Any]) -> dict[str, Any] | None:
     """vLLM's `speculative_config` serving the plan: the drafter's (`drafter_config`, as its k_max run had it) with
-    the plan's k, and the schedule where k changes with batch size; None for no speculation or no plan."""
-    if plan.get("kind") in (None, "none"):
+    the plan's k, and the schedule where k changes with batch size; None for no speculation; the drafter's as it
+    was measured where there is no plan (no level with both runs' figures)."""
+    if plan.get("kind") is None:
+        return dict(drafter_config)
+    if plan["kind"] == "none":
         return None
     config = {**drafter_config, "num_speculative_tokens": plan["k"]}
     if plan["kind"] == "schedule":
@@ -163,10 +166,11 @@ def plan_speculative_config(plan: Mapping[str, Any], drafter_config: Mapping[str
 
 
 def served_by(plan: Mapping[str, Any], k_max: int) -> str | None:
-    """The mode already served with the plan's setting ("none", "eagle3"), or None when it needs its own server."""
+    """The mode already served with the plan's setting ("none", "eagle3"; without a plan the drafter as measured),
+    or None when it needs its own server."""
     if plan.get("kind") == "none":
         return "none"
-    if plan.get("kind") == "static" and plan.get("k") == k_max:
+    if plan.get("kind") is None or (plan["kind"] == "static" and plan.get("k") == k_max):
         return "eagle3"
     return None
 
@@ -232,7 +236,8 @@ def collapse_findings(summary: Mapping[str, Any] | None, levels: Sequence[int], 
         if length is not None and length == 1.0 and row.get("num_drafts") and any(a != level for a in accepting):
             other = max((a for a in accepting if a != level), key=lambda a: lengths[a])
             findings.append({"kind": "level_accepts_nothing", "mode": mode, "concurrency": level,
-                             "num_drafts": row["num_drafts"], "other": other, "other_mean_acceptance_length": lengths[other],
+                             "num_drafts": row["num_drafts"], "other": other,
+                             "other_mean_acceptance_length": lengths[other],
                              "text": f"{mode} accepts no draft at concurrency {level} ({row['num_drafts']} drafts, "
                                      f"mean acceptance length 1.00) while concurrency {other} accepts "
                                      f"({lengths[other]:.2f})"})
@@ -257,7 +262,8 @@ def stuck_requests(per_request: Sequence[Mapping[str, Any] | None]) -> dict[str,
         return None
     drafts = sum(r["num_drafts"] for r in others)
     first = sum((r.get("per_position_acceptance") or [0.0])[0] * r["num_drafts"] for r in others) / drafts
-    flagged = [(i, r["num_drafts"]) for i, r in zero if first < 1 and (1 - first) ** r["num_drafts"] < NOTHING_ACCEPTED_P]
+    flagged = [(i, r["num_drafts"]) for i, r in zero
+               if first < 1 and (1 - first) ** r["num_drafts"] < NOTHING_ACCEPTED_P]
     if not flagged:
         return None
     return {"requests": [i for i, _ in flagged], "num_drafts": [n for _, n in flagged], "others_first_position": first}

@@ -311,9 +311,11 @@ def render_plan_md(plan: dict) -> list[str]:
     for i, level in enumerate(levels):
         row, est, conf = acceptance.get(level) or {}, estimate.get(level) or {}, confirmed.get(level) or {}
         lines.append(f"| {level} | " + " | ".join(format_speedup(speedups[name][i]) for name in names)
-                     + f" | {format_number(row.get('mean_acceptance_length'))} | {_spread(row.get('per_request') or [])} "
+                     + f" | {format_number(row.get('mean_acceptance_length'))} "
+                       f"| {_spread(row.get('per_request') or [])} "
                        f"| {format_number(est.get('k'))} | {format_speedup(est.get('estimated_speedup'))} "
-                       f"| {format_speedup(conf.get('speedup'))} | {format_number(conf.get('draft_tokens_per_draft'))} |")
+                       f"| {format_speedup(conf.get('speedup'))} "
+                       f"| {format_number(conf.get('draft_tokens_per_draft'))} |")
     findings = plan.get("findings") or []
     lines += ["", "Acceptance across load: " + ("no collapse found." if not findings else "")]
     lines += [f"- FINDING: {finding['text']}" for finding in findings]
@@ -385,7 +387,8 @@ def _plot_load(plan: dict, speed, acceptance) -> None:
     levels = plan["levels"]
     speedups = plan.get("speedup_by_concurrency") or {}
     speed.axhline(1.0, color="tab:gray", linestyle=":", label="none")
-    styles = {"ngram": ("tab:green", "-", "n-gram"), "eagle3": ("tab:blue", "-", f"eagle3 k={plan['num_speculative_tokens']}"),
+    styles = {"ngram": ("tab:green", "-", "n-gram"),
+              "eagle3": ("tab:blue", "-", f"eagle3 k={plan['num_speculative_tokens']}"),
               "schedule": ("tab:red", "-", "schedule (confirmed)")}
     for name, (color, style, label) in styles.items():
         points = [(c, v) for c, v in zip(levels, speedups.get(name) or []) if v is not None]
