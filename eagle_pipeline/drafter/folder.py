@@ -22,6 +22,7 @@ from eagle_pipeline.drafter.layouts import (
     EMBED_KEY,
     FLAT_ARCHITECTURE,
     SPECULATORS,
+    SPECULATORS_TYPE_KEY,
     config_layout,
     flat_name,
     flat_norm_flags,
@@ -178,9 +179,9 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
     if not config_path.exists():
         raise BadInput(f"{config_path} is missing; point at a speculators checkpoint folder (04_train output)")
     config = read_config_json(config_path, "rerun 04_train.py to write the checkpoint again")
-    if config.get("speculators_model_type") != "eagle3":
+    if config.get(SPECULATORS_TYPE_KEY) != "eagle3":
         raise BadInput(
-            f"{config_path}: speculators_model_type is {config.get('speculators_model_type')!r}, expected 'eagle3'; "
+            f"{config_path}: {SPECULATORS_TYPE_KEY} is {config.get(SPECULATORS_TYPE_KEY)!r}, expected 'eagle3'; "
             "this converter reads speculators EAGLE-3 checkpoints only"
         )
     layer = config.get("transformer_layer_config")

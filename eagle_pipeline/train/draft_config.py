@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from eagle_pipeline.config import TrainConfig, resolve_path
-from eagle_pipeline.drafter.layouts import NORM_FLAGS
+from eagle_pipeline.drafter.layouts import NORM_FLAGS, SPECULATORS_TYPE_KEY
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.train.settings import TrainRun
 
@@ -134,10 +134,10 @@ def check_init_from(train: TrainConfig, run: TrainRun, draft_config: Mapping[str
     if not config_path.is_file() or not weights_path.is_file():
         raise BadInput(f"train.init_from: {source} needs config.json and model.safetensors (a speculators drafter)")
     config = json.loads(config_path.read_text())
-    if config.get("speculators_model_type") != "eagle3":
+    if config.get(SPECULATORS_TYPE_KEY) != "eagle3":
         raise BadInput(
             f"train.init_from: {config_path} is not a speculators EAGLE-3 config "
-            f"(speculators_model_type={config.get('speculators_model_type')!r}); convert it with "
+            f"({SPECULATORS_TYPE_KEY}={config.get(SPECULATORS_TYPE_KEY)!r}); convert it with "
             f"`speculators convert` first"
         )
 
