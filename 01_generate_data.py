@@ -207,14 +207,16 @@ def run(stage: Stage, dry_run: bool) -> None:
             written = {"stats": attempt_stats(stage.dir / SELF_WRITTEN_DIR)}
     if todo or prompts is None:
         from tqdm import tqdm
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
         from eagle_pipeline.answering import answer_in_flight
-        from eagle_pipeline.engine import apply_engine_env, llm_kwargs
+        from eagle_pipeline.engine import apply_engine_env, llm_kwargs, offline_engine
+        from eagle_pipeline.engine_rehearsal import before_first_load
 
+        before_first_load(cfg, stage.number)
         apply_engine_env(cfg)
         with engine_starts.timed("answering engine"):
-            llm = LLM(**llm_kwargs(cfg, str(verifier.path), dtype=generation_dtype))
+            llm = offline_engine(**llm_kwargs(cfg, str(verifier.path), dtype=generation_dtype))
         if prompts is None:
             written = write_prompts(
                 llm, verifier.tokenizer, cfg.data.self_written, wanted=len(sample_ids), run_seed=cfg.seed,

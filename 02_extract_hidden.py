@@ -219,8 +219,10 @@ def run(stage: Stage, dry_run: bool) -> None:
 
         from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
         from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
+        from eagle_pipeline.engine_rehearsal import before_first_load
         from eagle_pipeline.samples import write_sample
 
+        before_first_load(cfg, stage.number)
         apply_engine_env(cfg)
         engine = HiddenStateCapture(
             verifier.path, layer_ids, num_layers=verifier.num_layers, storage_path=stage.dir / "connector_scratch",

@@ -195,6 +195,10 @@ def run(stage: Stage, dry_run: bool) -> None:
             from eagle_pipeline.online.session import check_named_endpoints, dataset_rows
 
             check_named_endpoints(cfg, verifier, layout, dataset_rows(train_run.data_dir))
+        else:  # the capture server this stage starts, configured by vLLM's own code before it loads the target
+            from eagle_pipeline.engine_rehearsal import before_first_load
+
+            before_first_load(cfg, stage.number)
         check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest
     if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.

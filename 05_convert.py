@@ -103,6 +103,10 @@ def run(stage: Stage, dry_run: bool) -> None:
     if c.parity == "vllm":
         parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
                                                                "data.eval_prompts")[: c.parity_prompts]]
+    if not stage.already_complete(inputs):  # the engines vLLM will be asked for, before anything is written
+        from eagle_pipeline.engine_rehearsal import before_first_load
+
+        before_first_load(cfg, stage.number)
     if stage.start(inputs) is Start.ALREADY_COMPLETE:
         print(f"stage 05 already complete for these inputs: {stage.dir}")
         return

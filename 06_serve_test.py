@@ -156,6 +156,10 @@ def run(stage: Stage, dry_run: bool) -> None:
     # README's cheap rerun points serve.baseline at this very folder, and its changed input needs --force: the
     # baseline it reads is kept, not deleted with the rest.
     own_baseline = s.baseline is not None and cfg.resolve_path(s.baseline).resolve() == stage.dir.resolve()
+    if not stage.already_complete(inputs):  # the engines vLLM will be asked for, before anything is written
+        from eagle_pipeline.engine_rehearsal import before_first_load
+
+        before_first_load(cfg, stage.number)
     if stage.start(inputs, keep=(BASELINE_DIR,) if own_baseline else ()) is Start.ALREADY_COMPLETE:
         report = read_report(stage.dir / "report.json")
         ok, message = verdict(report, s.min_acceptance_length)
@@ -183,10 +187,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         if mode == "none":
             save_baseline_answers(stage.dir, shaped_by, record)
 
-    if missing:
-        from eagle_pipeline.engine_rehearsal import before_first_load
-
-        before_first_load(cfg, stage.number)
     report = serve_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs,
                          measured=served, on_measured=keep_served)
     if baseline is None and kept_baseline(stage.dir, shaped_by) is None:  # recovered from elsewhere

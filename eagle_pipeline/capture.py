@@ -9,9 +9,9 @@ Layer ids follow eagle_pipeline.layer_ids (HF `output_hidden_states` indices); v
 ids plus the final layer (its output before the final norm), which speculators expects in the last slot
 (`verifier_last_hidden_states`). The stored sample format belongs to eagle_pipeline.samples.
 
-The engine runs once per `HiddenStateCapture` context, in the calling process where engine.engine_env says
-so (one CPU worker) and otherwise in processes vLLM spawns, for which the calling script must guard its
-entry point with `if __name__ == "__main__":`.
+The engine runs once per `HiddenStateCapture` context, in the calling process where engine.in_process_engine
+says so (one CPU worker, through engine.apply_engine_env) and otherwise in processes vLLM spawns, for which the
+calling script must guard its entry point with `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from eagle_pipeline.layer_ids import capture_layer_ids
 from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
 
 CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
+# The step after a batch ends hands every pending write to the connector; this is a bound, not a wait.
+MAX_STEPS_TO_WRITE = 100
 
 
 def capture_sizing(longest_sequence: int) -> dict[str, int]:
@@ -174,7 +176,7 @@ class HiddenStateCapture:
         return args
 
     def __enter__(self) -> "HiddenStateCapture":
-        from vllm import LLM
+        from eagle_pipeline.engine import offline_engine
 
         if self._requested_storage_path is None:
             self.storage_path = Path(tempfile.mkdtemp(prefix="hs-capture-"))
@@ -183,11 +185,11 @@ class HiddenStateCapture:
             self.storage_path = Path(self._requested_storage_path)
             self.storage_path.mkdir(parents=True, exist_ok=True)
         args = self.engine_args(self.storage_path, _platform_device_type())
-        # The engine core and workers import the connector module (patches/, part of the installed
-        # package) by name.
+        # In this process or with engine processes, as the environment says (engine.apply_engine_env); the engine
+        # core and workers import the connector module (patches/, part of the installed package) by name either way.
         try:
             with engine_starts.timed("hidden-state capture engine"):
-                self._llm = LLM(**args)
+                self._llm = offline_engine(**args)
         except BaseException:
             self._remove_storage()
             raise
@@ -208,6 +210,27 @@ class HiddenStateCapture:
         if self._owns_storage and self.storage_path is not None:
             shutil.rmtree(self.storage_path, ignore_errors=True)
             self._owns_storage = False
+
+    def _let_the_connector_write(self) -> None:
+        """Step an in-process engine until its connector has written every finished request's states.
+
+        The connector writes a request's states one engine step after the request finishes (the scheduler
+        hands the pending save to the worker with the next step), and `load_hidden_states` waits on the
+        file's lock until that write is done. Engine processes keep stepping on their own; an engine in this
+        process steps only when called, and `generate` returns as soon as the outputs are complete, so the
+        reader would wait forever. The scheduler holds each request until its write has been handed over.
+        """
+        # An in-process client holds the engine core itself (vLLM's InprocClient); a multiprocess client
+        # talks to it in another process, which needs no help.
+        core = getattr(self._llm.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            return
+        for _ in range(MAX_STEPS_TO_WRITE):
+            if not core.scheduler.has_requests():
+                return
+            self._llm.llm_engine.step()
+        raise RuntimeError(f"capture: vLLM still holds finished requests after {MAX_STEPS_TO_WRITE} engine steps; "
+                           "their hidden states were never written")
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
         """Hidden states for each token id list, in order: dicts with `hidden_states` and `token_ids`."""
@@ -234,6 +257,7 @@ class HiddenStateCapture:
         # The sampled token is irrelevant; max_tokens=1 ends each request right after its prefill.
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        self._let_the_connector_write()
 
         samples = []
         paths = [(out.kv_transfer_params or {}).get("hidden_states_path") for out in outputs]

@@ -11,6 +11,8 @@ from eagle_pipeline.config import RunConfig
 
 # vLLM's switch between its model runners; unset leaves vLLM's own choice (V2 on GPUs with Triton).
 MODEL_RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+# vLLM's switch between an offline engine in the calling process ("0") and engine-core/worker processes ("1").
+MULTIPROCESSING_VARIABLE = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def log_level(cfg: RunConfig) -> str:
@@ -30,14 +32,45 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
     return {**env, **cfg.env}
 
 
+def in_process_engine(cfg: RunConfig) -> bool:
+    """Whether an offline engine (stage 01's answers, stage 02's and the replay's capture) runs in the stage's own
+    process: on a CPU host without tensor parallelism. There vLLM otherwise starts an engine-core process and,
+    since the CPU platform forces its multiprocessing executor, a worker below it; the engine core busy-waits on
+    the worker's message queue, taking a core of the two the worker computes on (docs/engines.md, "Engine
+    processes"; the A/B in docs/benchmarks/generation.md). Servers keep their processes everywhere, and the GPU
+    host runs offline engines as vLLM does by default."""
+    return cfg.device == "cpu" and cfg.verifier.tensor_parallel_size == 1
+
+
+def offline_engine_env(cfg: RunConfig) -> dict[str, str]:
+    """`engine_env` for an offline engine this process starts (`in_process_engine` added)."""
+    env = engine_env(cfg)
+    if in_process_engine(cfg):
+        env = {MULTIPROCESSING_VARIABLE: "0", **env}  # the config's own env still wins
+    return env
+
+
 def apply_engine_env(cfg: RunConfig) -> None:
-    """`engine_env` in this process, for an offline engine it starts; a variable the caller set wins, except
-    the config's own `env`, which is the run's."""
-    for key, value in engine_env(cfg).items():
+    """`offline_engine_env` in this process, for an offline engine it starts; a variable the caller set wins,
+    except the config's own `env`, which is the run's."""
+    for key, value in offline_engine_env(cfg).items():
         if key in cfg.env:
             os.environ[key] = value
         else:
             os.environ.setdefault(key, value)
+
+
+def offline_engine(**kwargs: Any):
+    """`vllm.LLM(**kwargs)`, in this process or with engine processes as the environment says; in this process the
+    CPU worker's kernel scan is patched first to pass the modules vLLM's Kimi-K2.5 model class loads
+    (patches/vllm_kernel_rebind.py)."""
+    from vllm import LLM
+
+    if os.environ.get(MULTIPROCESSING_VARIABLE) == "0":
+        from patches import vllm_kernel_rebind
+
+        vllm_kernel_rebind.apply()
+    return LLM(**kwargs)
 
 
 def target_engine_settings(cfg: RunConfig) -> dict[str, Any]:

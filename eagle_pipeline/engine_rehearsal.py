@@ -49,19 +49,20 @@ class PlannedEngine:
 def planned_engines(cfg: RunConfig, stage: int, scratch: Path) -> list[PlannedEngine]:
     """The engines stage `stage` of `cfg` starts, built by the functions the stage itself calls; files the engines
     only name (a drafter that does not exist yet, connector folders) go under `scratch`."""
-    from eagle_pipeline.engine import engine_env, llm_kwargs
+    from eagle_pipeline.engine import engine_env, llm_kwargs, offline_engine_env
     from eagle_pipeline.verifier import Verifier
 
     verifier = Verifier.from_config(cfg)
     target = str(verifier.path)
-    env = engine_env(cfg)
+    env = engine_env(cfg)  # stage 05's jobs and the servers; the offline engines of this process get their own
+    offline = offline_engine_env(cfg)
     if stage == 1:
         dtype = cfg.generation.dtype or cfg.verifier.dtype
-        return [PlannedEngine(1, "answering engine", env, engine_args=llm_kwargs(cfg, target, dtype=dtype))]
+        return [PlannedEngine(1, "answering engine", offline, engine_args=llm_kwargs(cfg, target, dtype=dtype))]
     if stage == 2:
         if cfg.hidden_states.mode == "online":
             return []
-        return [PlannedEngine(2, "hidden-state capture", env,
+        return [PlannedEngine(2, "hidden-state capture", offline,
                               engine_args=_capture_args(cfg, verifier, cfg.hidden_states.max_seq_len, scratch))]
     if stage == 4:
         if cfg.hidden_states.mode != "online" or cfg.hidden_states.capture_endpoints:
@@ -91,8 +92,14 @@ def _online_capture_argv(cfg: RunConfig, verifier, scratch: Path) -> list[str]:
     from eagle_pipeline.stage import planned_sample_layout
 
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
-    kwargs = server_kwargs_for(cfg, verifier, layout, storage=scratch / "online", mooncake_client=None,
-                               longest_sequence=cfg.hidden_states.max_seq_len)
+    hs = cfg.hidden_states
+    mooncake_client = None
+    if hs.transfer == "mooncake":  # the store's address is only known once its master runs; vLLM reads none of it
+        from eagle_pipeline.online.mooncake import client_config
+
+        mooncake_client = client_config(hs.mooncake, hs.mooncake.master or "127.0.0.1:0")
+    kwargs = server_kwargs_for(cfg, verifier, layout, storage=scratch / "online", mooncake_client=mooncake_client,
+                               longest_sequence=hs.max_seq_len)
     kwargs.pop("env", None)
     return VllmServer(**kwargs, log_path=scratch / "server.log").serve_argv(None)
 
@@ -174,9 +181,9 @@ def _stage_06_engines(cfg: RunConfig, verifier, scratch: Path) -> list[PlannedEn
         engines += [server(variant_config(cfg, v), "eagle3", f"engine variant {i}", {"variant": describe(v)})
                     for i, v in enumerate(s.engine_variants, 1)]
     if s.predict and s.baseline is None:
-        from eagle_pipeline.engine import engine_env
+        from eagle_pipeline.engine import offline_engine_env
 
-        engines.append(PlannedEngine(6, "replay capture", engine_env(cfg),
+        engines.append(PlannedEngine(6, "replay capture", offline_engine_env(cfg),
                                      engine_args=_capture_args(cfg, verifier, cfg.verifier.max_model_len - 1, scratch)))
     return engines
 
@@ -243,7 +250,15 @@ def rehearse(cfg: RunConfig, stages: tuple[int, ...] | list[int]) -> list[Rehear
     done = []
     with tempfile.TemporaryDirectory(prefix="engine-rehearsal-") as tmp:
         for stage in stages:
-            for engine in planned_engines(cfg, stage, Path(tmp)):
+            try:
+                engines = planned_engines(cfg, stage, Path(tmp))
+            except BadInput:
+                raise
+            except Exception as error:  # noqa: BLE001 - the run itself will meet it; the rehearsal says so and goes on
+                print(f"  engine {stage:02d}: not rehearsed, its arguments could not be built here: "
+                      f"{type(error).__name__}: {error}")
+                continue
+            for engine in engines:
                 done.append(Rehearsed(engine, check_engine(cfg.device, engine.engine_args, engine.server_argv,
                                                            engine.env, engine.kv_cache)))
     return done

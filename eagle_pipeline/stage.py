@@ -471,6 +471,10 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
                 # scripts/run_pipeline.sh --dry-run says it once, after every stage's plan.
                 with preconditions.host_shortfall_last(report=os.environ.get("EAGLE_DRY_RUN_HOST") != "later"):
                     body(stage, True)
+                    # Every engine the stage would start, configured by vLLM's own code (no model loads).
+                    from eagle_pipeline.engine_rehearsal import dry_run_lines
+
+                    dry_run_lines(cfg, number)
             else:
                 body(stage, False)
     finally:

@@ -90,6 +90,19 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=1))
 
 
+# Kimi-K2.5's preprocessor_config.json, which vLLM's Kimi-K2.5 processor reads even for text-only use.
+MEDIA_PROC_CFG = {
+    "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384, "patch_limit_on_one_side": 512,
+    "fixed_output_tokens": None, "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None,
+    "max_num_frames_each_video": None, "sample_fps": 2.0, "temporal_merge_kernel_size": 4,
+    "timestamp_mode": "hh:mm:ss.fff", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def write_preprocessor_config(folder: Path) -> None:
+    (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}))
+
+
 def kimi_k25_config(text_config: dict) -> dict:
     """Kimi-K2.5's config.json around a DeepSeek-V3 text config (vocab_size = the tokenizer's VOCAB)."""
     assert text_config["vocab_size"] == VOCAB

@@ -1,7 +1,7 @@
 """Hidden-state capture: vLLM's layer convention, speculators' loader, fp8 storage, sample checks, CPU patch.
 
 The vLLM-marked tests share one engine run (a subprocess through `python -m eagle_pipeline.capture`), with the
-engine in that process as engine.engine_env has it for one CPU worker; the Kimi stand-in's capture
+engine in that process as engine.in_process_engine has it for one CPU worker; the Kimi stand-in's capture
 (tests/test_kimi_vllm.py, given engine processes) checks the path a GPU host takes against HF the same way. It
 runs eagerly (`enforce_eager`): torch.compile adds one to three minutes of start-up on this machine and does
 not change which states are captured.
@@ -317,3 +317,30 @@ def test_fp8_storage_is_smaller_and_reads_back_through_speculators(tmp_path, cap
     # The default file backend does not dequantize: fp8 data needs the fp8 backend in training.
     plain = ArrowDataset(1024, data, on_missing="raise")
     assert plain[0]["hidden_states"].dtype == torch.float8_e4m3fn
+
+
+def test_offline_engines_run_in_the_stages_process_on_one_cpu_worker_only(tmp_path):
+    from conftest import write_smoke_config
+
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE, engine_env, offline_engine_env
+
+    config = write_smoke_config(tmp_path / "c.yaml", data_root=str(tmp_path / "d"))
+    cpu = load_config(config, [])
+    assert offline_engine_env(cpu)[MULTIPROCESSING_VARIABLE] == "0"
+    assert MULTIPROCESSING_VARIABLE not in engine_env(cpu)  # servers and stage 05's jobs keep their processes
+    parallel = load_config(config, ["verifier.tensor_parallel_size=2"])
+    assert MULTIPROCESSING_VARIABLE not in offline_engine_env(parallel)  # tensor parallelism needs the workers
+    own = load_config(config, ['env.VLLM_ENABLE_V1_MULTIPROCESSING="1"'])
+    assert offline_engine_env(own)[MULTIPROCESSING_VARIABLE] == "1"  # the config's env wins
+
+
+def test_a_server_never_inherits_the_in_process_switch(tmp_path, monkeypatch):
+    from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
+    from eagle_pipeline.serve.server import VllmServer
+
+    monkeypatch.setenv(MULTIPROCESSING_VARIABLE, "0")  # set by an offline engine this process started
+    assert MULTIPROCESSING_VARIABLE not in VllmServer(tmp_path, log_path=tmp_path / "s.log")._child_env()
+    asked = VllmServer(tmp_path, log_path=tmp_path / "s.log", env={MULTIPROCESSING_VARIABLE: "0"})
+    assert asked._child_env()[MULTIPROCESSING_VARIABLE] == "0"
+

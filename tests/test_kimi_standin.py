@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kimi_standin import SPECIAL_TOKENS, VOCAB, kimi_k25_config, write_tokenizer
+from kimi_standin import SPECIAL_TOKENS, VOCAB, kimi_k25_config, write_preprocessor_config, write_tokenizer
 
 ASSISTANT_HEADER = "<|im_assistant|>assistant<|im_middle|>"
 
@@ -21,6 +21,7 @@ def folder(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("kimi_standin")
     write_tokenizer(folder)
+    write_preprocessor_config(folder)
     text = {**DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2).to_dict(), "model_type": "kimi_k2"}
     (folder / "config.json").write_text(json.dumps(kimi_k25_config(text)))
     return folder

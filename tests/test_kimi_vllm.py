@@ -48,7 +48,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SMOKE, ok, run_stage, write_smoke_config
-from kimi_standin import SPECIAL_TOKENS, VOCAB, kimi_k25_config, write_tokenizer
+from kimi_standin import SPECIAL_TOKENS, VOCAB, kimi_k25_config, write_preprocessor_config, write_tokenizer
 from released_drafter_standin import KIMI_STANDIN, sglang_ids, write_released_standin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -69,13 +69,6 @@ KIMI_DRAFTER_TRAIN = {
     "draft_shape": {"num_attention_heads": KIMI_STANDIN.num_attention_heads, "num_key_value_heads": KIMI_STANDIN.num_key_value_heads,
                     "head_dim": KIMI_STANDIN.head_dim, "intermediate_size": KIMI_STANDIN.intermediate_size,
                     "rope_theta": KIMI_STANDIN.rope_theta},
-}
-# Kimi-K2.5's preprocessor_config.json, which vLLM's Kimi-K2.5 processor reads even for text-only use.
-MEDIA_PROC_CFG = {
-    "patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384, "patch_limit_on_one_side": 512,
-    "fixed_output_tokens": None, "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None,
-    "max_num_frames_each_video": None, "sample_fps": 2.0, "temporal_merge_kernel_size": 4,
-    "timestamp_mode": "hh:mm:ss.fff", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
 }
 
 
@@ -112,7 +105,7 @@ def make_kimi_k25(folder: Path, head_dim: int = 16):
         "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     }
     (folder / "config.json").write_text(json.dumps(kimi_k25_config(text_config)))
-    (folder / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}))
+    write_preprocessor_config(folder)
     write_tokenizer(folder)
     return model
 
@@ -259,7 +252,8 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
     CPU_MLA decode kernel's only size, overriding any block_size given); the EAGLE-3 drafter is a Llama layer
     on CPU_ATTN, which takes multiples of 32 only (cpu_attn.py get_supported_kernel_block_sizes), and both
     share one KV cache group, so vllm/v1/worker/utils.py select_common_block_size raises once target and
-    drafter are loaded. When the parity assertions below fail, vLLM can run EAGLE-3 on an MLA target with
+    drafter are loaded; the engine rehearsal finds that with vLLM's own configuration code before the engine
+    starts. When the parity assertions below fail, vLLM can run EAGLE-3 on an MLA target with
     CPU_MLA: run stages 03-06 on this verifier here and drop the README's GPU-only note. With AMX_MLA it runs
     (the last test).
     """
@@ -298,22 +292,18 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
     assert checks["config"]["ok"] and checks["vllm_load"]["ok"], (checks["config"], checks["vllm_load"])
     flat = load_file(str(run_dir / "05_convert" / "vllm" / "model.safetensors"))
     assert {k: v.shape for k, v in flat.items()} == {k: v.shape for k, v in source.items()}
-    # vLLM's parity serves EAGLE-3 on the MLA target, which vLLM's CPU build cannot start (the docstring above).
+    # vLLM's parity serves EAGLE-3 on the MLA target, which vLLM's CPU build cannot start (the docstring above):
+    # the engine rehearsal configures the parity engine with vLLM's own code and refuses it before it starts,
+    # for the block size the two attention backends cannot share. The block size in the message is 16 on a CPU
+    # without AMX tiles and 128 on one with them (measured, with CPU_MLA named and the drafter loaded); either
+    # way CPU_MLA's kernel takes 16 only.
     result = run_stage("05_convert.py", config, "--force", "--set", "convert.parity=vllm")
-    checks = json.loads((run_dir / "05_convert" / "verify.json").read_text())["checks"]
-    assert result.returncode == 1 and not checks["parity"]["ok"], (
+    assert result.returncode == 2 and "engine 05 parity engine" in result.stdout, (
         "vLLM's CPU build now starts EAGLE-3 on an MLA target: extend this module to stages 03-06\n"
         + result.stdout[-2000:] + result.stderr[-2000:])
-    assert "No common block size" in json.dumps(checks["parity"]), checks["parity"]
-    # The job's whole output (the first drafter's engine; the check stops there): both models loaded, the
-    # failure is in KV cache allocation, after load_model ...
-    job_log = (run_dir / "05_convert" / "logs" / "parity-a.log").read_text()
-    assert "initialize_kv_cache" in job_log, job_log[-3000:]
-    # ... and the only obstacle is the block size the two attention backends cannot share. The block size in
-    # the message is 16 on a CPU without AMX tiles and 128 on one with them (measured, with CPU_MLA named and
-    # the drafter loaded); either way CPU_MLA's kernel takes 16 only.
-    assert re.search(r"No common block size for (16|128) \(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)",
-                     job_log), job_log[-3000:]
+    assert re.search(r"error: engine rehearsal: stage 05 parity engine: .*No common block size for (16|128) "
+                     r"\(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)", result.stderr), result.stderr[-3000:]
+    assert not (run_dir / "05_convert" / "logs" / "parity-a.log").exists(), "no parity engine was started"
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),

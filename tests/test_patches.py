@@ -212,3 +212,44 @@ def test_the_process_group_timeout_patch_refuses_other_torch_versions(monkeypatc
         importlib.reload(torch_process_group_timeout)
     monkeypatch.undo()
     importlib.reload(torch_process_group_timeout)
+
+
+# ---------------------------------------------------------------------------------------------------
+# patches/vllm_kernel_rebind.py
+
+
+def test_vllm_kernel_scan_is_the_one_the_patch_was_written_for():
+    from patches import vllm_kernel_rebind
+    from patches.upstream import changed_sources
+
+    # Fails when vLLM changes the scan whose use of `vars` the patch relies on.
+    assert changed_sources(vllm_kernel_rebind.UPSTREAM_SOURCE_SHA256) == []
+
+
+def test_the_kernel_scan_fails_on_llvmlite_unpatched_and_still_rebinds_every_holder_patched(monkeypatch):
+    import builtins
+    import sys
+    import types
+
+    import llvmlite.binding.ffi  # noqa: F401 - numba's, loaded with vLLM's Kimi-K2.5 model class
+    from vllm.triton_utils import dispatcher
+
+    from patches import vllm_kernel_rebind
+
+    def kernel():
+        pass
+
+    def wrapper():
+        pass
+
+    holder = types.ModuleType("kernel_holder")
+    holder.imported_copy = kernel  # `from module import kernel`
+    holder.launcher = types.SimpleNamespace(kernel=kernel)  # a JIT warm-up owner's instance attribute
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    monkeypatch.setattr(dispatcher, "vars", builtins.vars, raising=False)  # upstream's: the builtin
+    with pytest.raises(AttributeError, match="_lib_fn_wrapper' object has no attribute 'get'"):
+        dispatcher._rebind_kernels([(kernel, wrapper)])
+
+    vllm_kernel_rebind.apply()
+    dispatcher._rebind_kernels([(kernel, wrapper)])
+    assert holder.imported_copy is wrapper and holder.launcher.kernel is wrapper

