@@ -78,8 +78,9 @@ def fake_vocab(run_dir: Path) -> None:
 
 def fake_trained(run_dir: Path, with_weights: bool) -> None:
     fake_hidden_states(run_dir)  # stage 05 reads the sample layout stage 02 resolved
+    fake_vocab(run_dir)  # and checks that the checkpoint was trained on stage 03's vocabulary (its fingerprint "f")
     folder = fake_stage(run_dir, "04_train", {"samples": 2, "best": None, "last_checkpoint": "checkpoints/0"},
-                        inputs={"layer_ids": [2, 15, 27]})
+                        inputs={"layer_ids": [2, 15, 27], "d2t": "f"})
     ckpt = folder / "checkpoints" / "0"
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "architectures": ["Eagle3DraftModel"]}))

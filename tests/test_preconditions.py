@@ -40,7 +40,8 @@ def test_the_heads_are_read_from_text_config_where_the_model_nests_them(tmp_path
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
         "architectures": ["KimiK25ForConditionalGeneration"], "num_attention_heads": 2,  # the vision tower's, not used
-        "text_config": {"num_attention_heads": 64, "num_key_value_heads": 64, "num_hidden_layers": 61}}))
+        "text_config": {"num_attention_heads": 64, "num_key_value_heads": 64, "num_hidden_layers": 61,
+                        "hidden_size": 7168, "vocab_size": 163840, "intermediate_size": 18432}}))
     config = write_config(tmp_path / "c.yaml", verifier={"path": str(model), "tensor_parallel_size": 8})
     check_parallel_split(load_config(config))
     with pytest.raises(BadInput, match=r"^verifier.tensor_parallel_size: 6 does not divide the 64 attention heads of the "
