@@ -41,6 +41,9 @@ _UPSTREAM_WORKER_INIT = _dataloader._worker_init_fn
 _hooks = None
 
 
+# functools.wraps keeps each replaced function's upstream source reachable (__wrapped__), so its fingerprint check
+# holds in a process that has applied the patch already.
+@functools.wraps(_UPSTREAM_WORKER_INIT)
 def worker_init_ignoring_stops(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -59,7 +62,13 @@ def apply(hooks) -> None:
     if getattr(Trainer.train_epoch, "_reports_progress", False):
         return
     require_unchanged_sources(UPSTREAM_SOURCE_SHA256, "patches/speculators_stop.py")
-    GracefulShutdownHandler.install = lambda self: None
+    upstream_install = GracefulShutdownHandler.install
+
+    @functools.wraps(upstream_install)
+    def install(self) -> None:  # speculators' handler stays off: eagle_pipeline.train.stop answers the signals
+        return None
+
+    GracefulShutdownHandler.install = install
     upstream_train_epoch = Trainer.train_epoch
 
     @functools.wraps(upstream_train_epoch)

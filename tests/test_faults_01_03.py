@@ -177,7 +177,7 @@ def test_stage_02_reserves_the_disk_that_stages_04_and_06_write_to_next(small_ru
         result = run_stage("02_extract_hidden.py", config)
         assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "GB of stage 04 checkpoints" in errors[0] and "is free" in errors[0], errors
+        assert len(errors) == 1 and "stage 04's checkpoints (~" in errors[0] and "is free" in errors[0], errors
         assert not (run_dir / "02_extract_hidden" / "data").exists()
 
 

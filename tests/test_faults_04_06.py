@@ -43,9 +43,11 @@ def test_stage_06_killed_before_and_after_serving_reruns_to_the_reference_report
                 "05_convert")
     stage = run_dir / "06_serve_test"
     first_log = stage / "logs" / "server-eagle3.log"
-    # One server instead of three: what a kill leaves behind does not depend on the mode, and the answers
-    # without speculation come from the uninterrupted run's kept baseline (the same settings shaped them).
-    settings = ["--set", f"serve.baseline={reference / '06_serve_test'}", "--set", "serve.ngram_baseline=false"]
+    # One server instead of four: what a kill leaves behind does not depend on the mode, the answers without
+    # speculation come from the uninterrupted run's kept baseline (the same settings shaped them), and the smoke
+    # config's schedule is not served again to confirm it.
+    settings = ["--set", f"serve.baseline={reference / '06_serve_test'}", "--set", "serve.ngram_baseline=false",
+                "--set", "serve.confirm_schedule=false"]
     rng = random.Random(SEED + 6)
 
     # While the server's engine loads the weights: API server, engine core and worker all running.

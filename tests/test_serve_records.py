@@ -229,7 +229,8 @@ def test_readmes_cheap_rerun_keeps_its_own_baseline_under_force(finished_small_r
     line = re.search(r"`(scripts/remote\.sh run 6 CONFIG --set serve\.baseline=[^`]+)`",
                      (REPO / "README.md").read_text()).group(1)
     config, run_dir = copy_of_run(finished_small_run[1], tmp_path / "copy", "c")
-    config.write_text(config.read_text() + "serve: {ngram_baseline: false}\n")  # the config's, not the command's
+    # The config's, not the command's: no n-gram server, and the smoke config's schedule not served again.
+    config.write_text(config.read_text() + "serve: {ngram_baseline: false, confirm_schedule: false}\n")
     stage = run_dir / "06_serve_test"
     baseline_before = (stage / "baseline" / "answers.json").read_bytes()
     states_before = sorted(p.name for p in (stage / "baseline").glob("hs_*.safetensors"))
@@ -249,7 +250,9 @@ def test_readmes_cheap_rerun_keeps_its_own_baseline_under_force(finished_small_r
     out = (run_dir / "logs" / "06_serve_test.out").read_text(errors="replace")
     assert done.read_text().strip() == "0", out[-4000:]
     manifest = json.loads((stage / "manifest.json").read_text())
-    assert manifest["status"] == "complete" and manifest["engine_starts"]["target_starts"] == 1
+    # The EAGLE-3 server alone: the baseline holds the answers without speculation and their states.
+    starts = [s["what"] for s in manifest["engine_starts"]["starts"] if s["loads_target"]]
+    assert manifest["status"] == "complete" and starts == ["vLLM server (server-eagle3)"], manifest["engine_starts"]
     starts = [text for text in out.splitlines() if "starting vLLM server" in text]
     assert len(starts) == 1 and starts[0].startswith("[eagle3]"), out[-4000:]
     assert (stage / "baseline" / "answers.json").read_bytes() == baseline_before

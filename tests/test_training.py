@@ -334,7 +334,9 @@ def test_torchrun_command_runs_the_launch_module_on_every_rank(llama_case, tmp_p
     out = tmp_path / "04_train"
     command = launch.torchrun_command(settings(epochs=2, num_gpus=8), llama_case.run(out, device="cuda"))
     assert command[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
-    assert command[5:] == ["-m", "eagle_pipeline.train.launch", str(out / "launch.json")]
+    # torchrun gives its ranks the stop's grace period before it kills them (eagle_pipeline/train/stop.py).
+    assert command[5:] == [f"--shutdown-timeout={launch.STOP_GRACE_S}", "-m", "eagle_pipeline.train.launch",
+                           str(out / "launch.json")]
     train, run = launch.read_launch_file(out / "launch.json")
     assert run.device == "cuda" and train.epochs == 2 and run.d2t_path == llama_case.d2t.resolve()
     assert json.loads((out / "draft_config.json").read_text())["layer_types"] == ["full_attention"]
