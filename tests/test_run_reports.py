@@ -72,9 +72,9 @@ def test_the_plan_counts_the_targets_cold_starts_of_a_full_pass():
     result = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(kimi), "--plan"],
                             capture_output=True, text=True)
     assert "| total | 6 |" in result.stdout
-    # The whole plan first; on a host without the config's GPUs its last line says so (exit 2).
-    assert result.returncode == 0 or (result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
-        "error: device: cuda, but this host has no GPU")), result.stderr
+    # The whole plan first; on a host without the config's 8 GPUs its last line says so (exit 2).
+    last = (result.stderr.strip().splitlines() or [""])[-1]
+    assert result.returncode == 0 or (result.returncode == 2 and last.startswith("error: ") and "GPU" in last), result.stderr
     variants = len(load_config(kimi).serve.engine_variants)
     assert variants and f"engine probe adds up to {variants} more, only after an engine verdict" in result.stdout
     assert planned_target_starts(load_config(kimi, ["serve.probe_engine=always"]))[STAGES[6]] == 4 + variants
