@@ -661,6 +661,20 @@ def test_engine_facts_are_read_from_the_servers_last_start(tmp_path):
     assert "enforce_eager True (declared; not logged)" in cpu["summary"]
 
 
+def test_declared_engine_settings_are_the_engine_variant_keys_as_the_config_sets_them():
+    from conftest import SMOKE_CONFIG
+
+    from eagle_pipeline.config import ENGINE_VARIANT_KEYS, load_config
+    from eagle_pipeline.serve.engine_facts import declared_settings
+
+    cfg = load_config(SMOKE_CONFIG, ["verifier.kv_cache_dtype=fp8", "serve.drafter_attention_backend=TRITON_ATTN",
+                                     "env={A: 'off'}"])
+    declared = declared_settings(cfg)
+    assert tuple(declared) == ENGINE_VARIANT_KEYS
+    assert declared["verifier.kv_cache_dtype"] == "fp8" and declared["serve.drafter_attention_backend"] == "TRITON_ATTN"
+    assert declared["env"]["A"] == "off" and declared["verifier.model_runner"] == cfg.verifier.model_runner
+
+
 def test_stage06_servers_log_at_info_unless_the_config_says_otherwise():
     from conftest import SMOKE_CONFIG
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.config import RunConfig
+from eagle_pipeline.config import ENGINE_VARIANT_KEYS, RunConfig
 from eagle_pipeline.engine import MODEL_RUNNER_VARIABLE
 
 _INIT = re.compile(r"Initializing a V1 LLM engine \((?P<version>[^)]*)\) with config: (?P<config>.*)$")
@@ -46,12 +46,15 @@ def server_env(cfg: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
 
 
 def declared_settings(cfg: RunConfig) -> dict[str, Any]:
-    """The engine keys as the config sets them (None: vLLM's own choice)."""
-    v, s = cfg.verifier, cfg.serve
-    return {"verifier.attention_backend": v.attention_backend, "verifier.kv_cache_dtype": v.kv_cache_dtype,
-            "verifier.enforce_eager": v.enforce_eager, "verifier.model_runner": v.model_runner,
-            "serve.drafter_attention_backend": s.drafter_attention_backend,
-            "serve.drafter_kv_cache_dtype": s.drafter_kv_cache_dtype, "env": dict(cfg.env)}
+    """The engine keys (config.ENGINE_VARIANT_KEYS) as the config sets them (None: vLLM's own choice)."""
+    declared: dict[str, Any] = {}
+    for key in ENGINE_VARIANT_KEYS:
+        if key == "env":
+            declared[key] = dict(cfg.env)
+        else:
+            section, field = key.split(".")
+            declared[key] = getattr(getattr(cfg, section), field)
+    return declared
 
 
 def read_engine_facts(log_path: str | Path, declared: Mapping[str, Any]) -> dict[str, Any]:
