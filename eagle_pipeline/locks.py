@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.gpus import visible_gpus
 
 # Where the GPU locks live: shared by every user and run of the host, like the GPUs.
 GPU_LOCK_DIR_VARIABLE = "EAGLE_GPU_LOCK_DIR"
@@ -127,25 +128,6 @@ def _owner(path: Path) -> str:
         return "you" if uid == os.getuid() else f"user {pwd.getpwuid(uid).pw_name}"
     except (OSError, KeyError, ImportError):
         return "another user"
-
-
-def visible_gpus() -> list[str] | None:
-    """The GPUs this process may use: CUDA_VISIBLE_DEVICES's entries when set, else every GPU nvidia-smi lists
-    (by index); None when the host shows none."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip()]
-    import shutil
-    import subprocess
-
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    return [str(i) for i in range(count)] if out.returncode == 0 and count else None
 
 
 def take_gpu_locks(record: dict[str, Any], held: HeldLocks, lock_dir: Path | None = None) -> list[str]:

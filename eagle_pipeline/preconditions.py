@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -166,14 +165,13 @@ def count_host_gpus() -> tuple[int, str]:
     if torch is not None:
         count = torch.cuda.device_count()
         return count, f"torch.cuda.device_count() is {count}"
-    from eagle_pipeline.locks import visible_gpus
+    from eagle_pipeline import gpus
 
-    gpus = visible_gpus() or []
     if "CUDA_VISIBLE_DEVICES" in os.environ:
-        return len(gpus), f"CUDA_VISIBLE_DEVICES names {len(gpus)}"
-    if shutil.which("nvidia-smi") is None:
-        return 0, "nvidia-smi is not on PATH"
-    return len(gpus), f"nvidia-smi -L lists {len(gpus)}"
+        count = len(gpus.visible_gpus() or [])
+        return count, f"CUDA_VISIBLE_DEVICES names {count}"
+    count, problem = gpus.listed_count()
+    return count, problem if problem == gpus.NOT_ON_PATH else f"nvidia-smi -L lists {count}"
 
 
 def check_gpu_count(cfg: RunConfig) -> None:

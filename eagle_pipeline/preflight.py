@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from eagle_pipeline.gpus import NOT_ON_PATH, query as query_nvidia_smi
 from eagle_pipeline.errors import BadInput
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -139,33 +140,19 @@ def _mebibytes(text: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def _run_nvidia_smi(smi: str, fields: Sequence[str]) -> Tuple[List[List[str]], Optional[str]]:
-    command = [smi, "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return [], f"`{' '.join(command)}` could not run ({e})"
-    if result.returncode != 0:
-        said = next((line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip()), "no output")
-        return [], f"`{' '.join(command)}` failed (exit {result.returncode}: {said})"
-    # The name comes last: it is the one field that could hold a comma.
-    rows = [[part.strip() for part in line.split(",", len(fields) - 1)] for line in result.stdout.splitlines() if line.strip()]
-    return [row for row in rows if len(row) == len(fields)], None
-
-
 def query_gpus() -> Tuple[Tuple[Gpu, ...], Optional[str]]:
     """The GPUs nvidia-smi lists, or why it listed none."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return (), "nvidia-smi is not on PATH"
-    rows, problem = _run_nvidia_smi(smi, GPU_QUERY)
+    rows, problem = query_nvidia_smi(GPU_QUERY)
     if problem is None:
         return tuple(Gpu(name=name, driver=driver, compute=_capability(cap), memory_mib=_mebibytes(memory))
                      for driver, cap, memory, name in rows), None
-    rows, old_problem = _run_nvidia_smi(smi, OLD_DRIVER_QUERY)
+    if problem == NOT_ON_PATH:
+        return (), problem
+    rows, old_problem = query_nvidia_smi(OLD_DRIVER_QUERY)
     if old_problem is not None:
         return (), problem
-    return tuple(Gpu(name=name, driver=driver, compute=None, memory_mib=_mebibytes(memory)) for driver, memory, name in rows), None
+    return tuple(Gpu(name=name, driver=driver, compute=None, memory_mib=_mebibytes(memory))
+                 for driver, memory, name in rows), None
 
 
 def find_c_compiler() -> Optional[str]:

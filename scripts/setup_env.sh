@@ -33,7 +33,7 @@ stamp=.venv/.installed
 # On a gpu host the preflight's own rules are part of what the stamp vouches for: when they change, the host
 # is checked again.
 checked=(requirements/common.txt "requirements/$kind.txt" pyproject.toml)
-[ "$kind" = cpu ] || checked+=(eagle_pipeline/preflight.py)
+[ "$kind" = cpu ] || checked+=(eagle_pipeline/preflight.py eagle_pipeline/gpus.py)
 want="$kind $(cat "${checked[@]}" | sha256sum | cut -c1-16) $PWD"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0

@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import REPO, run_stage, write_config
 
-from eagle_pipeline import locks
+from eagle_pipeline import gpus, locks
 from eagle_pipeline.config import load_config
 from eagle_pipeline.stage import Stage, disk_full_error, uses_gpus
 
@@ -75,7 +75,7 @@ def test_gpu_locks_cover_the_visible_gpus_and_disjoint_sets_run_side_by_side(tmp
     (stub / "nvidia-smi").chmod(0o755)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("PATH", f"{stub}:{os.environ['PATH']}")
-    assert locks.visible_gpus() == ["0", "1"]
+    assert gpus.visible_gpus() == ["0", "1"]
 
 
 def test_which_stages_hold_the_gpus(config):

@@ -22,8 +22,6 @@ parts count (docs/online.md shows the arithmetic for Kimi-K2.5):
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,15 +232,12 @@ def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: Target
 def gpu_memory_bytes(field: str = "memory.total", gpus: Sequence[str] | None = None) -> int | None:
     """The smallest figure among the GPUs `gpus` (nvidia-smi's indices or UUIDs; all of them when None) of
     nvidia-smi's `field` (memory.total, memory.free), None without nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    command = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"]
-    if gpus:
-        command += ["-i", ",".join(gpus)]
+    from eagle_pipeline.gpus import query
+
+    rows, problem = query([field], gpus, timeout=30)
     try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout
-        return min(int(line) for line in out.split()) * 2**20
-    except (subprocess.SubprocessError, OSError, ValueError):
+        return min(int(row[0]) for row in rows) * 2**20 if problem is None else None
+    except ValueError:  # no GPU listed, or a figure that is not a number ("[N/A]")
         return None
 
 

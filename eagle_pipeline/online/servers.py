@@ -50,7 +50,7 @@ def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | No
 def free_share_reader(cfg) -> Callable[[], float] | None:
     """What `CaptureServer` asks before a restart on GPUs (None elsewhere): `share_free_now` of the run's share
     over the GPUs this process may use, read with nvidia-smi (eagle_pipeline/online/memory_plan.py)."""
-    from eagle_pipeline.locks import visible_gpus
+    from eagle_pipeline.gpus import visible_gpus
     from eagle_pipeline.online.memory_plan import gpu_memory_bytes
 
     planned = capture_share(cfg)
