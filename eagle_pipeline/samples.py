@@ -225,6 +225,34 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + size
 
 
+def flat_rows(hidden_states: torch.Tensor) -> tuple[int, int] | None:
+    """The first (row, slot) whose values are all zero or all equal, or None."""
+    states = hidden_states.float()
+    constant = states.amax(dim=-1) == states.amin(dim=-1)  # [seq, slots]; all zero is constant too
+    if not constant.any():
+        return None
+    row, slot = (int(v) for v in constant.nonzero()[0])
+    return row, slot
+
+
+# What a sample file that fails the flat-row test in stage 04 needs: stage 02 recaptures the files it lacks.
+RECAPTURE_SAMPLE = ("delete that file and rerun stage 02 (it captures only the samples it lacks, with the same "
+                    "settings), then rerun stage 04")
+
+
+def flat_row_problem(hidden_states: torch.Tensor) -> str | None:
+    """'slot S is all zero at token T' (or constant) for the first flat row of a [seq, slots, H] sample, or None.
+    The test every sample stage 04 trains on gets (check_sample_file, patches/speculators_sample_check.py): a
+    comparison per row, where eagle_pipeline/state_meaning.py's lm_head test runs on a spread of samples only."""
+    flat = flat_rows(hidden_states)
+    if flat is None:
+        return None
+    row, slot = flat
+    what = "all zero" if not hidden_states[row, slot].float().any() else "constant"
+    final = " (the final layer)" if slot == hidden_states.shape[1] - 1 else ""
+    return f"slot {slot}{final} of its {hidden_states.shape[1]} is {what} at token {row}"
+
+
 def check_sample_file(path: Path, input_ids: Sequence[int], num_states: int, hidden_size: int, values: bool) -> None:
     """BadInput unless the file is whole (header, size), shaped [seq, num_states, H] and holds the row's ids.
 
@@ -256,8 +284,6 @@ def check_sample_file(path: Path, input_ids: Sequence[int], num_states: int, hid
     if hidden is not None and not torch.isfinite(hidden.float()).all():
         raise BadInput(f"{path}: hidden states contain NaN or infinite values; delete the file and rerun stage 02")
     if hidden is not None:
-        from eagle_pipeline.state_meaning import RECAPTURE_SAMPLE, flat_row_problem
-
         problem = flat_row_problem(hidden)
         if problem:
             raise BadInput(f"{path}: {problem}: a real layer's states never are, so the file does not hold what "

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.samples import flat_rows, read_sample, sample_path
 
 MAX_SAMPLES = 8
 # Rows of one sample put through lm_head: the whole answer of a short one, an even spread of a long one (a
@@ -99,34 +100,6 @@ def slot_names(layer_ids: Sequence[int], num_layers: int) -> list[str]:
         f"slot {len(layer_ids)} (layer {num_layers}, the final layer)"]
 
 
-def flat_rows(hidden_states: torch.Tensor) -> tuple[int, int] | None:
-    """The first (row, slot) whose values are all zero or all equal, or None."""
-    states = hidden_states.float()
-    constant = states.amax(dim=-1) == states.amin(dim=-1)  # [seq, slots]; all zero is constant too
-    if not constant.any():
-        return None
-    row, slot = (int(v) for v in constant.nonzero()[0])
-    return row, slot
-
-
-# What a sample file that fails the flat-row test in stage 04 needs: stage 02 recaptures the files it lacks.
-RECAPTURE_SAMPLE = ("delete that file and rerun stage 02 (it captures only the samples it lacks, with the same "
-                    "settings), then rerun stage 04")
-
-
-def flat_row_problem(hidden_states: torch.Tensor) -> str | None:
-    """'slot S is all zero at token T' (or constant) for the first flat row of a [seq, slots, H] sample, or None.
-    The test every sample stage 04 trains on gets (eagle_pipeline/samples.py, patches/speculators_sample_check.py):
-    a comparison per row, against the lm_head test that runs on a spread of samples only."""
-    flat = flat_rows(hidden_states)
-    if flat is None:
-        return None
-    row, slot = flat
-    what = "all zero" if not hidden_states[row, slot].float().any() else "constant"
-    final = " (the final layer)" if slot == hidden_states.shape[1] - 1 else ""
-    return f"slot {slot}{final} of its {hidden_states.shape[1]} is {what} at token {row}"
-
-
 def check_meaning(samples: Sequence[CapturedSample], head: TargetHead | None, names: Sequence[str], *,
                   greedy: bool, fix: str) -> dict:
     """Raise BadInput (one line: the slot, the sample, the figure, `fix`) unless the states mean what they should.
@@ -194,8 +167,6 @@ def check_stage02_samples(samples_dir: Path, rows: Sequence[dict], head: TargetH
                           fix: str = STAGE02_FIX) -> dict:
     """The meaning check on stage 02's stored samples: up to MAX_SAMPLES dataset rows, evenly spread over all of
     them or over the rows `among` (a batch just captured)."""
-    from eagle_pipeline.samples import read_sample, sample_path
-
     def load(index: int) -> CapturedSample:
         row = rows[index]
         path = sample_path(samples_dir, index)

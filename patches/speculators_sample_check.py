@@ -53,7 +53,7 @@ class CheckedArrowDataset(ArrowDataset):
         sample = super()._get_raw_data(index)
         if self.on_missing != "raise" or not isinstance(sample, dict):
             return sample
-        from eagle_pipeline.state_meaning import RECAPTURE_SAMPLE, flat_row_problem
+        from eagle_pipeline.samples import RECAPTURE_SAMPLE, flat_row_problem
 
         last = sample["verifier_last_hidden_states"]
         aux = sample["hidden_states"]

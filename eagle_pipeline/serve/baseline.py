@@ -18,7 +18,7 @@ import torch
 
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.serve.measure import greedy_mismatches
+from eagle_pipeline.serve.plan import greedy_mismatches
 from eagle_pipeline.serve.spec_metrics import ratio
 
 BASELINE_DIR = "baseline"

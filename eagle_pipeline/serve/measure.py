@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from eagle_pipeline.engine import eagle3_speculative_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, run_prompts
-from eagle_pipeline.serve.plan import SCHEDULE_MODE, requests_at
+from eagle_pipeline.serve.plan import SCHEDULE_MODE, greedy_mismatches, requests_at
 from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.serve.spec_metrics import (
     PER_REQUEST_FLAGS,
@@ -80,11 +80,6 @@ def level_summary(m: ModeMeasurement, level: int) -> dict:
 
 def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
-
-
-def greedy_mismatches(reference: Sequence[str], candidate: Sequence[str]) -> list[int]:
-    """Indices of prompts whose texts differ."""
-    return [i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b]
 
 
 def mode_record(m: ModeMeasurement) -> dict:

@@ -50,6 +50,11 @@ def requests_at(level: int, num_prompts: int) -> int:
     return max(num_prompts, REQUESTS_PER_CLIENT * level)
 
 
+def greedy_mismatches(reference: Sequence[str], candidate: Sequence[str]) -> list[int]:
+    """Indices of prompts whose texts differ."""
+    return [i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b]
+
+
 def mode_levels(summary: Mapping[str, Any] | None, levels: Sequence[int]) -> dict[int, dict]:
     """A served mode's figures per concurrency level: its `levels` list, or (a record of one level written
     before the sweep) the summary itself for the single level configured."""
@@ -275,7 +280,6 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
     serves it, what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served
     the same setting; None when not confirmed) with its figures per level beside no speculation's, speed-up and
     per-request acceptance against concurrency, the collapse findings, and the `vllm serve` command."""
-    from eagle_pipeline.serve.measure import greedy_mismatches
     from eagle_pipeline.serve.server import VllmServer
 
     s = cfg.serve
