@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from bench import arms, checks, figures, flops, report
+from bench import arms, checks, drift, figures, flops, report
 from bench.arms import ARMS, REPO
 from bench.capture_ab import capture_ab
 from bench.exit_codes import IncompleteFigures, run_command
@@ -283,15 +283,22 @@ def run(args: argparse.Namespace) -> None:
         "fp8_cost": figures.fp8_cost(storage_served["modes"], settings.epochs, cfg.hidden_states.storage_dtype),
         "pipeline": pipeline,
     }
-    write_and_check(results, json_path, out_md)
+    published = (REPO / "BENCHMARKS.md").read_text() if (REPO / "BENCHMARKS.md").exists() else None
+    write_and_check(results, json_path, out_md, published=published, log=log)
     log(f"wrote {out_md} and {json_path} in {total / 60:.1f} min; parts (s): {json.dumps(parts)}")
 
 
-def write_and_check(results: dict[str, Any], json_path: Path, out_md: Path) -> None:
-    """Both files, then the checks: what is missing is named, with the files there to look at."""
+def write_and_check(results: dict[str, Any], json_path: Path, out_md: Path, *, published: str | None = None,
+                    log=print) -> None:
+    """Both files, then how the figures compare with `published` (BENCHMARKS.md as it was before this run;
+    printed, never failing: bench/drift.py), then the checks: what is missing is named, with the files there to
+    look at."""
     text = report.render_markdown(results)
     atomic.write_json(json_path, results)
     atomic.write_text(out_md, text)
+    if published is not None:
+        for line in drift.compare(published, text, quick=results["meta"]["mode"] == "quick"):
+            log(line)
     missing = checks.missing_figures(results) + checks.document_problems(text)
     if missing:
         raise IncompleteFigures(f"{out_md} and {json_path} lack figures: " + "; ".join(missing))

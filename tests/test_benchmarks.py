@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import REPO, write_config
 
-from bench import checks, figures, flops, report, serve_ab, stats
+from bench import checks, drift, figures, flops, report, serve_ab, stats
 from bench.exit_codes import IncompleteFigures, run_command
 from bench.run import write_and_check
 from eagle_pipeline.config import load_config
@@ -434,6 +434,37 @@ def test_a_run_missing_a_figure_writes_both_files_and_exits_1_naming_it(tmp_path
     err = capsys.readouterr().err
     assert err.startswith("failed: ") and "serving: no output tokens/s for ngram" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_drift_names_each_figure_that_moved_beyond_its_band_and_counts_the_rest():
+    published = report.render_markdown(_results())
+    today = _results()
+    today["capture"]["ratio_vllm_over_hf"] = stats.spread([1.4])  # 2.10x -> 1.40x: -33%, band 20%
+    today["storage"]["bf16"] = {**today["storage"]["bf16"], "bytes_per_token": 4640.0}  # +0.5%: noise
+    today["generation"]["output_tokens_per_s"] = 100.0  # -52%, but a quick run measures it at another size
+    today["meta"]["mode"] = "quick"
+    lines = drift.compare(published, report.render_markdown(today), quick=True)
+    assert lines[0] == "benchmark drift against BENCHMARKS.md: 5 figure(s) within their noise band, 1 moved:"
+    assert lines[1] == "  moved: capture, vLLM over HF transformers: 2.10 -> 1.40 (-33%; band ±20%)"
+    assert lines[2].startswith("  not compared (measured at another size in a quick run): capture tokens/s (vLLM), "
+                               "generation output tokens/s,")
+    full = drift.compare(published, report.render_markdown(today), quick=False)
+    assert "  moved: generation output tokens/s: 208 -> 100 (-52%; band ±25%)" in full
+    assert drift.compare(published, published, quick=False) == [
+        f"benchmark drift against BENCHMARKS.md: {len(drift.FIGURES)} figure(s) within their noise band, 0 moved"]
+
+
+def test_the_committed_benchmarks_md_has_every_figure_the_drift_compares():
+    rows = drift.summary_rows((REPO / "BENCHMARKS.md").read_text())
+    assert all(drift.first_number(rows[f.row][f.column]) is not None for f in drift.FIGURES)
+
+
+def test_a_run_prints_its_drift_and_still_passes(tmp_path):
+    lines = []
+    published = report.render_markdown(_results()).replace("| 0.50x |", "| 0.90x |")
+    write_and_check(_results(), tmp_path / "benchmarks.json", tmp_path / "BENCHMARKS.md", published=published,
+                    log=lines.append)
+    assert "  moved: training data, fp8 over bf16 bytes: 0.90 -> 0.50 (-44%; band ±5%)" in lines
 
 
 def test_complete_results_are_written_and_pass(tmp_path):
