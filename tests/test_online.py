@@ -261,10 +261,14 @@ def test_a_label_says_what_a_server_captures():
 
 class _FakeVllm(BaseHTTPRequestHandler):
     models: list = []
+    metrics: str = ""
 
     def do_GET(self):  # noqa: N802 - http.server's name
-        body = json.dumps({"object": "list", "data": self.models}).encode()
-        self.send_response(200 if self.path == "/v1/models" else 404)
+        if self.path == "/metrics":
+            body = self.metrics.encode()
+        else:
+            body = json.dumps({"object": "list", "data": self.models}).encode()
+        self.send_response(200 if self.path in ("/v1/models", "/metrics") else 404)
         self.send_header("Content-Type", "application/json")
         self.end_headers()
         self.wfile.write(body)
@@ -276,12 +280,50 @@ class _FakeVllm(BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_server():
     """A stand-in that answers /v1/models with `handler.models`; yields (endpoint, handler class)."""
-    handler = type("Handler", (_FakeVllm,), {"models": []})
+    handler = type("Handler", (_FakeVllm,), {"models": [], "metrics": ""})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_port}/v1", handler
     server.shutdown()
+
+
+def test_prefill_counters_and_the_mooncake_masters_gauges_are_read_from_prometheus_text(fake_server):
+    from eagle_pipeline.online.mooncake import read_metrics
+    from eagle_pipeline.online.servers import capture_metrics
+
+    endpoint, handler = fake_server
+    # Two engines (data-parallel) sum; the buckets, the _created gauge and a longer name that starts alike do not.
+    handler.metrics = """\
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 600.0
+vllm:prompt_tokens_total{engine="1",model_name="m"} 400.0
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.795950067497156e+09
+# TYPE vllm:prompt_tokens_total_cached counter
+vllm:prompt_tokens_total_cached{engine="0",model_name="m"} 7.0
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 3.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:request_prefill_time_seconds_count{engine="1",model_name="m"} 2.0
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.5
+"""
+    assert capture_metrics(endpoint) == {"prompt_tokens": 1000.0, "prefill_seconds": 2.0, "requests": 5.0}
+    # As the master of mooncake-transfer-engine 0.3.13 answers.
+    handler.metrics = """\
+# HELP master_allocated_bytes Total memory bytes currently allocated across all segments
+# TYPE master_allocated_bytes gauge
+master_allocated_bytes 4096
+# HELP master_total_capacity_bytes Total memory capacity across all mounted segments
+# TYPE master_total_capacity_bytes gauge
+master_total_capacity_bytes 1073741824
+# TYPE master_exist_key_requests_total counter
+master_exist_key_requests_total 0
+"""
+    values = read_metrics(endpoint.removesuffix("/v1") + "/metrics")
+    assert (values["master_allocated_bytes"], values["master_total_capacity_bytes"]) == (4096, 2**30)
 
 
 def _label(**changes) -> str:

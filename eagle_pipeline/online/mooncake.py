@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -118,18 +117,10 @@ def _die_with_parent() -> None:
 
 
 def read_metrics(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
-    """The master's Prometheus counters and gauges without labels, by name."""
-    with urllib.request.urlopen(metrics_url, timeout=timeout) as response:
-        text = response.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.partition(" ")
-            try:
-                values[name] = float(value)
-            except ValueError:
-                pass
-    return values
+    """The master's Prometheus counters and gauges by name."""
+    from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums
+
+    return sample_sums(read_prometheus(metrics_url, timeout))
 
 
 class MooncakeServices:

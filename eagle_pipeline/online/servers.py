@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
@@ -86,22 +85,20 @@ def engine_fingerprint(cfg) -> str:
     return target_engine_fingerprint(cfg, cfg.verifier.dtype)
 
 
+# What a capture server's prefills took since it last started (vLLM's Prometheus counters, summed over engines).
+CAPTURE_COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total",
+                    "prefill_seconds": "vllm:request_prefill_time_seconds_sum",
+                    "requests": "vllm:request_prefill_time_seconds_count"}
+
+
 def capture_metrics(endpoint: str, timeout: float = 10.0) -> dict[str, float]:
     """Prompt tokens a server has captured and the seconds its prefills took, from its Prometheus metrics (since
     it last started)."""
+    from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums
+
     base = endpoint.removesuffix("/").removesuffix("/v1")
-    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as response:
-        text = response.read().decode()
-    totals = {"prompt_tokens": 0.0, "prefill_seconds": 0.0, "requests": 0.0}
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if line.startswith("vllm:prompt_tokens_total"):
-            totals["prompt_tokens"] += float(value)
-        elif line.startswith("vllm:request_prefill_time_seconds_sum"):
-            totals["prefill_seconds"] += float(value)
-        elif line.startswith("vllm:request_prefill_time_seconds_count"):
-            totals["requests"] += float(value)
-    return totals
+    sums = sample_sums(read_prometheus(f"{base}/metrics", timeout))
+    return {key: sums.get(name, 0.0) for key, name in CAPTURE_COUNTERS.items()}
 
 
 def served_model_name(verifier) -> str:

@@ -15,6 +15,10 @@ Per request, a server started with `--per-request-spec-decode-metrics summary` a
 from `vllm/v1/metrics/stats.py` RequestSpecDecodeMetrics): `acceptance_histogram[j]` = verification steps that
 accepted exactly j drafts, `num_spec_steps` = drafts, `num_accepted_draft_tokens`; `request_acceptance` turns
 it into the same figures for that one request.
+
+`read_prometheus` and `sample_sums` are the product's one reader of Prometheus text, also for the online capture
+servers' prefill counters (eagle_pipeline/online/servers.py) and the Mooncake master's gauges
+(eagle_pipeline/online/mooncake.py).
 """
 
 from __future__ import annotations
@@ -41,31 +45,50 @@ OTHER_COUNTERS = {
 }
 
 
+def read_prometheus(url: str, timeout_s: float = 30.0) -> str:
+    """The Prometheus text a /metrics endpoint answers."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode()
+
+
+def prometheus_samples(text: str):
+    """(name, labels, value) of every sample in Prometheus text, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, sample.value
+
+
+def sample_sums(text: str) -> dict[str, float]:
+    """Each sample name's value summed over its label sets (one per engine when data-parallel)."""
+    sums: dict[str, float] = {}
+    for name, _, value in prometheus_samples(text):
+        sums[name] = sums.get(name, 0.0) + value
+    return sums
+
+
 def parse_spec_metrics(text: str) -> dict:
     """Pick the spec-decode counters (and a few server-side cross-checks) out of Prometheus text.
 
     Values are summed over label sets other than `position` (one per engine when data-parallel).
     Counters vLLM does not export (no speculation configured) read as 0 and an empty per-position list.
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
     wanted = {**{v: k for k, v in SPEC_COUNTERS.items()}, **{v: k for k, v in OTHER_COUNTERS.items()}}
     out: dict[str, Any] = {key: 0.0 for key in [*SPEC_COUNTERS, *OTHER_COUNTERS]}
     per_pos: dict[int, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                out[wanted[sample.name]] += sample.value
-            elif sample.name == ACCEPTED_PER_POS:
-                pos = int(sample.labels["position"])
-                per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
+    for name, labels, value in prometheus_samples(text):
+        if name in wanted:
+            out[wanted[name]] += value
+        elif name == ACCEPTED_PER_POS:
+            pos = int(labels["position"])
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
     out["accepted_per_pos"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)] if per_pos else []
     return out
 
 
 def scrape_spec_metrics(base_url: str, timeout_s: float = 30.0) -> dict:
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as response:
-        return parse_spec_metrics(response.read().decode())
+    return parse_spec_metrics(read_prometheus(f"{base_url}/metrics", timeout_s))
 
 
 def metrics_delta(before: dict, after: dict) -> dict:
