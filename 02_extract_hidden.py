@@ -33,7 +33,14 @@ from eagle_pipeline.engine import target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.preconditions import check_preconditions
-from eagle_pipeline.samples import SAMPLES_DIR, estimate_bytes, sample_files, sample_matches, sample_path
+from eagle_pipeline.samples import (
+    SAMPLES_DIR,
+    estimate_bytes,
+    planned_sample_layout,
+    sample_files,
+    sample_matches,
+    sample_path,
+)
 from eagle_pipeline.sequences import training_sequence
 from eagle_pipeline.stage import (
     Stage,
@@ -42,7 +49,6 @@ from eagle_pipeline.stage import (
     is_complete,
     main,
     not_run_yet_note,
-    planned_sample_layout,
     require_complete,
     upstream_fingerprint,
 )

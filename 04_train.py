@@ -35,6 +35,7 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.online.settings import OnlineTraining
 from eagle_pipeline.preconditions import check_preconditions
+from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (
     Stage,
     Start,
@@ -42,7 +43,6 @@ from eagle_pipeline.stage import (
     is_complete,
     main,
     not_run_yet_note,
-    planned_sample_layout,
     read_manifest,
     require_complete,
     require_sample_layout,

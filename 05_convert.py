@@ -28,13 +28,13 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (
     Stage,
     Start,
     is_complete,
     main,
     not_run_yet_note,
-    planned_sample_layout,
     require_complete,
     require_sample_layout,
     upstream_fingerprint,

@@ -342,7 +342,7 @@ def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     from eagle_pipeline.capture import capture_memory_line
     from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
     from eagle_pipeline.predict.diagnose import capture_ids, readings
-    from eagle_pipeline.stage import planned_sample_layout
+    from eagle_pipeline.samples import planned_sample_layout
 
     verifier = Verifier.from_config(cfg)
     num_layers = verifier.num_layers

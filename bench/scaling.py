@@ -26,14 +26,13 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench import arms
 from bench.exit_codes import run_command
 from bench.figures import read_pipeline_run
-from bench.scaling_report import as_text, plot, render_markdown, summarize
+from bench.scaling_report import Point, as_text, plot, render_markdown, summarize
 from eagle_pipeline import atomic
 from eagle_pipeline.config import RunConfig, load_config
 from eagle_pipeline.errors import BadInput
@@ -42,20 +41,6 @@ from eagle_pipeline.stage import read_manifest
 
 SOURCE_FILE = "source.json"  # which pipeline run the work folder's points were cut from
 POINT_FILE = "point.json"  # a measured point's figures, written last: its presence means the point is done
-
-
-@dataclass(frozen=True)
-class Point:
-    samples: int
-    change: tuple[str, str] | None = None  # (config key, value) varied at this size; None: data scaling
-
-    @property
-    def name(self) -> str:
-        return f"n{self.samples}" + ("" if self.change is None else f"-{self.change[0]}-{self.change[1]}")
-
-    @property
-    def overrides(self) -> list[str]:
-        return [] if self.change is None else [f"{self.change[0]}={self.change[1]}"]
 
 
 def parse_sizes(text: str) -> list[int]:

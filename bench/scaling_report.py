@@ -1,19 +1,33 @@
 """The data-scaling study's trend and document: acceptance length = a + b ln(training tokens) fitted to the
-measured points and extrapolated to the user's run, the markdown table and the plot (bench/scaling.py runs the
-points)."""
+measured points and extrapolated to the user's run, the markdown table and the plot (bench/scaling.py plans and
+runs the points)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eagle_pipeline import atomic
 
-if TYPE_CHECKING:
-    from bench.scaling import Point
-
 TARGET_SAMPLES = 10_000  # the user's run: what the trend is asked to predict
+
+
+@dataclass(frozen=True)
+class Point:
+    """One pipeline run of the study: `samples` conversations, with at most one config change."""
+
+    samples: int
+    change: tuple[str, str] | None = None  # (config key, value) varied at this size; None: data scaling
+
+    @property
+    def name(self) -> str:
+        return f"n{self.samples}" + ("" if self.change is None else f"-{self.change[0]}-{self.change[1]}")
+
+    @property
+    def overrides(self) -> list[str]:
+        return [] if self.change is None else [f"{self.change[0]}={self.change[1]}"]
 
 
 def fit_log_trend(tokens: list[float], lengths: list[float]) -> dict[str, float] | None:

@@ -26,9 +26,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_pipeline.config import STAGES
 from eagle_pipeline.drafter.layouts import SPECULATORS
 from eagle_pipeline.drafter.tensors import DraftDims
-from eagle_pipeline.samples import SampleLayout, estimate_bytes
+from eagle_pipeline.online.settings import requests_in_flight
+from eagle_pipeline.outputs import read_manifest
+from eagle_pipeline.samples import SampleLayout, estimate_bytes, planned_sample_layout
 
 GB = 1e9
 # The expected length of a training conversation as a share of the longest the config allows, from the runs
@@ -41,6 +44,8 @@ CONVERSATION_BYTES_PER_TOKEN = 16
 CHECKPOINT_DTYPE_BYTES = 2
 # A capture engine's states come out in verifier.dtype; `auto` counts as the bf16 most checkpoints carry.
 ENGINE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# An online sample file's safetensors header and its lock file, with room to spare.
+FILE_OVERHEAD_BYTES = 4096
 
 
 def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
@@ -194,6 +199,21 @@ def baseline_capture_bytes(cfg, layout: SampleLayout) -> int:
     return tokens * states * layout.hidden_size * ENGINE_DTYPE_BYTES.get(cfg.verifier.dtype, 2)
 
 
+def sample_bytes(cfg, num_states: int, hidden_size: int, tokens: int) -> int:
+    """Bytes of one online sample in flight: its states in the engine's dtype (fp8 and a 4-byte scale per token for
+    the fp8 transfer) and its int64 token ids, and the file's overhead."""
+    if cfg.hidden_states.transfer == "fp8":
+        per_token = num_states * hidden_size + 4
+    else:
+        per_token = num_states * hidden_size * ENGINE_DTYPE_BYTES.get(cfg.verifier.dtype, 2)
+    return tokens * (per_token + 8) + FILE_OVERHEAD_BYTES
+
+
+def window_bound(cfg, num_states: int, hidden_size: int, longest: int) -> int:
+    """At most this many bytes of online states in flight: the window's samples on every rank, each the longest."""
+    return requests_in_flight(cfg) * sample_bytes(cfg, num_states, hidden_size, longest)
+
+
 @dataclass(frozen=True)
 class StagePlan:
     number: int
@@ -223,8 +243,6 @@ class DiskPlan:
     def table(self, budget_gb: float | None) -> list[str]:
         """A dry run's block (markdown, as scripts/pipeline_report.py prints): each stage, then the total against
         disk_budget_gb."""
-        from eagle_pipeline.stage import STAGES
-
         if budget_gb is None:
             budget = "no disk_budget_gb set"
         elif self.total > budget_gb * GB:
@@ -246,8 +264,6 @@ def planned_tokens(cfg) -> tuple[int, int, str]:
     """(the conversations' tokens, the tokens stage 02 captures of them, how they were counted): stage 01's counts
     once it has finished (stage 02 cuts each sample at hidden_states.max_seq_len, so at most that per sample), else
     data.num_samples x the expected tokens of a conversation."""
-    from eagle_pipeline.stage import STAGES, read_manifest
-
     conversations = read_manifest(cfg.stage_dir(STAGES[1]))
     if (conversations or {}).get("status") == "complete":
         counts = conversations.get("counts") or {}
@@ -271,7 +287,6 @@ def plan_run(cfg, verifier, layout: SampleLayout) -> DiskPlan:
         detail04 += ", train.init_from in speculators' layout"
     if online:
         from eagle_pipeline.online.kept import keep_count
-        from eagle_pipeline.online.session import sample_bytes, window_bound
 
         longest = cfg.hidden_states.max_seq_len
         training += keep_count(cfg) * sample_bytes(cfg, layout.num_hidden_states, layout.hidden_size, longest)
@@ -298,7 +313,6 @@ def plan_for_config(cfg) -> DiskPlan | None:
     """plan_run from the config and the target's config.json; None for an embedded target not yet converted
     (converting it is stage 01's first use, not a dry run's)."""
     from eagle_pipeline.embedded import EMBEDDED_PREFIX, converted_path
-    from eagle_pipeline.stage import planned_sample_layout
     from eagle_pipeline.verifier import Verifier
 
     raw = cfg.verifier.path

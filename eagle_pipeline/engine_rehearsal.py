@@ -25,6 +25,7 @@ from typing import Any
 
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.samples import planned_sample_layout
 
 # The stages that start vLLM engines (stage 04 only in online mode, without capture endpoints of its own).
 ENGINE_STAGES = (1, 2, 4, 5, 6)
@@ -78,7 +79,6 @@ def planned_engines(cfg: RunConfig, stage: int, scratch: Path) -> list[PlannedEn
 def _capture_args(cfg: RunConfig, verifier, longest: int, scratch: Path) -> dict[str, Any]:
     from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
     from eagle_pipeline.engine import capture_engine_kwargs
-    from eagle_pipeline.stage import planned_sample_layout
 
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     capture = HiddenStateCapture(verifier.path, list(layout.layer_ids), num_layers=verifier.num_layers,
@@ -89,7 +89,6 @@ def _capture_args(cfg: RunConfig, verifier, longest: int, scratch: Path) -> dict
 def _online_capture_argv(cfg: RunConfig, verifier, scratch: Path) -> list[str]:
     from eagle_pipeline.online.servers import server_kwargs_for
     from eagle_pipeline.serve.server import VllmServer
-    from eagle_pipeline.stage import planned_sample_layout
 
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     hs = cfg.hidden_states
@@ -115,7 +114,6 @@ def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
     from eagle_pipeline import atomic
     from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
     from eagle_pipeline.disk_plan import planned_draft_dims
-    from eagle_pipeline.stage import planned_sample_layout
 
     text = verifier.text_config()
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)

@@ -1,4 +1,5 @@
-"""The files a finished stage made, as its manifest records them, and the check that they are still whole.
+"""A stage folder's manifest (`read_manifest`), the files a finished stage made as it records them, and the check
+that they are still whole.
 
 `Stage.finish` records every file of the stage folder (except `logs/`, `manifest.json` and `config.yaml`,
 which describe the run and are rewritten at each start) as `{"path", "size", "check", "digest"}`.
@@ -25,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline import atomic
+from eagle_pipeline.config import STAGES
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.json_files import read_json_object
 
 HASH_LIMIT = 1 << 20
 ENDS = 64 << 10
@@ -148,3 +152,28 @@ def remove_damaged(stage_dir: Path, damaged: list[tuple[str, str]]) -> None:
         elif path.exists() or path.is_symlink():
             path.unlink()
 
+
+
+MANIFEST_FIELDS = {"status": str, "inputs": dict, "counts": dict}
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    """A stage folder's manifest, None when there is none; a damaged one is refused (BadInput) naming the fix."""
+    path = Path(stage_dir) / "manifest.json"
+    if not path.exists():
+        return None
+    name = Path(stage_dir).name
+    fix = (f"rerun that stage ({name}.py) with --force to rebuild it" if name in STAGES.values()
+           else "rerun that stage with --force to rebuild it")
+    if path.is_dir():
+        raise BadInput(f"{path}: is a folder, not a manifest file; {fix}")
+    manifest = read_json_object(path, fix, what="manifest")
+    for key, kind in MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            what = "lacks" if key not in manifest else f"has a {type(manifest[key]).__name__} for"
+            raise BadInput(f"{path}: manifest {what} {key!r} (a {kind.__name__}); {fix}")
+    if "outputs" in manifest:
+        problem = malformed_record(manifest["outputs"])
+        if problem:
+            raise BadInput(f"{path}: manifest {problem}; {fix}")
+    return manifest

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from eagle_pipeline.config import RunConfig
+from eagle_pipeline.config import STAGES, RunConfig
 from eagle_pipeline.errors import BadInput
 
 # (config key, its section and field, the stage that reads the folder)
@@ -211,8 +211,6 @@ def projected_bytes(cfg: RunConfig, plan, stage_number: int, held: int) -> tuple
     stages that add most to it. A stage from this one on holds at most the larger of its planned figure and what its
     folder holds now (a rerun replaces it; an interrupted stage 02's samples are part of its plan, not beside
     it); earlier stages, and files outside the stage folders, count as they are."""
-    from eagle_pipeline.stage import STAGES
-
     projected, adding = held, {}
     for stage in plan.stages:
         if stage.number >= stage_number:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.layer_ids import resolve_layer_ids
 
 if TYPE_CHECKING:
     import torch
@@ -335,3 +336,10 @@ class SampleLayout:
         except (KeyError, TypeError, ValueError) as e:
             raise BadInput(f"{where}: its `resolved` block is incomplete ({type(e).__name__}: {e}); "
                            f"rerun stage 02 with --force") from None
+
+
+def planned_sample_layout(cfg, num_layers: int, hidden_size: int, vocab_size: int) -> SampleLayout:
+    """The sample layout stage 02 makes for this config and target (its `resolved` block, before it exists)."""
+    layer_ids = resolve_layer_ids(cfg.hidden_states.layer_ids, num_layers)
+    return SampleLayout(layer_ids=tuple(layer_ids), num_layers=num_layers, hidden_size=hidden_size,
+                        target_vocab_size=vocab_size, storage_dtype=cfg.hidden_states.storage_dtype)

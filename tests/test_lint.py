@@ -1,4 +1,5 @@
-"""The repository passes its linter (ruff, configured in pyproject.toml) and installs as a package."""
+"""The repository passes its linter (ruff, configured in pyproject.toml), installs as a package, and its import
+graph has no circle and no arrow back up a declared floor."""
 
 from __future__ import annotations
 
@@ -27,3 +28,116 @@ def test_no_code_edits_the_import_path():
                  if ".venv" not in p.parts and "runs" not in p.parts and "sys.path.insert" in p.read_text(errors="replace")
                  and p.name != "test_lint.py"]
     assert not offenders, f"sys.path edits in {offenders}; the editable install (pyproject.toml) makes them unnecessary"
+
+
+# -- the import graph ------------------------------------------------------------------------------
+# The product's modules: the packages, the stage scripts and scripts/*.py (named by file, e.g. "02_extract_hidden").
+PACKAGES = ("eagle_pipeline", "patches", "bench")
+ENTRY_POINTS = ("0[1-9]_*.py", "scripts/*.py")
+# Floors already declared, each (who, what it must not import): an arrow from `who` into `what` points back up.
+# The stage scripts, scripts/ and bench/ sit on top. The drafter folder package (and released_drafter, which stage
+# 03 imports) imports no stage module, none of stage 05's checks and not the conversion: what a drafter folder is
+# must not depend on who uses it.
+STAGE_SCRIPTS_AND_TOOLS = ("bench", "scripts", *(f"0{n}_" for n in range(1, 10)))
+FLOORS = (
+    (("eagle_pipeline", "patches"), STAGE_SCRIPTS_AND_TOOLS),
+    (("eagle_pipeline.drafter", "eagle_pipeline.released_drafter"),
+     ("eagle_pipeline.drafter_checks", "eagle_pipeline.convert", "eagle_pipeline.stage", "eagle_pipeline.serve",
+      "eagle_pipeline.train", "eagle_pipeline.predict", "eagle_pipeline.online")),
+)
+
+
+def _module_files(repo: Path) -> dict[str, Path]:
+    files = [p for package in PACKAGES for p in (repo / package).rglob("*.py")]
+    files += [p for pattern in ENTRY_POINTS for p in repo.glob(pattern)]
+    modules = {}
+    for path in files:
+        parts = list(path.relative_to(repo).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def import_graph(repo: Path = REPO) -> dict[str, set[str]]:
+    """Module -> the product modules it imports, from every import statement in its file: module level, inside
+    functions and under TYPE_CHECKING alike (an import deferred into a function still closes a circle)."""
+    import ast
+
+    modules = _module_files(repo)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                names = [f"{base}.{alias.name}" for alias in node.names]  # `from a import b`: module a.b, or a's b
+            else:
+                continue
+            for dotted in names:  # the longest prefix of each that is a product module
+                parts = dotted.split(".")
+                found = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules),
+                             None)
+                if found is not None and found != name:
+                    imported.add(found)
+        graph[name] = imported
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p if p.endswith("_") else p + ".") for p in prefixes)
+
+
+def test_the_import_graph_has_no_circle():
+    """A circle means no module of it can be understood or tested without the others; move the shared piece down
+    to the lower module (or a new small one) rather than deferring an import into a function."""
+    graph = import_graph()
+    assert len(graph) > 100 and "eagle_pipeline.stage" in graph["02_extract_hidden"]
+    circles = import_circles(graph)
+    arrows = [f"{a} -> {b}" for part in circles for a in part for b in sorted(graph[a]) if b in part]
+    assert not circles, f"import circles {circles}: {arrows}"
+
+
+def test_no_import_points_back_up_a_declared_floor():
+    graph = import_graph()
+    back_up = [f"{module} -> {target}" for lower, upper in FLOORS for module, targets in graph.items()
+               if _within(module, lower) for target in sorted(targets) if _within(target, upper)]
+    assert not back_up, f"imports back up the declared floors (tests/test_lint.py FLOORS): {back_up}"

@@ -241,6 +241,13 @@ def gpu_memory_bytes(field: str = "memory.total", gpus: Sequence[str] | None = N
         return None
 
 
+def capture_share(cfg) -> float | None:
+    """The share of each GPU a capture server of this run asks vLLM for (gpu_memory_utilization); None off CUDA."""
+    if cfg.device != "cuda":
+        return None
+    return cfg.hidden_states.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
+
+
 def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[str]:
     """What stage 04's dry run prints about GPU memory for an online run whose capture server shares this host's
     GPUs with the trainer (device cuda, no capture_endpoints); nothing for other runs."""
@@ -254,8 +261,6 @@ def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[
     if cfg.train.num_gpus != gpus:
         return [f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
                 f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size"]
-    from eagle_pipeline.online.servers import capture_share
-
     share = capture_share(cfg)
     plan = plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=share,
                        target=target_shape(verifier.path, verifier.text_config(), gpus),

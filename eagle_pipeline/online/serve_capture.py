@@ -42,7 +42,7 @@ def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port
     from eagle_pipeline.engine import apply_engine_env
     from eagle_pipeline.online import mooncake as mc
     from eagle_pipeline.online.servers import CaptureServer, free_share_reader, server_kwargs_for
-    from eagle_pipeline.stage import planned_sample_layout
+    from eagle_pipeline.samples import planned_sample_layout
     from eagle_pipeline.verifier import Verifier
 
     cfg = load_config(config, overrides)

@@ -26,13 +26,6 @@ LABEL_PREFIX = "eagle-capture"
 MAX_RESTARTS = 3
 
 
-def capture_share(cfg) -> float | None:
-    """The share of each GPU a capture server of this run asks vLLM for (gpu_memory_utilization); None off CUDA."""
-    if cfg.device != "cuda":
-        return None
-    return cfg.hidden_states.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
-
-
 def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | None) -> float:
     """The gpu_memory_utilization a restarted server asks for: the planned share, or less where the GPUs have
     less free now. vLLM refuses to start when a GPU's free memory, after its own CUDA context, is below the share
@@ -50,7 +43,7 @@ def free_share_reader(cfg) -> Callable[[], float] | None:
     """What `CaptureServer` asks before a restart on GPUs (None elsewhere): `share_free_now` of the run's share
     over the GPUs this process may use, read with nvidia-smi (eagle_pipeline/online/memory_plan.py)."""
     from eagle_pipeline.gpus import visible_gpus
-    from eagle_pipeline.online.memory_plan import gpu_memory_bytes
+    from eagle_pipeline.online.memory_plan import capture_share, gpu_memory_bytes
 
     planned = capture_share(cfg)
     if planned is None:

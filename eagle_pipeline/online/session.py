@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.capture import ENGINE_DTYPE_BYTES
 from eagle_pipeline.config import redact_url
+from eagle_pipeline.disk_plan import FILE_OVERHEAD_BYTES, sample_bytes, window_bound
 from eagle_pipeline.online import mooncake as mc
 from eagle_pipeline.online.client import CaptureClient, transfer_for
 from eagle_pipeline.online.disk import PeakWatch
@@ -34,27 +34,10 @@ from eagle_pipeline.online.servers import (
     served_model_name,
     server_kwargs_for,
 )
-from eagle_pipeline.online.settings import OnlineTraining, requests_in_flight, training_ranks
+from eagle_pipeline.online.settings import OnlineTraining, training_ranks
 from eagle_pipeline.preconditions import folder_bytes
 
 SCRATCH_DIR = "capture_scratch"  # where the file and fp8 connectors of local servers write the states in flight
-# A sample file's safetensors header and its lock file, with room to spare.
-FILE_OVERHEAD_BYTES = 4096
-
-
-def sample_bytes(cfg, num_states: int, hidden_size: int, tokens: int) -> int:
-    """Bytes of one sample in flight: its states in the engine's dtype (fp8 and a 4-byte scale per token for the
-    fp8 transfer) and its int64 token ids, and the file's overhead."""
-    if cfg.hidden_states.transfer == "fp8":
-        per_token = num_states * hidden_size + 4
-    else:
-        per_token = num_states * hidden_size * ENGINE_DTYPE_BYTES.get(cfg.verifier.dtype, 2)
-    return tokens * (per_token + 8) + FILE_OVERHEAD_BYTES
-
-
-def window_bound(cfg, num_states: int, hidden_size: int, longest: int) -> int:
-    """At most this many bytes of states in flight: the window's samples on every rank, each the longest."""
-    return requests_in_flight(cfg) * sample_bytes(cfg, num_states, hidden_size, longest)
 
 
 def plan_lines(cfg, num_states: int, hidden_size: int, longest: int) -> list[str]:
