@@ -1,6 +1,8 @@
 """The config schema: every shipped config validates; bad keys and values get one-line errors."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,7 +207,7 @@ def test_cross_field_and_type_rules(tmp_path, overrides, expected):
 
 
 def test_unknown_engine_arg_is_named_with_the_closest_valid_one(tmp_path):
-    from eagle_pipeline.config import vllm_engine_arg_names
+    from eagle_pipeline.vllm_config_check import vllm_engine_arg_names
 
     if vllm_engine_arg_names() is None:
         pytest.skip("vLLM is not installed: engine_args cannot be checked")
@@ -224,7 +226,7 @@ def test_engine_args_cannot_set_what_a_config_key_owns(tmp_path, key, owner):
 
 
 def test_engine_settings_are_checked_against_vllm(tmp_path):
-    from eagle_pipeline.config import vllm_attention_backends
+    from eagle_pipeline.vllm_config_check import vllm_attention_backends
 
     if vllm_attention_backends() is None:
         pytest.skip("vLLM is not installed: attention backends cannot be checked")
@@ -239,10 +241,21 @@ def test_engine_settings_are_checked_against_vllm(tmp_path):
         "TRITON_MLA", "fp8", "TRITON_MLA")
 
 
+def test_checking_vllm_names_does_not_import_vllm(tmp_path):
+    # Every config load (dry runs included) checks the names against vLLM's source; importing vLLM would cost seconds.
+    config = write_config(tmp_path / "c.yaml", verifier={"engine_args": {"max_num_seqs": 4},
+                                                         "attention_backend": "TRITON_MLA", "kv_cache_dtype": "fp8"})
+    code = ("import sys; from eagle_pipeline.config import load_config; load_config(sys.argv[1]); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
+    result = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout[-500:] + result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("key", sorted(__import__("eagle_pipeline.config", fromlist=["x"]).ENGINE_ARGS_REFUSED))
 def test_engine_args_that_swap_the_targets_weights_config_or_tokenizer_are_refused(tmp_path, key):
     # Each is a real engine argument (so the refusal is this rule, not the spelling check), refused naming why.
-    from eagle_pipeline.config import ENGINE_ARGS_REFUSED, vllm_engine_arg_names
+    from eagle_pipeline.config import ENGINE_ARGS_REFUSED
+    from eagle_pipeline.vllm_config_check import vllm_engine_arg_names
 
     assert vllm_engine_arg_names() is None or key in vllm_engine_arg_names()
     with pytest.raises(BadInput, match=rf"verifier\.engine_args\.{key}: {re.escape(ENGINE_ARGS_REFUSED[key][:30])}.*remove it"):
