@@ -82,7 +82,7 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[FlatDr
                        f"captured {list(layer_ids)}; check train.init_from_convention, or set hidden_states.layer_ids: {ids} "
                        f"and rerun stage 02")
     vocab_dir = cfg.stage_dir("03_build_vocab_map")
-    if (vocab_dir / "d2t.npy").is_file():
+    if (vocab_dir / "d2t.npy").is_file() and "d2t" in drafter.tensor_files:  # a full-vocabulary one has none
         check_same_vocab_map(drafter.tensor_files["d2t"], vocab_dir / "d2t.npy", vocab_dir / "t2d.npy")
     return drafter, {"convention": convention, "written": drafter.written_layer_ids, "hf": ids}
 
@@ -103,7 +103,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     check_preconditions(cfg, stage.number)
     t = cfg.train
     verifier = Verifier.from_config(cfg)
-    check_draft_shape(t, verifier.hidden_size)  # dry run too, and before --force deletes anything
+    check_draft_shape(t, verifier.text_config())  # dry run too, and before --force deletes anything
     planning = dry_run and not (is_complete(cfg, 2) and is_complete(cfg, 3))
     if planning:  # a fresh host: the shapes and the disk from the config and the target alone
         layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
@@ -210,8 +210,11 @@ def run(stage: Stage, dry_run: bool) -> None:
     from eagle_pipeline.train import launch, runner
 
     if released:
+        import numpy as np
+
         written = released_drafter.write_speculators_folder(
-            released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids, ttt_steps=t.ttt_steps)
+            released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids, ttt_steps=t.ttt_steps,
+            vocab_map=(np.load(train_run.d2t_path), np.load(train_run.t2d_path)))
         print(f"train.init_from: {released.path} ({layer_id_record['convention']} ids {layer_id_record['written']} "
               f"= HF {layer_id_record['hf']}) -> {written['dir']} (speculators layout, the target's embedding)")
     session = online_session(cfg, stage, train_run, verifier, layout) if online else contextlib.nullcontext()

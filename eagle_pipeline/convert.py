@@ -5,7 +5,9 @@ speculators saves its own nested format: a config with `speculators_config` and 
 `d2t`, `t2d` (plus the verifier's `verifier_lm_head`/`verifier_norm` in some checkpoints).
 vLLM reads that format natively, but SGLang and most tooling expect the flat layout of the
 released EAGLE-3 drafters: one Llama-shaped config.json with architecture `LlamaForCausalLMEagle3`
-and weights `midlayer.*`, `fc.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`. Every name goes through the one table
+and weights `midlayer.*`, `fc.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`. An MLA drafter (transformer_layer_config
+`deepseek_v3`) becomes vLLM's `Eagle3DeepseekV2ForCausalLM` folder the same way (`mla_flat_config`); only vLLM
+runs it. Every name goes through the one table
 of drafter/layouts.py; drafter/to_speculators.py writes the other way.
 
 Layer ids are given once, in the vLLM/speculators convention (id k = the residual stream entering
@@ -27,6 +29,8 @@ from eagle_pipeline.drafter.folder import SpeculatorsCheckpoint, read_speculator
 from eagle_pipeline.drafter.layouts import (
     FLAT,
     FLAT_ARCHITECTURE,
+    FLAT_ARCHITECTURES,
+    MLA,
     NORM_FLAGS,
     SGLANG,
     SPECULATORS,
@@ -76,7 +80,10 @@ def rope_fields(layer: dict[str, Any]) -> dict[str, Any]:
 
 def flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_ids: list[int],
                 dtype: str, engine: str) -> dict[str, Any]:
-    """The flat Llama-shaped config the engines read; every field that changes behaviour is explicit."""
+    """The flat config the engines read (Llama-shaped, or the MLA one of `mla_flat_config`); every field that
+    changes behaviour is explicit."""
+    if ckpt.layer_shape == MLA:
+        return mla_flat_config(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids, dtype=dtype)
     layer = ckpt.layer
     config: dict[str, Any] = {
         "architectures": [FLAT_ARCHITECTURE],
@@ -110,6 +117,61 @@ def flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_i
         # Triton is present) reads only a top-level eagle_aux_hidden_state_layer_ids and otherwise
         # silently captures its default layers. SGLang reads eagle_config only.
         config["eagle_aux_hidden_state_layer_ids"] = written_layer_ids
+    return config
+
+
+# The MLA layer's fields vLLM's DeepseekV2MLAAttention and deepseek_eagle3.py read, as the target has them.
+MLA_LAYER_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_model_type(ckpt: SpeculatorsCheckpoint) -> str:
+    """kimi_k2 for a Kimi target (vLLM maps it to DeepseekV3Config, as the released Kimi drafter names it), else
+    deepseek_v3; read from the checkpoint's verifier folder when it is local."""
+    verifier = ckpt.verifier_path
+    try:
+        config = json.loads((Path(verifier) / "config.json").read_text()) if verifier else {}
+    except (OSError, ValueError):
+        config = {}
+    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    return "kimi_k2" if isinstance(text, dict) and text.get("model_type") == "kimi_k2" else "deepseek_v3"
+
+
+def mla_flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_ids: list[int],
+                    dtype: str) -> dict[str, Any]:
+    """The flat `Eagle3DeepseekV2ForCausalLM` config vLLM reads (deepseek_eagle3.py): the MLA dimensions and rope
+    of the checkpoint's transformer_layer_config (a DeepseekV3Config), the EAGLE-3 fields as for a Llama layer.
+    vLLM's MLA drafter has a dense SwiGLU MLP and no input_norm, so no MoE field and no norm_before_fc."""
+    layer = ckpt.layer
+    missing = [key for key in (*MLA_LAYER_FIELDS, "intermediate_size", "rms_norm_eps") if key not in layer]
+    if missing:
+        raise BadInput(f"{ckpt.path / 'config.json'}: transformer_layer_config has no {missing[0]}; the MLA layer's "
+                       f"shape is unknown")
+    heads = int(layer["num_attention_heads"])
+    config: dict[str, Any] = {
+        "architectures": [FLAT_ARCHITECTURES[MLA]],
+        "model_type": mla_model_type(ckpt),
+        "hidden_size": ckpt.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        **{key: (None if layer[key] is None else int(layer[key])) for key in MLA_LAYER_FIELDS},
+        "intermediate_size": int(layer["intermediate_size"]),
+        "hidden_act": layer.get("hidden_act", "silu"),
+        "rms_norm_eps": float(layer["rms_norm_eps"]),
+        "max_position_embeddings": int(layer.get("max_position_embeddings", 4096)),
+        **rope_fields(layer),
+        "rope_interleave": bool(layer.get("rope_interleave", True)),
+        "num_hidden_layers": ckpt.num_layers,
+        "vocab_size": vocab_size,
+        "draft_vocab_size": ckpt.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": written_layer_ids, "use_aux_hidden_state": True},
+        # vLLM's V2 model runner reads only the top-level ids (flat_config).
+        "eagle_aux_hidden_state_layer_ids": written_layer_ids,
+        "num_aux_hidden_states": len(written_layer_ids),
+        "target_hidden_size": ckpt.target_hidden_size,
+        **{name: ckpt.flags[name] for name in NORM_FLAGS},
+        "torch_dtype": dtype,
+    }
     return config
 
 
@@ -194,7 +256,7 @@ def _convert(ckpt: SpeculatorsCheckpoint, out_dir: str | Path, *, engine: str, v
         "engine": engine,
         "source": str(ckpt.path),
         "out_dir": str(out_dir),
-        "architecture": FLAT_ARCHITECTURE,
+        "architecture": FLAT_ARCHITECTURES[ckpt.layer_shape],
         "layer_ids": layer_ids,
         "written_layer_ids": written_layer_ids,
         "vocab_size": vocab_size,
@@ -207,7 +269,8 @@ def _convert(ckpt: SpeculatorsCheckpoint, out_dir: str | Path, *, engine: str, v
 
 def convert_for_vllm(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_size: int | None = None,
                      layer_ids: list[int] | tuple[int, ...] | None = None) -> dict[str, Any]:
-    """Write a flat `LlamaForCausalLMEagle3` drafter folder for vLLM; returns a summary of what was written.
+    """Write a flat `LlamaForCausalLMEagle3` (or, for an MLA layer, `Eagle3DeepseekV2ForCausalLM`) drafter folder
+    for vLLM; returns a summary of what was written.
 
     Tokenizer files are not copied: vLLM's draft model uses the target's tokenizer unless the
     speculative config asks for a heterogeneous vocabulary.
@@ -235,6 +298,9 @@ def sglang_refusal(ckpt: SpeculatorsCheckpoint, layer_ids: list[int], target_num
     state, an `fc` of fixed width 3 * target_hidden_size, no input/fc norms, returns the pre-norm
     state across steps, and builds its projections without bias.
     """
+    if ckpt.layer_shape == MLA:
+        return (f"transformer_layer_config.model_type is {ckpt.layer.get('model_type')!r} (an MLA layer); SGLang's "
+                f"llama_eagle3 runs Llama layers only: serve this drafter with vLLM (Eagle3DeepseekV2ForCausalLM)")
     set_flags = [name for name in NORM_FLAGS if ckpt.flags[name]]
     if set_flags:
         flag = set_flags[0]

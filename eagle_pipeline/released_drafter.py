@@ -1,5 +1,7 @@
 """Released EAGLE-3 drafters: read a flat `LlamaForCausalLMEagle3` folder (AQ-MedAI's Kimi-K2.5 drafter,
-SpecForge's output, this pipeline's own stage 05 `vllm/`), check it against the target, and write it in
+SpecForge's output, this pipeline's own stage 05 `vllm/`) or an MLA `Eagle3DeepseekV2ForCausalLM` one
+(`lightseekorg/kimi-k2.5-eagle3-mla`, the drafter of vLLM's Kimi-K2.5 recipe), check it against the target, and
+write it in
 the speculators layout that speculators' trainer fine-tunes from (`--from-pretrained`), through
 drafter/to_speculators.py (docs/released_drafters.md).
 
@@ -7,7 +9,12 @@ A flat folder says less than a speculators one, and each gap is closed explicitl
 - its aux layer ids are usually only in `eagle_config`, where SGLang reads id k as the output of layer k and
   vLLM as the input of layer k; only a top-level `eagle_aux_hidden_state_layer_ids` (a key vLLM alone reads,
   which SGLang folders must not carry) says vLLM. Otherwise the run names the convention
-  (`train.init_from_convention`) and the ids are converted once, by layer_ids.py, into HF indices;
+  (`train.init_from_convention`) and the ids are converted once, by layer_ids.py, into HF indices. An MLA folder
+  is vLLM's alone (its architecture is vLLM's class), so its ids are read as vLLM reads them, as they stand,
+  unless the run names another convention;
+- a full-vocabulary drafter (vocab_size = draft_vocab_size, no d2t, as the MLA release is) is fine-tuned with
+  its whole lm_head kept (vocab.draft_vocab_size = the target's vocabulary) or with the rows of stage 03's draft
+  vocabulary taken from it, and stage 03's d2t/t2d;
 - norm flags it leaves out are read as vLLM reads a flat config: false (SpecForge drafters have none);
 - `embed_tokens` is usually absent: EAGLE-3 drafters embed with the target's own (frozen) embedding, so
   releases leave it out. The folder written here carries the target's, copied from the target's weights:
@@ -27,11 +34,12 @@ import numpy as np
 from eagle_pipeline.drafter.folder import (
     FlatDrafter,
     is_speculators_drafter,
+    read_drafter_tensors,
     read_flat_drafter,
     read_speculators_checkpoint,
     target_vocab,
 )
-from eagle_pipeline.drafter.layouts import EMBED_KEY, flat_name
+from eagle_pipeline.drafter.layouts import EMBED_KEY, MLA
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import from_convention
 from eagle_pipeline.verifier import target_embedding
@@ -49,7 +57,16 @@ def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: 
                                                     f"the drafter was built for another target model")
 
 
+def full_vocabulary(drafter: FlatDrafter) -> bool:
+    """A drafter whose lm_head covers the target's whole vocabulary (no d2t)."""
+    return drafter.draft_vocab_size == drafter.vocab_size
+
+
 def check_draft_vocab_size(drafter: FlatDrafter, configured: int) -> None:
+    """The run's draft vocabulary must be the drafter's; a full-vocabulary drafter also takes a smaller one, its
+    lm_head cut to those rows (write_speculators_folder)."""
+    if full_vocabulary(drafter) and configured <= drafter.vocab_size:
+        return
     if drafter.draft_vocab_size != configured:
         raise drafter.fail(drafter.config_path, f"draft_vocab_size {drafter.draft_vocab_size} but "
                                                 f"vocab.draft_vocab_size is {configured}; set vocab.draft_vocab_size: "
@@ -76,6 +93,9 @@ def adopted_vocab_map(path: str | Path, field: str, *, hidden_size: int, vocab_s
     else:
         drafter = read_flat_drafter(path, field)
         check_against_target(drafter, hidden_size=hidden_size, vocab_size=vocab_size)
+        if "d2t" not in drafter.tensor_files:
+            raise BadInput(f"{field}: {drafter.weights_path}: d2t: missing; a full-vocabulary drafter has no draft "
+                           f"vocabulary to adopt: leave {field} out (stage 03 counts one, train.init_from maps it)")
         check_draft_vocab_size(drafter, draft_vocab_size)
         files = drafter.tensor_files
     problems = safetensors_vocab_map_problems(files["d2t"], files["t2d"], vocab_size, draft_vocab_size,
@@ -107,6 +127,8 @@ def layer_id_convention(drafter: FlatDrafter, configured: str | None) -> str:
     if nested is None:
         raise drafter.fail(drafter.config_path, "eagle_config.eagle_aux_hidden_state_layer_ids: missing; the "
                                                 "drafter's aux layers are unknown, so it cannot be fine-tuned")
+    if configured is None and drafter.layer_shape == MLA:
+        return "vllm"  # folder.engine_layer_ids: vLLM, the one engine of this architecture, reads them as they stand
     if configured is None:
         raise BadInput(f"train.init_from_convention: not set, and {drafter.config_path} gives its aux layer ids "
                        f"{list(nested)} only in eagle_config, which SGLang (output of layer k) and vLLM (input of "
@@ -119,21 +141,34 @@ def hf_layer_ids(drafter: FlatDrafter, convention: str) -> list[int]:
     return from_convention(drafter.written_layer_ids or [], convention)
 
 
-def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_dir: Path, layer_ids: list[int],
-                             ttt_steps: int) -> dict[str, Any]:
-    """The drafter in speculators' layout for fine-tuning, written atomically; `layer_ids` are HF indices.
-    Returns what was written, for the manifest."""
-    from safetensors import safe_open
+def mapped_to_draft_vocab(config: dict[str, Any], tensors: dict, d2t: np.ndarray,
+                          t2d: np.ndarray) -> tuple[dict[str, Any], dict]:
+    """A full-vocabulary drafter's config and tensors with its lm_head cut to the rows of a draft vocabulary
+    (target id `k + d2t[k]` for draft id k) and that vocabulary's d2t/t2d added."""
+    import torch
 
+    ids = np.arange(len(d2t)) + d2t
+    lm_head = tensors["lm_head.weight"]
+    mapped = dict(tensors) | {"lm_head.weight": lm_head[torch.from_numpy(ids)].contiguous(),
+                              "d2t": torch.from_numpy(np.asarray(d2t, dtype=np.int64)),
+                              "t2d": torch.from_numpy(np.asarray(t2d, dtype=bool))}
+    return config | {"draft_vocab_size": len(d2t)}, mapped
+
+
+def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_dir: Path, layer_ids: list[int],
+                             ttt_steps: int, vocab_map: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+    """The drafter in speculators' layout for fine-tuning, written atomically; `layer_ids` are HF indices.
+    `vocab_map` (stage 03's d2t, t2d) maps a full-vocabulary drafter to that draft vocabulary when it is smaller.
+    Returns what was written, for the manifest."""
     from eagle_pipeline.drafter.to_speculators import write_speculators_folder as write_folder
 
-    tensors = {}
-    for name, path in sorted(drafter.tensor_files.items()):
-        if flat_name(name) == EMBED_KEY:
-            continue  # the target's embedding is used (module docstring)
-        with safe_open(path, framework="pt") as f:
-            tensors[name] = f.get_tensor(name)
-    written = write_folder(out_dir, drafter.config, tensors, embedding=target_embedding(verifier_dir),
+    tensors = read_drafter_tensors(drafter)
+    tensors.pop(EMBED_KEY, None)  # the target's embedding is used (module docstring)
+    config, note = drafter.config, {}
+    if full_vocabulary(drafter) and vocab_map is not None and len(vocab_map[0]) < drafter.vocab_size:
+        config, tensors = mapped_to_draft_vocab(config, tensors, *vocab_map)
+        note = {"lm_head": f"the rows of stage 03's {len(vocab_map[0])} draft tokens of {drafter.vocab_size}"}
+    written = write_folder(out_dir, config, tensors, embedding=target_embedding(verifier_dir),
                            verifier_dir=verifier_dir, layer_ids=layer_ids, flags=drafter.flags,
                            speculative_tokens=ttt_steps)
-    return written | {"embed_tokens": "the target's, copied"}
+    return written | {"embed_tokens": "the target's, copied"} | note

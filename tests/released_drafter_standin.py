@@ -119,3 +119,128 @@ def write_released_standin(folder: Path, shape: StandinShape = SMOLLM2, seed: in
     save_file(tensors if tensors is not None else standin_tensors(shape, seed), str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config if config is not None else standin_config(shape), indent=2))
     return folder
+
+
+# -- the MLA drafter of vLLM's Kimi-K2.5 recipe ------------------------------------------------------------------
+# `lightseekorg/kimi-k2.5-eagle3-mla` (docs/formats.md, "The MLA drafter folder"): architecture
+# Eagle3DeepseekV2ForCausalLM, model_type kimi_k2, one layer of Kimi's own MLA attention and a dense SwiGLU MLP,
+# YaRN rope, the full vocabulary (vocab_size = draft_vocab_size, no d2t), aux ids in eagle_config only, which
+# vLLM reads as they stand.
+
+@dataclass(frozen=True)
+class MlaStandinShape:
+    hidden_size: int
+    vocab_size: int
+    hf_layer_ids: tuple[int, ...]
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+    def but(self, **changes) -> "MlaStandinShape":
+        return replace(self, **changes)
+
+
+# The released drafter's config: hidden 7168, intermediate 18432, 64 heads, q_lora_rank 1536, kv_lora_rank 512,
+# qk_nope 128, qk_rope 64, v 128, vocabulary 163840, aux ids [1, 29, 57].
+KIMI_MLA_RELEASED = MlaStandinShape(
+    hidden_size=7168, vocab_size=163840, hf_layer_ids=(1, 29, 57), num_attention_heads=64, q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432,
+    rope_theta=50000.0, rms_norm_eps=1e-6, max_position_embeddings=262144)
+# Built for the tiny Kimi-K2.5 stand-in target (tests/test_kimi_vllm.py: hidden 64, 4 layers, q_lora_rank 32, aux
+# layers 1/2/3): Kimi's kv_lora_rank 512 + rope 64 kept, the one latent size vLLM's CPU MLA kernel runs.
+KIMI_MLA_STANDIN = KIMI_MLA_RELEASED.but(hidden_size=64, vocab_size=49152, hf_layer_ids=(1, 2, 3),
+                                         num_attention_heads=4, q_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+                                         intermediate_size=96)
+# Kimi-K2's YaRN rope, in the transformers 4 spelling the release carries.
+KIMI_YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+MLA_NAMINGS = ("midlayer.", "layers.0.")
+
+
+def mla_standin_tensors(shape: MlaStandinShape = KIMI_MLA_STANDIN, seed: int = 0, *, naming: str = "midlayer.",
+                        fused: bool = False, fc_norm: bool = False) -> dict[str, torch.Tensor]:
+    """The release's tensors under `naming` (`midlayer.` or `layers.0.`), q_a_proj and kv_a_proj_with_mqa stored
+    as one fused_qkv_a_proj (q rows first) when `fused`; fc_norm.<i> with `fc_norm`."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*dims):
+        return (torch.randn(*dims, generator=generator) * 0.02).to(torch.bfloat16)
+
+    def norm(n):  # not all ones, so that a norm loaded into the wrong module shows
+        return (1 + 0.1 * torch.randn(n, generator=generator)).to(torch.bfloat16)
+
+    H, heads, ff = shape.hidden_size, shape.num_attention_heads, shape.intermediate_size
+    qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+    layer = {
+        "self_attn.q_a_proj.weight": weight(shape.q_lora_rank, 2 * H),
+        "self_attn.q_a_layernorm.weight": norm(shape.q_lora_rank),
+        "self_attn.q_b_proj.weight": weight(heads * qk, shape.q_lora_rank),
+        "self_attn.kv_a_proj_with_mqa.weight": weight(shape.kv_lora_rank + shape.qk_rope_head_dim, 2 * H),
+        "self_attn.kv_a_layernorm.weight": norm(shape.kv_lora_rank),
+        "self_attn.kv_b_proj.weight": weight(heads * (shape.qk_nope_head_dim + shape.v_head_dim), shape.kv_lora_rank),
+        "self_attn.o_proj.weight": weight(H, heads * shape.v_head_dim),
+        "mlp.gate_proj.weight": weight(ff, H),
+        "mlp.up_proj.weight": weight(ff, H),
+        "mlp.down_proj.weight": weight(H, ff),
+        "input_layernorm.weight": norm(H),
+        "hidden_norm.weight": norm(H),
+        "post_attention_layernorm.weight": norm(H),
+    }
+    if fused:
+        layer["self_attn.fused_qkv_a_proj.weight"] = torch.cat(
+            [layer.pop("self_attn.q_a_proj.weight"), layer.pop("self_attn.kv_a_proj_with_mqa.weight")])
+    tensors = {naming + name: tensor for name, tensor in layer.items()} | {
+        "fc.weight": weight(H, len(shape.hf_layer_ids) * H),
+        "norm.weight": norm(H),
+        "lm_head.weight": weight(shape.vocab_size, H),
+    }
+    if fc_norm:
+        tensors |= {f"fc_norm.{i}.weight": norm(H) for i in range(len(shape.hf_layer_ids))}
+    return tensors
+
+
+def mla_standin_config(shape: MlaStandinShape = KIMI_MLA_STANDIN, **flags) -> dict:
+    """The release's config.json (the issue's fields); norm flags only where given."""
+    return {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "kimi_k2",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_attention_heads,
+        "q_lora_rank": shape.q_lora_rank,
+        "kv_lora_rank": shape.kv_lora_rank,
+        "qk_nope_head_dim": shape.qk_nope_head_dim,
+        "qk_rope_head_dim": shape.qk_rope_head_dim,
+        "v_head_dim": shape.v_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.rms_norm_eps,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": dict(KIMI_YARN),
+        "vocab_size": shape.vocab_size,
+        "draft_vocab_size": shape.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(shape.hf_layer_ids), "use_aux_hidden_state": True},
+        **flags,
+    }
+
+
+def write_mla_standin(folder: Path, shape: MlaStandinShape = KIMI_MLA_STANDIN, seed: int = 0, *,
+                      naming: str = "midlayer.", fused: bool = False, tensors: dict | None = None,
+                      config: dict | None = None) -> Path:
+    """Write the MLA stand-in (or the given tensors / config, for broken variants) into `folder`."""
+    if tensors is None:
+        tensors = mla_standin_tensors(shape, seed, naming=naming, fused=fused,
+                                      fc_norm=bool((config or {}).get("fc_norm")))
+    config = config if config is not None else mla_standin_config(shape)
+    return write_released_standin(folder, tensors=tensors, config=config)

@@ -3,8 +3,8 @@
 
 - `describe(path)`: any drafter folder, as `DrafterFolder` (layout, dims, flags, ids, tensor files);
 - `read_speculators_checkpoint`: a speculators checkpoint (stage 04's), refused unless stage 05 can convert it;
-- `read_flat_drafter`: a flat folder to adopt or fine-tune (a released drafter, stage 05's `vllm/`), refused
-  unless its tensors are exactly the ones its config implies;
+- `read_flat_drafter`: a flat folder to adopt or fine-tune (a released drafter, stage 05's `vllm/`), in either
+  layer shape (Llama or MLA), refused unless its tensors are exactly the ones its config implies;
 - `read_flat_config`, `read_flat_tensors`: a flat folder as vLLM reads it, for the offline replay, which must
   run whatever the engine is asked to serve (so it does not refuse what vLLM would load).
 Error lines name the config key the caller passes (`field`) and the file.
@@ -20,18 +20,29 @@ from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.drafter.layouts import (
     EMBED_KEY,
-    FLAT_ARCHITECTURE,
+    FLAT_ARCHITECTURES,
+    MLA,
     SPECULATORS,
+    SPECULATORS_LAYER_TYPES,
     SPECULATORS_TYPE_KEY,
     config_layout,
+    flat_architecture_of,
     flat_name,
     flat_norm_flags,
+    layer_shape,
     speculators_norm_flags,
     strip_export_prefix,
     vllm_config_flags,
     weight_files,
 )
-from eagle_pipeline.drafter.tensors import DraftDims, draft_dims, read_tensor_specs, shape_problems
+from eagle_pipeline.drafter.tensors import (
+    DraftDims,
+    draft_dims,
+    read_tensor_specs,
+    shape_problems,
+    split_fused_specs,
+    split_fused_tensors,
+)
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
@@ -57,10 +68,17 @@ class DrafterFolder:
         return draft_dims(self.config)
 
     @property
+    def layer_shape(self) -> str:
+        """layouts.LLAMA or layouts.MLA."""
+        return layer_shape(self.config)
+
+    @property
     def flags(self) -> dict[str, bool]:
         """The norm flags as the drafter was built with them: speculators' reading of its own config, vLLM's
         of a flat one (the engine a flat folder is made for)."""
-        return speculators_norm_flags(self.config) if self.layout == SPECULATORS else flat_norm_flags(self.config)
+        flags = speculators_norm_flags(self.config) if self.layout == SPECULATORS else flat_norm_flags(self.config)
+        # vLLM's MLA drafter has no input_norm, whatever its config says (tensors.draft_dims reads it so too).
+        return flags | {"norm_before_fc": False} if self.layer_shape == MLA else flags
 
     @property
     def vllm_flags(self) -> dict[str, bool]:
@@ -158,6 +176,10 @@ class SpeculatorsCheckpoint:
         return int(self.layer.get("head_dim") or self.hidden_size // int(self.layer["num_attention_heads"]))
 
     @property
+    def layer_shape(self) -> str:
+        return layer_shape(self.config)
+
+    @property
     def verifier_path(self) -> str | None:
         return ((self.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
 
@@ -187,10 +209,11 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise BadInput(f"{config_path}: transformer_layer_config is missing; the checkpoint is not a speculators drafter")
-    if layer.get("model_type", "llama") != "llama":
+    if layer.get("model_type", "llama") not in SPECULATORS_LAYER_TYPES.values():
         raise BadInput(
-            f"{config_path}: transformer_layer_config.model_type is {layer.get('model_type')!r}; the flat "
-            f"{FLAT_ARCHITECTURE} format holds llama layers only (serve this checkpoint with vLLM as it is)"
+            f"{config_path}: transformer_layer_config.model_type is {layer.get('model_type')!r}; the flat formats "
+            f"hold {' or '.join(SPECULATORS_LAYER_TYPES.values())} layers only ("
+            + ", ".join(FLAT_ARCHITECTURES.values()) + "); serve this checkpoint with vLLM as it is"
         )
     if "norm_before_residual" not in config:
         # speculators builds the layer with False, vLLM serves a speculators config with True.
@@ -257,21 +280,26 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
                                   what="drafter config")
     except BadInput as error:
         raise BadInput(f"{field}: {error}") from None
-    if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
+    if flat_architecture_of(config) is None:
         raise BadInput(f"{field}: {config_path}: architectures is {config.get('architectures')!r}, expected "
-                       f"[{FLAT_ARCHITECTURE!r}] (a released EAGLE-3 drafter) or a speculators drafter folder")
+                       + " or ".join(f"[{name!r}]" for name in FLAT_ARCHITECTURES.values())
+                       + " (a released EAGLE-3 drafter) or a speculators drafter folder")
     check_weights_whole(path, field)
     drafter = FlatDrafter(path, config, field)
     try:
-        draft_dims(config)
+        dims = draft_dims(config)
     except BadInput as error:
         raise drafter.fail(config_path, str(error).removeprefix("drafter config.json ")) from None
-    # `layers.0.*` (some exports) and `midlayer.*` (SpecForge, stage 05) name the same layer.
+    # `layers.0.*` (some exports, vLLM's own names) and `midlayer.*` (SpecForge, stage 05) name the same layer.
     specs = {}
     for name, spec in read_tensor_specs(path).items():
         if flat_name(name) in specs:
             raise drafter.fail(drafter.weights_path, f"{name}: holds layer 0 twice (midlayer.* and layers.0.*); keep one")
         specs[flat_name(name)] = spec
+    try:  # an MLA layer's fused_qkv_a_proj reads as its two projections
+        specs = split_fused_specs(specs, dims)
+    except BadInput as error:
+        raise drafter.fail(drafter.weights_path, str(error)) from None
     embed = specs.pop(EMBED_KEY, None)
     problems = shape_problems(specs, config)
     if problems:
@@ -279,9 +307,8 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
     if embed is not None and embed.shape != (drafter.vocab_size, drafter.hidden_size):
         raise drafter.fail(drafter.weights_path, f"{EMBED_KEY}: shape {list(embed.shape)}, expected "
                                                  f"[{drafter.vocab_size}, {drafter.hidden_size}] (vocab_size, hidden_size)")
-    if "d2t" not in specs:  # a full-vocabulary drafter: nothing maps draft ids to target ids
-        raise drafter.fail(drafter.weights_path, "d2t: missing; the pipeline fine-tunes drafters with a draft "
-                                                 "vocabulary (d2t and t2d), so use one that has them")
+    if "d2t" not in specs:  # a full-vocabulary drafter (shape_problems required d2t for a smaller one)
+        return drafter
     problems = safetensors_vocab_map_problems(drafter.tensor_files["d2t"], drafter.tensor_files["t2d"],
                                               drafter.vocab_size, drafter.draft_vocab_size, where="d2t/t2d")
     if problems:
@@ -327,12 +354,13 @@ def check_weights_whole(path: str | Path, field: str) -> None:
 
 def read_flat_config(drafter_dir: str | Path) -> dict[str, Any]:
     path = Path(drafter_dir) / "config.json"
+    expected = " or ".join(f"[{name!r}]" for name in FLAT_ARCHITECTURES.values())
     if not path.is_file():
-        raise BadInput(f"serve.drafter: {path} is missing; point at a flat {FLAT_ARCHITECTURE} folder")
+        raise BadInput(f"serve.drafter: {path} is missing; point at a flat drafter folder ({expected})")
     config = json.loads(path.read_text())
-    if FLAT_ARCHITECTURE not in (config.get("architectures") or []):
+    if flat_architecture_of(config) is None:
         raise BadInput(f"serve.drafter: {path} has architectures {config.get('architectures')}, expected "
-                       f"[{FLAT_ARCHITECTURE!r}]; convert a speculators checkpoint with 05_convert.py first")
+                       f"{expected}; convert a speculators checkpoint with 05_convert.py first")
     return config
 
 
@@ -350,13 +378,27 @@ def flat_tensor_names(drafter_dir: str | Path) -> list[str]:
 
 
 def read_flat_tensors(drafter_dir: str | Path) -> dict:
-    """Every tensor of every .safetensors file in the folder (as vLLM reads a folder), under its flat name."""
+    """Every tensor of every .safetensors file in the folder (as vLLM reads a folder), under its flat name; an MLA
+    layer's fused_qkv_a_proj as its two projections (vLLM fuses them again on load)."""
     from safetensors import safe_open
 
     tensors = {}
     for file in sorted(Path(drafter_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             tensors.update({flat_name(strip_export_prefix(name)): f.get_tensor(name) for name in f.keys()})
-    return tensors
+    config = read_config(drafter_dir)
+    return tensors if config is None else split_fused_tensors(tensors, draft_dims(config))
+
+
+def read_drafter_tensors(drafter: FlatDrafter) -> dict:
+    """The tensors of a drafter read_flat_drafter accepted, under their flat names, an MLA layer's
+    fused_qkv_a_proj as its two projections."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for name, path in sorted(drafter.tensor_files.items()):
+        with safe_open(path, framework="pt") as f:
+            tensors[flat_name(name)] = f.get_tensor(name)
+    return split_fused_tensors(tensors, drafter.dims)
 
 

@@ -2,11 +2,15 @@
 
 - speculators (stage 04's checkpoints, what its trainer loads): a nested config.json (`speculators_config`,
   `transformer_layer_config`) and weights `layers.<i>.*`, with the verifier's copies of some tensors;
-- flat (stage 05's `vllm/`, the released drafters): one Llama-shaped config.json with architecture
-  `LlamaForCausalLMEagle3`, the first decoder layer named `midlayer.*` (the EAGLE-3 repository's name);
+- flat (stage 05's `vllm/`, the released drafters): one config.json with architecture `LlamaForCausalLMEagle3`
+  (a Llama layer) or `Eagle3DeepseekV2ForCausalLM` (an MLA layer), the first decoder layer named `midlayer.*`
+  (the EAGLE-3 repository's name);
 - SGLang (stage 05's `sglang/`): the flat names, for the one-layer, no-norm-variant drafters it can run.
 
-`WEIGHT_NAMES` is the one table of tensor names across them. Everything that renames a tensor goes through
+`WEIGHT_NAMES` is the one table of tensor names across them. The names inside a decoder layer are the layer
+shape's own (Llama's `self_attn.{q,k,v,o}_proj`, MLA's `self_attn.{q_a_proj, q_a_layernorm, q_b_proj,
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}`) and pass through `layers.0.` <-> `midlayer.` unchanged;
+which of them a config implies is tensors.expected_tensor_specs'. Everything that renames a tensor goes through
 it: the conversion to flat (convert.py), the writer of speculators folders (drafter/to_speculators.py), the
 shape check, fine-tuning from a flat folder and the replay of one. docs/formats.md describes the formats.
 """
@@ -22,7 +26,22 @@ from eagle_pipeline.errors import BadInput
 
 SPECULATORS, FLAT, SGLANG = "speculators", "flat", "sglang"
 
-FLAT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The drafter's decoder layer: Llama-shaped attention, or the target's MLA attention (DeepSeek-V3, Kimi-K2).
+LLAMA, MLA = "llama", "mla"
+LAYER_SHAPES = (LLAMA, MLA)
+# The flat architecture of each layer shape: vLLM's llama_eagle3.py and deepseek_eagle3.py.
+FLAT_ARCHITECTURES = {LLAMA: "LlamaForCausalLMEagle3", MLA: "Eagle3DeepseekV2ForCausalLM"}
+FLAT_ARCHITECTURE = FLAT_ARCHITECTURES[LLAMA]
+# vLLM's alias of the MLA class (deepseek_eagle3.py), read as the MLA shape too.
+MLA_ARCHITECTURE_ALIASES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+# transformer_layer_config.model_type of each shape in a speculators checkpoint (speculators' `model_classes` key).
+SPECULATORS_LAYER_TYPES = {LLAMA: "llama", MLA: "deepseek_v3"}
+# model_type values vLLM reads as a DeepSeek MLA config (kimi_k2 maps to DeepseekV3Config).
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
+# The MLA layer's two input projections, as vLLM fuses them on load and some exports store them: rows
+# [0, q_lora_rank) are q_a_proj, the remaining kv_lora_rank + qk_rope_head_dim rows kv_a_proj_with_mqa.
+MLA_FUSED_QKV_A = "self_attn.fused_qkv_a_proj.weight"
+MLA_QKV_A_PARTS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
 # The key that makes a config.json speculators' own: speculators' `from_pretrained` dispatches on it, and vLLM
 # reads a config that has it through its speculators config path.
 SPECULATORS_TYPE_KEY = "speculators_model_type"
@@ -121,6 +140,22 @@ def layer_index(name: str) -> int | None:
     name = speculators_name(name)
     index = name[len(LAYERS):].split(".", 1)[0] if name.startswith(LAYERS) else ""
     return int(index) if index.isdigit() else None
+
+
+def layer_shape(config: dict[str, Any]) -> str:
+    """LLAMA or MLA: the decoder layer a config of either layout describes (a speculators checkpoint by its
+    transformer_layer_config's model_type, a flat folder by its architecture)."""
+    if config_layout(config) == SPECULATORS:
+        layer = config.get("transformer_layer_config") or {}
+        return MLA if layer.get("model_type") in MLA_MODEL_TYPES else LLAMA
+    architectures = config.get("architectures") or []
+    return MLA if any(name in MLA_ARCHITECTURE_ALIASES for name in architectures) else LLAMA
+
+
+def flat_architecture_of(config: dict[str, Any]) -> str | None:
+    """The flat EAGLE-3 architecture a config names (either shape's), or None."""
+    known = (*FLAT_ARCHITECTURES.values(), *MLA_ARCHITECTURE_ALIASES)
+    return next((name for name in config.get("architectures") or [] if name in known), None)
 
 
 def config_layout(config: dict[str, Any]) -> str:

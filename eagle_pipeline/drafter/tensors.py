@@ -1,7 +1,8 @@
 """The tensors a drafter folder holds and the ones its config.json implies, as names, shapes and dtypes.
 
-Works on either config format (the flat `LlamaForCausalLMEagle3` or speculators' nested one) and reads
-only safetensors headers, never tensor data. `shape_problems` and `compare_with_reference` say how a folder's
+Works on either config format (the flat `LlamaForCausalLMEagle3` / `Eagle3DeepseekV2ForCausalLM` or speculators'
+nested one) and either layer shape (Llama or MLA, layouts.layer_shape), and reads only safetensors headers, never
+tensor data. `shape_problems` and `compare_with_reference` say how a folder's
 tensors differ from what its config implies or from a reference drafter's, one line per problem; stage 05's
 `shapes` check (drafter_checks/shapes.py) and the reading of a released drafter (released_drafter.py) use them.
 """
@@ -14,12 +15,17 @@ from typing import Any, Iterable
 
 from eagle_pipeline.drafter.layouts import (
     FLAT,
+    LLAMA,
+    MLA,
+    MLA_FUSED_QKV_A,
+    MLA_QKV_A_PARTS,
     SPECULATORS,
     VERIFIER_ONLY_KEYS,
     config_layout,
     flat_name,
     flat_norm_flags,
     layer_prefix,
+    layer_shape,
     speculators_norm_flags,
     weight_files,
 )
@@ -52,6 +58,28 @@ class DraftDims:
     mlp_bias: bool
     norm_before_fc: bool
     fc_norm: bool
+    # The decoder layer's shape (layouts.LLAMA or layouts.MLA) and, for MLA, its attention's dimensions (the
+    # target's: DeepSeek-V3 / Kimi-K2); head_dim is then the query/key head, qk_nope_head_dim + qk_rope_head_dim.
+    layer_shape: str = LLAMA
+    q_lora_rank: int | None = None  # None: one q_proj instead of q_a_proj / q_a_layernorm / q_b_proj
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+
+MLA_DIM_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_dims(layer: dict[str, Any]) -> dict[str, Any]:
+    """The MLA attention's dimensions from a config (flat or transformer_layer_config); q_lora_rank may be null."""
+    missing = [key for key in (*MLA_DIM_KEYS, "q_lora_rank") if key not in layer]
+    if missing:
+        raise BadInput(f"drafter config.json has no {missing[0]}; it cannot describe an MLA layer")
+    dims = {key: int(layer[key]) for key in MLA_DIM_KEYS}
+    q_lora = layer["q_lora_rank"]
+    dims["q_lora_rank"] = None if q_lora is None else int(q_lora)
+    return dims
 
 
 def draft_dims(config: dict[str, Any]) -> DraftDims:
@@ -75,23 +103,105 @@ def draft_dims(config: dict[str, Any]) -> DraftDims:
         intermediate = int(layer["intermediate_size"])
     except KeyError as missing:
         raise BadInput(f"drafter config.json has no {missing.args[0]}; it cannot describe an EAGLE-3 layer") from None
+    shape = layer_shape(config)
+    mla: dict[str, Any] = {}
+    if shape == MLA:
+        mla = mla_dims(layer)
+        # MLA has no key/value heads of its own (one latent for all heads) and no projection biases in vLLM's layer.
+        mla |= {"num_key_value_heads": heads, "head_dim": mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"],
+                "attention_bias": False, "mlp_bias": False}
     return DraftDims(
         format=fmt,
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or hidden // heads),
+        num_key_value_heads=mla.pop("num_key_value_heads", None) or int(layer.get("num_key_value_heads") or heads),
+        head_dim=mla.pop("head_dim", None) or int(layer.get("head_dim") or hidden // heads),
         intermediate_size=intermediate,
         vocab_size=vocab,
         draft_vocab_size=int(top.get("draft_vocab_size") or vocab),
         num_aux=num_aux,
         target_hidden_size=int(top.get("target_hidden_size") or hidden),
         num_layers=int(layer.get("num_hidden_layers", 1)),
-        attention_bias=bool(layer.get("attention_bias", False)),
-        mlp_bias=bool(layer.get("mlp_bias", False)),
-        norm_before_fc=flags["norm_before_fc"],
+        attention_bias=mla.pop("attention_bias", bool(layer.get("attention_bias", False))),
+        mlp_bias=mla.pop("mlp_bias", bool(layer.get("mlp_bias", False))),
+        # vLLM's MLA drafter has no input_norm: the flag cannot hold for it.
+        norm_before_fc=flags["norm_before_fc"] and shape == LLAMA,
         fc_norm=flags["fc_norm"],
+        layer_shape=shape,
+        **mla,
     )
+
+
+def mla_attention_shapes(dims: DraftDims, attn_in: int) -> dict[str, tuple[int, ...]]:
+    """The MLA attention's tensors (names inside a layer) as vLLM's DeepseekV2MLAAttention builds them."""
+    H, heads = dims.hidden_size, dims.num_attention_heads
+    qk_head = dims.qk_nope_head_dim + dims.qk_rope_head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if dims.q_lora_rank is None:
+        shapes["self_attn.q_proj.weight"] = (heads * qk_head, attn_in)
+    else:
+        shapes |= {"self_attn.q_a_proj.weight": (dims.q_lora_rank, attn_in),
+                   "self_attn.q_a_layernorm.weight": (dims.q_lora_rank,),
+                   "self_attn.q_b_proj.weight": (heads * qk_head, dims.q_lora_rank)}
+    return shapes | {
+        "self_attn.kv_a_proj_with_mqa.weight": (dims.kv_lora_rank + dims.qk_rope_head_dim, attn_in),
+        "self_attn.kv_a_layernorm.weight": (dims.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank),
+        "self_attn.o_proj.weight": (H, heads * dims.v_head_dim),
+    }
+
+
+def fused_qkv_a_rows(dims: DraftDims) -> tuple[int, int] | None:
+    """The rows of q_a_proj and kv_a_proj_with_mqa in a fused_qkv_a_proj; None where the layer has no such fusion."""
+    if dims.layer_shape != MLA or dims.q_lora_rank is None:
+        return None
+    return dims.q_lora_rank, dims.kv_lora_rank + dims.qk_rope_head_dim
+
+
+def split_fused(items: dict[str, Any], dims: DraftDims, split) -> dict[str, Any]:
+    """`items` (tensor name -> spec or tensor) with every MLA `fused_qkv_a_proj` replaced by its two parts, named
+    as the unfused layout names them; `split(item, rows)` cuts one item. A fused tensor where the config implies
+    none, or one whose rows are not q_lora_rank + kv_lora_rank + qk_rope_head_dim, is refused naming it."""
+    fused = [name for name in items if name.endswith(MLA_FUSED_QKV_A)]
+    if not fused:
+        return items
+    rows = fused_qkv_a_rows(dims)
+    out = dict(items)
+    for name in fused:
+        if rows is None:
+            raise BadInput(f"{name}: unexpected tensor; only an MLA layer with q_lora_rank fuses q_a_proj and "
+                           f"kv_a_proj_with_mqa")
+        prefix = name[: -len(MLA_FUSED_QKV_A)]
+        parts = [prefix + part for part in MLA_QKV_A_PARTS]
+        for part in parts:
+            if part in items:
+                raise BadInput(f"{name}: holds {part} a second time (fused and unfused); keep one")
+        item = out.pop(name)
+        for part, piece in zip(parts, split(item, rows, name)):
+            out[part] = piece
+    return out
+
+
+def _check_fused(shape: tuple[int, ...], rows: tuple[int, int], name: str) -> None:
+    if len(shape) != 2 or shape[0] != sum(rows):
+        raise BadInput(f"{name}: shape {_fmt(shape)} but the config implies [{sum(rows)}, *] "
+                       f"(q_lora_rank {rows[0]} + kv_lora_rank + qk_rope_head_dim {rows[1]})")
+
+
+def split_fused_specs(specs: dict[str, TensorSpec], dims: DraftDims) -> dict[str, TensorSpec]:
+    def split(spec: TensorSpec, rows: tuple[int, int], name: str) -> list[TensorSpec]:
+        _check_fused(spec.shape, rows, name)
+        return [TensorSpec((r, spec.shape[1]), spec.dtype) for r in rows]
+
+    return split_fused(specs, dims, split)
+
+
+def split_fused_tensors(tensors: dict[str, Any], dims: DraftDims) -> dict[str, Any]:
+    def split(tensor, rows: tuple[int, int], name: str) -> list:
+        _check_fused(tuple(tensor.shape), rows, name)
+        return [piece.contiguous() for piece in tensor.split(list(rows), dim=0)]
+
+    return split_fused(tensors, dims, split)
 
 
 def expected_tensor_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:
@@ -106,11 +216,16 @@ def expected_tensor_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:
         p = layer_prefix(index, dims.format)
         # The first layer attends over cat(embeds, hidden), the others over hidden only.
         attn_in = 2 * H if index == 0 else H
+        if dims.layer_shape == MLA:
+            shapes |= {p + name: shape for name, shape in mla_attention_shapes(dims, attn_in).items()}
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (q_out, attn_in),
+                p + "self_attn.k_proj.weight": (kv_out, attn_in),
+                p + "self_attn.v_proj.weight": (kv_out, attn_in),
+                p + "self_attn.o_proj.weight": (H, q_out),
+            }
         shapes |= {
-            p + "self_attn.q_proj.weight": (q_out, attn_in),
-            p + "self_attn.k_proj.weight": (kv_out, attn_in),
-            p + "self_attn.v_proj.weight": (kv_out, attn_in),
-            p + "self_attn.o_proj.weight": (H, q_out),
             p + "mlp.gate_proj.weight": (FF, H),
             p + "mlp.up_proj.weight": (FF, H),
             p + "mlp.down_proj.weight": (H, FF),

@@ -1,9 +1,11 @@
-"""A flat `LlamaForCausalLMEagle3` drafter written as a speculators EAGLE-3 checkpoint: the inverse of convert.py.
+"""A flat `LlamaForCausalLMEagle3` or `Eagle3DeepseekV2ForCausalLM` drafter written as a speculators EAGLE-3
+checkpoint: the inverse of convert.py.
 
 speculators reads only its own layout, both its trainer (`--from-pretrained`, for fine-tuning a flat folder:
 released_drafter.py) and its `Eagle3DraftModel` (for replaying one offline: predict/flat_drafter.py). The
-config is built with speculators' own classes from the flat config's fields (the decoder as a LlamaConfig,
-rope in either spelling), the tensors are renamed by layouts.py's table, and the folder always carries an
+config is built with speculators' own classes from the flat config's fields (the decoder as a LlamaConfig, or an
+MLA layer as a DeepseekV3Config, speculators' "deepseek_v3" layer; rope in either spelling), the tensors are
+renamed by layouts.py's table, and the folder always carries an
 embedding: speculators' `load_verifier_weights` fills only an embedding that loaded as NaN, and one missing
 from a folder loads as zeros. Which embedding, which aux layer ids and which norm flags are the caller's to
 decide, since fine-tuning and the replay read a flat folder differently.
@@ -15,21 +17,70 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.atomic import atomic_dir
-from eagle_pipeline.drafter.layouts import EMBED_KEY, NORM_FLAGS, SPECULATORS_ARCHITECTURE, WEIGHTS_NAME, speculators_name
-from eagle_pipeline.drafter.tensors import draft_dims
+from eagle_pipeline.drafter.layouts import (
+    EMBED_KEY,
+    MLA,
+    NORM_FLAGS,
+    SPECULATORS_ARCHITECTURE,
+    SPECULATORS_LAYER_TYPES,
+    WEIGHTS_NAME,
+    speculators_name,
+)
+from eagle_pipeline.drafter.tensors import draft_dims, split_fused_tensors
 
 if TYPE_CHECKING:
     import torch
 
 
-def decoder_config(flat_config: dict[str, Any]) -> dict[str, Any]:
-    """The draft decoder of a flat config as a LlamaConfig dict (speculators' transformer_layer_config)."""
+def rope_parameters(c: dict[str, Any]) -> dict[str, Any]:
+    """A flat config's rope as transformers 5's `rope_parameters`, from either spelling."""
+    params = dict(c.get("rope_parameters") or {})
+    if not params:  # transformers 4 spelling (SpecForge, the released drafters): rope_theta + rope_scaling
+        scaling = dict(c.get("rope_scaling") or {})
+        if "type" in scaling and "rope_type" not in scaling:  # the older key of the same field
+            scaling["rope_type"] = scaling.pop("type")
+        params = {"rope_type": "default", **scaling}
+        params["rope_theta"] = float(c.get("rope_theta", 10000.0))
+    return params
+
+
+def mla_decoder_config(flat_config: dict[str, Any]) -> dict[str, Any]:
+    """The MLA draft decoder of a flat `Eagle3DeepseekV2ForCausalLM` config as a DeepseekV3Config dict: one dense
+    SwiGLU layer (first_k_dense_replace covers every layer, no MoE), the target's MLA dimensions, interleaved rope."""
     c = flat_config
     dims = draft_dims(c)
-    params = dict(c.get("rope_parameters") or {})
-    if not params:  # transformers 4 spelling (SpecForge): rope_theta + rope_scaling
-        params = {"rope_type": "default", **(c.get("rope_scaling") or {})}
-        params["rope_theta"] = float(c.get("rope_theta", 10000.0))
+    return {
+        "model_type": SPECULATORS_LAYER_TYPES[MLA],
+        "vocab_size": dims.vocab_size,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_hidden_layers": dims.num_layers,
+        "first_k_dense_replace": dims.num_layers,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_attention_heads,
+        "q_lora_rank": dims.q_lora_rank,
+        "kv_lora_rank": dims.kv_lora_rank,
+        "qk_nope_head_dim": dims.qk_nope_head_dim,
+        "qk_rope_head_dim": dims.qk_rope_head_dim,
+        "v_head_dim": dims.v_head_dim,
+        "hidden_act": c.get("hidden_act", "silu"),
+        "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(c.get("max_position_embeddings", 4096)),
+        "rope_parameters": rope_parameters(c),
+        "rope_interleave": bool(c.get("rope_interleave", True)),
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def decoder_config(flat_config: dict[str, Any]) -> dict[str, Any]:
+    """The draft decoder of a flat config as a LlamaConfig dict (speculators' transformer_layer_config), or an MLA
+    layer's as a DeepseekV3Config dict (mla_decoder_config)."""
+    c = flat_config
+    dims = draft_dims(c)
+    if dims.layer_shape == MLA:
+        return mla_decoder_config(c)
+    params = rope_parameters(c)
     return {
         "model_type": "llama",
         "vocab_size": dims.vocab_size,
@@ -57,12 +108,13 @@ def speculators_config(flat_config: dict[str, Any], *, verifier_dir: Path, layer
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
+    from transformers import DeepseekV3Config, LlamaConfig
 
     dims = draft_dims(flat_config)
+    layer_class = DeepseekV3Config if dims.layer_shape == MLA else LlamaConfig
     config = Eagle3SpeculatorConfig(
         architectures=[SPECULATORS_ARCHITECTURE],
-        transformer_layer_config=LlamaConfig(**decoder_config(flat_config)),
+        transformer_layer_config=layer_class(**decoder_config(flat_config)),
         draft_vocab_size=dims.draft_vocab_size,
         target_hidden_size=dims.target_hidden_size,
         eagle_aux_hidden_state_layer_ids=[int(k) for k in layer_ids],
@@ -93,6 +145,8 @@ def write_speculators_folder(out_dir: str | Path, flat_config: dict[str, Any], t
 
     config = speculators_config(flat_config, verifier_dir=Path(verifier_dir), layer_ids=layer_ids, flags=flags,
                                 speculative_tokens=speculative_tokens)
+    # An MLA layer's fused_qkv_a_proj is written as speculators' two projections.
+    tensors = split_fused_tensors(tensors, draft_dims(flat_config))
     written = {speculators_name(name): tensor.contiguous() for name, tensor in sorted(tensors.items())}
     if EMBED_KEY in written:
         raise ValueError(f"pass the embedding as `embedding`, not among the drafter's tensors ({EMBED_KEY})")

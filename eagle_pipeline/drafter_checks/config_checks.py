@@ -8,8 +8,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.drafter.layouts import FLAT_ARCHITECTURE, NORM_FLAGS, SPECULATORS, config_layout, vllm_config_flags
+from eagle_pipeline.drafter.layouts import (
+    FLAT_ARCHITECTURES,
+    MLA,
+    MLA_MODEL_TYPES,
+    NORM_FLAGS,
+    SPECULATORS,
+    config_layout,
+    layer_shape,
+    vllm_config_flags,
+)
 from eagle_pipeline.drafter.tensors import draft_dims
+
+# vLLM's model class for each layer shape (llama_eagle3.py, deepseek_eagle3.py).
+VLLM_MODEL_CLASSES = {"llama": "Eagle3LlamaForCausalLM", MLA: "Eagle3DeepseekV2ForCausalLM"}
 
 
 def is_speculators_config(config: dict[str, Any]) -> bool:
@@ -28,9 +40,19 @@ def _dotted(config: dict[str, Any], key: str) -> Any:
 def flat_config_problems(config: dict[str, Any], target: dict[str, Any], engine: str = "vllm") -> list[str]:
     """Fields the engines read, present and consistent with the target (docs/formats.md, "config.json fields")."""
     problems = []
-    if config.get("architectures") != [FLAT_ARCHITECTURE]:
-        problems.append(f"architectures is {config.get('architectures')}, expected [{FLAT_ARCHITECTURE!r}]")
-    if config.get("model_type") != "llama":
+    shape = layer_shape(config)
+    architecture = FLAT_ARCHITECTURES[shape]
+    if config.get("architectures") != [architecture]:
+        problems.append(f"architectures is {config.get('architectures')}, expected [{architecture!r}]")
+    if shape == MLA:
+        if config.get("model_type") not in MLA_MODEL_TYPES:
+            problems.append(f"model_type is {config.get('model_type')!r}, expected one of {list(MLA_MODEL_TYPES)} "
+                            "(vLLM builds the MLA layer from a DeepSeek config)")
+        if config.get("norm_before_fc"):
+            problems.append("norm_before_fc is true; vLLM's Eagle3DeepseekV2ForCausalLM has no input_norm")
+        if engine == "sglang":
+            problems.append("an MLA drafter in an SGLang folder; SGLang's llama_eagle3 runs Llama layers only")
+    elif config.get("model_type") != "llama":
         problems.append(f"model_type is {config.get('model_type')!r}, expected 'llama'")
     for name in NORM_FLAGS:
         if name not in config:
@@ -92,9 +114,11 @@ def transformers_parse(drafter_dir: Path, config: dict[str, Any]) -> tuple[dict[
             parsed = Eagle3SpeculatorConfig.from_pretrained(str(drafter_dir))
             summary = {"class": type(parsed).__name__, "draft_vocab_size": parsed.draft_vocab_size}
         else:
-            from transformers import AutoConfig
+            from transformers import AutoConfig, DeepseekV3Config
 
-            parsed = AutoConfig.from_pretrained(str(drafter_dir))
+            # transformers has no kimi_k2 config; vLLM reads that model_type as DeepseekV3Config, and so does this.
+            reader = DeepseekV3Config if config.get("model_type") == "kimi_k2" else AutoConfig
+            parsed = reader.from_pretrained(str(drafter_dir))
             summary = {"class": type(parsed).__name__}
             # transformers keeps unknown fields as attributes; a field it dropped would be invisible to SGLang.
             for key in ("draft_vocab_size", "eagle_config", "target_hidden_size", *NORM_FLAGS):
@@ -133,8 +157,9 @@ def vllm_config_problems(config: dict[str, Any], view: dict[str, Any], check_lay
     if "error" in view:
         return [f"vLLM's config loader failed: {view['error']}"]
     problems = []
-    if view.get("model_class") != "Eagle3LlamaForCausalLM":
-        problems.append(f"vLLM resolves the drafter to {view.get('model_class')}, not Eagle3LlamaForCausalLM")
+    model_class = VLLM_MODEL_CLASSES[layer_shape(config)]
+    if view.get("model_class") != model_class:
+        problems.append(f"vLLM resolves the drafter to {view.get('model_class')}, not {model_class}")
     dims = draft_dims(config)
     if view.get("draft_vocab_size") != dims.draft_vocab_size:
         problems.append(f"vLLM reads draft_vocab_size {view.get('draft_vocab_size')}, the file says {dims.draft_vocab_size}")

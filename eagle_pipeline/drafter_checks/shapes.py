@@ -17,6 +17,7 @@ from eagle_pipeline.drafter.tensors import (
     optional_tensor_specs,
     read_tensor_specs,
     shape_problems,
+    split_fused_specs,
     vocab_map_problems,
 )
 from eagle_pipeline.errors import BadInput
@@ -27,17 +28,20 @@ def reference_specs(reference_dir: Path) -> tuple[dict[str, TensorSpec], str]:
     config_path = reference_dir / "config.json"
     if not config_path.exists():
         raise BadInput(f"{config_path} is missing; convert.reference_dir must be a drafter folder")
+    config = json.loads(config_path.read_text())
     try:
-        return read_tensor_specs(reference_dir), "weights"
+        specs = read_tensor_specs(reference_dir)
     except BadInput:
-        config = json.loads(config_path.read_text())
         return expected_tensor_specs(config) | optional_tensor_specs(config), "config.json only"
+    # A released MLA drafter may store fused_qkv_a_proj; it is compared as the two projections a folder writes.
+    return split_fused_specs(specs, draft_dims(config)), "weights"
 
 
 def check_shapes(drafter_dir: str | Path, reference_dir: str | Path | None = None) -> dict[str, Any]:
     drafter_dir = Path(drafter_dir)
     config = json.loads((drafter_dir / "config.json").read_text())
-    specs = read_tensor_specs(drafter_dir)
+    # vLLM loads an MLA layer's fused_qkv_a_proj as it stands; the shapes are those of its two parts.
+    specs = split_fused_specs(read_tensor_specs(drafter_dir), draft_dims(config))
     problems = shape_problems(specs, config)
     problems += vocab_map_problems(drafter_dir, specs, config)
     detail: dict[str, Any] = {"format": draft_dims(config).format, "num_tensors": len(specs),
