@@ -481,7 +481,9 @@ class VocabConfig(Section):
 
 
 class DraftShape(Section):
-    """An explicit drafter layer shape (Llama decoder layer); None fields come from the verifier."""
+    """An explicit drafter layer shape; None fields come from the verifier. A Llama layer needs the heads, head_dim
+    and intermediate_size; an MLA layer (train.draft_layer: mla) keeps the verifier's MLA head dimensions and
+    takes num_attention_heads, intermediate_size, hidden_act, rope_theta, rms_norm_eps, max_position_embeddings."""
 
     hidden_size: Optional[int] = Field(None, ge=1, le=MAX_WIDTH)
     num_hidden_layers: Optional[int] = Field(None, ge=1, le=256)
@@ -533,6 +535,9 @@ class TrainConfig(Section):
     num_gpus: int = Field(0, ge=0, le=MAX_PARALLEL, description="0 trains on the CPU; 1 or more launches torch.distributed.run")
     fsdp_shard: bool = Field(False, description="multi-GPU: shard the drafter with FSDP instead of replicating it")
     draft_shape: Optional[DraftShape] = Field(None, description="explicit drafter shape; None derives it from the verifier")
+    draft_layer: Literal["llama", "mla"] = Field(
+        "llama", description="the drafter's decoder layer: llama (Llama-shaped attention) or mla (the target's MLA "
+                             "attention, vLLM's Eagle3DeepseekV2ForCausalLM)")
     # speculators' EAGLE-3 defaults; drafters trained with SpecForge (and SGLang) use all False.
     norm_before_residual: bool = True
     norm_before_fc: bool = True
@@ -561,7 +566,8 @@ class TrainConfig(Section):
     @field_validator("fc_norm")
     @classmethod
     def _one_fc_norm(cls, fc_norm, info):
-        if fc_norm and info.data.get("norm_before_fc"):
+        # An MLA drafter has no input norm (_mla_has_no_input_norm), so its fc_norm stands alone.
+        if fc_norm and info.data.get("norm_before_fc") and info.data.get("draft_layer") != "mla":
             raise ValueError("speculators allows only one of norm_before_fc and fc_norm; set one false")
         return fc_norm
 
@@ -571,6 +577,17 @@ class TrainConfig(Section):
         if convention is not None and not info.data.get("init_from"):
             raise ValueError("names the layer-id convention of train.init_from, which is not set; set both or neither")
         return convention
+
+    @model_validator(mode="after")
+    def _mla_has_no_input_norm(self):
+        # vLLM's Eagle3DeepseekV2ForCausalLM has no input norm before fc: an MLA drafter trains without one, the
+        # default true giving way, an explicit true refused.
+        if self.draft_layer == "mla" and self.norm_before_fc:
+            if "norm_before_fc" in self.model_fields_set:
+                raise cross_field("norm_before_fc", "draft_layer mla has no norm before fc (vLLM's "
+                                                    "Eagle3DeepseekV2ForCausalLM reads none); set norm_before_fc false")
+            self.norm_before_fc = False
+        return self
 
 
 class ConvertConfig(Section):

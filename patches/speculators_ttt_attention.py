@@ -1,5 +1,5 @@
-"""The drafter's attention during training on the CPU, computed over the keys it can see. Targets speculators
-0.9.0 (and transformers 5.19's attention-function interface).
+"""The drafter's attention during training on the CPU (an MLA drafter's on every device), computed over the keys
+it can see. Targets speculators 0.9.0 (and transformers 5.19's attention-function interface).
 
 speculators trains an EAGLE-3 drafter with test-time training (TTT): each of `ttt_steps` passes runs the
 decoder layer over the whole packed batch of L tokens again, and its keys and values are appended to one
@@ -17,10 +17,16 @@ diagonal is formed, so that part of the mask is not read. The arithmetic is eage
 agree with the fused kernel's to rounding (tests/test_ttt_attention.py: outputs and gradients against
 transformers' SDPA path on speculators' own masks), not bit for bit.
 
-`apply()` wraps `Eagle3DraftModel.forward`: on a host without an accelerator, and only for a drafter
-built with `sdpa` attention, its layers use `block_attention` for the length of that call and SDPA again
-afterwards. Nothing else changes: `eagle_pipeline/predict/` (which drives the layers with a KV cache of its
-own) and a GPU host (flex attention with block masks, compiled) keep upstream's attention.
+`apply()` wraps `Eagle3DraftModel.forward`: for a drafter built with `sdpa` attention, on a host without an
+accelerator or, on every host, when its layer is MLA (patches/speculators_mla.py), its layers use
+`block_attention` for the length of that call and SDPA again afterwards. An MLA layer's queries and keys are
+qk_nope_head_dim + qk_rope_head_dim wide (192 for Kimi-K2.5) and its values v_head_dim (128): speculators'
+flex-attention path is not used for it (patches/speculators_mla.py builds MLA drafters with dense masks), and
+SDPA given the dense [L, (k + 1) L] mask computes every score behind it on a GPU as on the CPU;
+`block_attention` takes the value width from the values and forms only the scores that count, one tested
+arithmetic on every device. Nothing else changes:
+`eagle_pipeline/predict/` (which drives the layers with a KV cache of its own) and a Llama drafter on a GPU
+host (flex attention with block masks, compiled) keep upstream's attention.
 
 The functions relied on are fingerprinted; `apply` refuses another speculators version or a changed
 source, and tests/test_ttt_attention.py fails on the same condition.
@@ -36,6 +42,7 @@ from contextlib import contextmanager
 import torch
 
 from patches.speculators_cpu import check_version, require_unchanged_sources
+from patches.speculators_mla import is_mla_layer_config
 
 ATTENTION_NAME = "eagle3_ttt_blocks"
 
@@ -51,6 +58,9 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     # transformers' Llama attention (the drafter's layer type): hands the mask and the cached keys to the
     # attention function its config names.
     "transformers.models.llama.modeling_llama:LlamaAttention.forward": "dc6807936ef6103d2675e82361b9c82359d43356a331140bbb1a974595522bff",
+    # transformers' MLA attention (an MLA drafter's layer): expands the cached latent into per-head keys
+    # (qk_nope + qk_rope wide) and values (v_head_dim wide) and hands them to the function its config names.
+    "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3Attention.forward": "d51be5973c10f50356175dd8822ef97d1c09d17a5da620923d8761098287c66b",
 }
 
 _installed = False
@@ -65,11 +75,12 @@ def _sdpa(*args, **kwargs):
 def block_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention-function interface: query [B, H, L, D], key and value [B, KV, S, D] with
-    S = steps * L, a boolean mask [1 or B, 1, L, S]; returns ([B, L, H, D], None). Anything that is not a
-    TTT step (no boolean mask, S not a multiple of L, dropout, a mask per head) goes to transformers' SDPA."""
+    """transformers attention-function interface: query [B, H, L, D], key [B, KV, S, D] and value [B, KV, S, Dv]
+    with S = steps * L (Dv = D for Llama, v_head_dim for MLA), a boolean mask [1 or B, 1, L, S]; returns
+    ([B, L, H, Dv], None). Anything that is not a TTT step (no boolean mask, S not a multiple of L, dropout, a
+    mask per head) goes to transformers' SDPA."""
     batch, heads, length, head_dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, value_dim = key.shape[1], value.shape[-1]
     steps, remainder = divmod(key.shape[2], length)
     if (attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.shape[1] != 1
             or attention_mask.shape[-1] != key.shape[2] or remainder or dropout or heads % kv_heads):
@@ -87,15 +98,17 @@ def block_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     scores = torch.cat([context_scores, *[s.to(context_scores.dtype) for s in draft_scores]], dim=-1) * scale
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     output = torch.matmul(weights[..., :length].reshape(batch, kv_heads, group * length, length),
-                          value[:, :, :length]).view(batch, kv_heads, group, length, head_dim)
+                          value[:, :, :length]).view(batch, kv_heads, group, length, value_dim)
     for j in range(1, steps):
         output = output + weights[..., length + j - 1:length + j] * value[:, :, None, j * length:(j + 1) * length]
-    return output.reshape(batch, heads, length, head_dim).transpose(1, 2).contiguous(), None
+    return output.reshape(batch, heads, length, value_dim).transpose(1, 2).contiguous(), None
 
 
 def uses_block_attention(model) -> bool:
-    """Whether this drafter's training forward takes `block_attention`: no accelerator, SDPA chosen."""
-    return not torch.accelerator.is_available() and model._attn_impl == "sdpa"
+    """Whether this drafter's training forward takes `block_attention`: SDPA chosen, and no accelerator or an
+    MLA layer."""
+    return model._attn_impl == "sdpa" and (not torch.accelerator.is_available()
+                                           or is_mla_layer_config(model.config.transformer_layer_config))
 
 
 @contextmanager

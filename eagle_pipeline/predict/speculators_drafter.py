@@ -6,7 +6,10 @@ draft steps fed the drafter's own previous hidden output and the embedding of it
 (vllm/model_executor/models/llama_eagle3.py:124-151 and 261-288; vllm/v1/spec_decode/llm_base_proposer.py
 689-768). The layer math is speculators' (`Eagle3FirstLayerMixin.forward`), which equals vLLM's
 `LlamaDecoderLayer.forward` in llama_eagle3.py (norm the embedding with `input_layernorm`, the hidden part
-with `hidden_norm`, residual from the normed hidden only with `norm_before_residual`). Rows sit at vLLM's
+with `hidden_norm`, residual from the normed hidden only with `norm_before_residual`); an MLA drafter's layer
+(patches/speculators_mla.py) equals `DeepseekV2Eagle3DecoderLayer.forward` in deepseek_eagle3.py the same way,
+and its attention keeps the compressed latent (normed kv latent and rotated rope key) in the same DynamicCache,
+as vLLM's MLA caches it, expanding it to every head's keys and values at each step. Rows sit at vLLM's
 positions (row p at p, draft step j at p + j); speculators' training puts row p at p + 1 (its
 `shift_batch`), which rotary embeddings cannot tell apart, as only relative positions enter attention.
 
@@ -46,6 +49,9 @@ def load_drafter(drafter_dir: str | os.PathLike, *, load_verifier: bool = True,
     """
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
+    from patches import speculators_mla
+
+    speculators_mla.apply()  # an MLA drafter's layer class (transformer_layer_config.model_type deepseek_v3)
     config = Eagle3SpeculatorConfig.from_pretrained(str(drafter_dir))
     config.transformer_layer_config._attn_implementation = "sdpa"
     model = Eagle3DraftModel.from_pretrained(str(drafter_dir), config=config)

@@ -1,5 +1,8 @@
 """The drafter's decoder: derived from the verifier or built from an explicit `train.draft_shape`, and
-the check that a drafter to fine-tune from (`train.init_from`) has exactly this run's shape."""
+the check that a drafter to fine-tune from (`train.init_from`) has exactly this run's shape.
+
+`train.draft_layer` chooses the layer: a Llama decoder (a LlamaConfig), or the verifier's own MLA attention (a
+DeepseekV3Config that patches/speculators_mla.py trains, served by vLLM's Eagle3DeepseekV2ForCausalLM)."""
 
 from __future__ import annotations
 
@@ -18,8 +21,14 @@ from eagle_pipeline.train.settings import TrainRun
 DRAFT_CONFIG_FILE = "draft_config.json"
 # draft_shape keys without a default: the verifier's attention and MLP need not suit a one-layer drafter.
 REQUIRED_SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+# The draft_shape keys an MLA layer takes; its head dimensions are the verifier's MLA latent's.
+MLA_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+                  "rope_theta", "rms_norm_eps", "max_position_embeddings")
+# The verifier's MLA dimensions an MLA drafter keeps.
+MLA_DIM_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # The decoder fields that must agree between this run and a drafter it fine-tunes.
 COMPARED_SHAPE_KEYS = (
+    "model_type",
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
@@ -29,17 +38,30 @@ COMPARED_SHAPE_KEYS = (
     "hidden_act",
     "rope_theta",
     "layer_types",
+    *MLA_DIM_KEYS,
 )
 
 
-def check_draft_shape(train: TrainConfig, verifier_hidden_size: int) -> None:
-    """Refuse an explicit train.draft_shape that cannot be built for this verifier: keys left out, a hidden
-    size other than the target's, heads that do not group evenly. Stage 04 calls it in its dry run and before
-    `--force` deletes anything; the trainer would refuse the same only after that."""
+def _field(text_config: Any, name: str, default: Any = None) -> Any:
+    """A field of the verifier's text config, a dict (verifier.Verifier.text_config) or a transformers config."""
+    if isinstance(text_config, Mapping):
+        return text_config.get(name, default)
+    return getattr(text_config, name, default)
+
+
+def check_draft_shape(train: TrainConfig, verifier_text_config: Any) -> None:
+    """Refuse a drafter that cannot be built for this verifier: an MLA layer for a verifier without MLA (or with
+    rope settings vLLM's MLA drafter computes differently), an explicit train.draft_shape with keys left out or
+    keys its layer does not take, a hidden size other than the target's, heads that do not group evenly. Stage 04
+    calls it in its dry run and before `--force` deletes anything; the trainer would refuse the same only after
+    that. `verifier_text_config`: the verifier's text config, a dict or a transformers config."""
+    verifier_hidden_size = int(_field(verifier_text_config, "hidden_size"))
     shape = train.draft_shape.model_dump(exclude_none=True) if train.draft_shape else {}
+    if train.draft_layer == "mla":
+        _check_mla(shape, verifier_text_config)
     if not shape:  # every field left out: the shape comes from the verifier
         return
-    missing = set(REQUIRED_SHAPE_KEYS) - set(shape)
+    missing = set(REQUIRED_SHAPE_KEYS) - set(shape) if train.draft_layer == "llama" else set()
     if missing:
         raise BadInput(f"train.draft_shape: missing keys {sorted(missing)}; give all of {sorted(REQUIRED_SHAPE_KEYS)}, "
                        f"or leave draft_shape out to derive the shape from the verifier")
@@ -49,6 +71,8 @@ def check_draft_shape(train: TrainConfig, verifier_hidden_size: int) -> None:
             f"train.draft_shape.hidden_size: {hidden} differs from the verifier's hidden size "
             f"{verifier_hidden_size}; an EAGLE-3 drafter must match it (leave hidden_size out)"
         )
+    if train.draft_layer == "mla":
+        return
     heads, kv_heads = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
     if heads % kv_heads:
         raise BadInput(
@@ -56,9 +80,79 @@ def check_draft_shape(train: TrainConfig, verifier_hidden_size: int) -> None:
         )
 
 
+def _check_mla(shape: Mapping[str, Any], text_config: Any) -> None:
+    from patches.speculators_mla import rope_mismatch
+
+    if not _field(text_config, "kv_lora_rank"):
+        model_type = _field(text_config, "model_type")
+        raise BadInput(f"train.draft_layer: mla needs a verifier with MLA attention (kv_lora_rank in its config; "
+                       f"DeepSeek-V3, Kimi-K2), this one is {model_type!r}; set draft_layer llama")
+    foreign = sorted(set(shape) - set(MLA_SHAPE_KEYS))
+    if foreign:
+        raise BadInput(f"train.draft_shape: {', '.join(foreign)} do not apply to draft_layer mla (its heads are the "
+                       f"verifier's {'/'.join(MLA_DIM_KEYS[2:])}, every head its own key); leave them out")
+    if int(shape.get("num_hidden_layers", 1)) != 1:
+        raise BadInput(f"train.draft_shape.num_hidden_layers: {shape['num_hidden_layers']}, but an MLA drafter has "
+                       f"one decoder layer (as vLLM's Eagle3DeepseekV2ForCausalLM is served); leave it out")
+    act = shape.get("hidden_act", _field(text_config, "hidden_act", "silu"))
+    if act != "silu":
+        raise BadInput(f"train.draft_shape.hidden_act: {act}, but vLLM's MLA drafter MLP is SiLU only; set silu")
+    problem = rope_mismatch(_mla_rope(text_config, shape))
+    if problem:
+        raise BadInput(f"train.draft_layer: mla, but the verifier's rope has {problem}; set draft_layer llama")
+
+
+def _mla_rope(text_config: Any, shape: Mapping[str, Any]) -> dict[str, Any]:
+    """The MLA drafter's rope parameters: the verifier's (YaRN included), its theta replaced by draft_shape's."""
+    params = _field(text_config, "rope_parameters") or _field(text_config, "rope_scaling") or {}
+    params = {**params} if isinstance(params, Mapping) else {}
+    if "rope_type" not in params:
+        params["rope_type"] = params.pop("type", "default")
+    params["rope_theta"] = float(shape.get("rope_theta", _rope_theta(text_config)))
+    return params
+
+
+def build_mla_draft_config(train: TrainConfig, text_config: Any) -> dict[str, Any]:
+    """The MLA draft decoder as a DeepseekV3Config dict: one dense layer with the verifier's MLA dimensions and
+    rope, draft_shape's heads, MLP width, eps and positions where given."""
+    from transformers import DeepseekV3Config
+
+    shape = train.draft_shape.model_dump(exclude_none=True) if train.draft_shape else {}
+    check_draft_shape(train, text_config)
+    config = DeepseekV3Config(
+        vocab_size=int(_field(text_config, "vocab_size")),
+        hidden_size=int(_field(text_config, "hidden_size")),
+        intermediate_size=int(shape.get("intermediate_size", _field(text_config, "intermediate_size"))),
+        num_hidden_layers=1,
+        # Dense: vLLM's EAGLE-3 MLA layer has an MLP, never experts.
+        first_k_dense_replace=1,
+        num_attention_heads=int(shape.get("num_attention_heads", _field(text_config, "num_attention_heads"))),
+        num_key_value_heads=int(shape.get("num_attention_heads", _field(text_config, "num_attention_heads"))),
+        q_lora_rank=None if _field(text_config, "q_lora_rank") is None else int(_field(text_config, "q_lora_rank")),
+        kv_lora_rank=int(_field(text_config, "kv_lora_rank")),
+        qk_nope_head_dim=int(_field(text_config, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_field(text_config, "qk_rope_head_dim")),
+        v_head_dim=int(_field(text_config, "v_head_dim")),
+        hidden_act="silu",
+        max_position_embeddings=int(shape.get("max_position_embeddings",
+                                              _field(text_config, "max_position_embeddings"))),
+        rms_norm_eps=float(shape.get("rms_norm_eps", _field(text_config, "rms_norm_eps", 1e-6))),
+        rope_parameters=_mla_rope(text_config, shape),
+        # vLLM's MLA rotates interleaved pairs (is_neox_style False), whatever the verifier's config says.
+        rope_interleave=True,
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+    return config.to_dict()
+
+
 def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: Any) -> dict[str, Any]:
-    """The draft decoder as a LlamaConfig dict: explicit from train.draft_shape, or derived from the verifier."""
+    """The draft decoder as a LlamaConfig dict: explicit from train.draft_shape, or derived from the verifier; with
+    train.draft_layer mla a DeepseekV3Config dict (build_mla_draft_config)."""
     from transformers import LlamaConfig
+
+    if train.draft_layer == "mla":
+        return build_mla_draft_config(train, verifier_text_config)
 
     # A draft_shape with every field left out is no explicit shape.
     shape = train.draft_shape.model_dump(exclude_none=True) if train.draft_shape else {}
@@ -78,7 +172,7 @@ def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: 
             )
         return config.to_dict()
 
-    check_draft_shape(train, int(verifier_text_config.hidden_size))
+    check_draft_shape(train, verifier_text_config)
     hidden = int(shape.get("hidden_size", verifier_text_config.hidden_size))
     heads, kv_heads = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"])
     layers = int(shape.get("num_hidden_layers", 1))
@@ -106,10 +200,10 @@ def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: 
 
 
 def _rope_theta(text_config: Any) -> float:
-    params = getattr(text_config, "rope_parameters", None) or {}
+    params = _field(text_config, "rope_parameters") or {}
     if isinstance(params, Mapping) and "rope_theta" in params:
         return float(params["rope_theta"])
-    return float(getattr(text_config, "rope_theta", 10000.0))
+    return float(_field(text_config, "rope_theta", 10000.0))
 
 
 def _shape_of(layer_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,6 +211,7 @@ def _shape_of(layer_config: Mapping[str, Any]) -> dict[str, Any]:
     from transformers import AutoConfig
 
     config = type(AutoConfig.for_model(layer_config.get("model_type", "llama"))).from_dict(dict(layer_config))
+    # The layer shape named as stage 04 names it: speculators' layer config model_type (llama or deepseek_v3).
     shape = {key: getattr(config, key, None) for key in COMPARED_SHAPE_KEYS if key != "rope_theta"}
     if shape["head_dim"] is None:
         shape["head_dim"] = config.hidden_size // config.num_attention_heads

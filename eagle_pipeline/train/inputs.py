@@ -27,7 +27,7 @@ def check_inputs(train: TrainConfig, run: TrainRun) -> Any:
     num_layers = int(text_config.num_hidden_layers)
     check_layer_ids(run.layer_ids, num_layers)
 
-    check_draft_shape(train, int(text_config.hidden_size))
+    check_draft_shape(train, text_config)
     load_vocab_map(run.d2t_path, run.t2d_path, vocab_size=int(text_config.vocab_size))
 
     _check_training_data(train, run, int(text_config.hidden_size))

@@ -108,8 +108,9 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
         "--seed", str(run.seed),
         # Hidden states all come from stage 02; a missing file is an error, not a request to a vLLM server.
         "--on-missing", "raise",
-        # flex attention has no CPU backward; the fused loss needs a Triton GPU driver.
-        "--draft-attn-impl", "sdpa" if on_cpu else "simple_flex_attention",
+        # flex attention has no CPU backward, and an MLA layer's attention takes dense masks on every device
+        # (patches/speculators_ttt_attention.py); the fused loss needs a Triton GPU driver.
+        "--draft-attn-impl", "sdpa" if on_cpu or train.draft_layer == "mla" else "simple_flex_attention",
         "--loss-implementation", "eager" if on_cpu else "fused",
         "--checkpoint-freq", "1",
         "--log-freq", "1",
@@ -183,6 +184,7 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     from patches import (
         speculators_capture_stop,
         speculators_cpu,
+        speculators_mla,
         speculators_packing,
         speculators_sample_check,
         speculators_stop,
@@ -193,6 +195,8 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     # Rank 0 replays each epoch's checkpoint while the other ranks wait at their next collective.
     torch_process_group_timeout.apply(PROCESS_GROUP_TIMEOUT_S)
     speculators_cpu.apply()
+    # An MLA drafter's layer (train.draft_layer: mla), registered with speculators; inert for Llama drafters.
+    speculators_mla.apply()
     speculators_packing.apply(train.packing)
     speculators_ttt_attention.apply()
     # Online: a capture server that stays away stops training at the first sample it fails.
