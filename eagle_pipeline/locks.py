@@ -4,6 +4,20 @@ per GPU on the host (two runs never load a model onto the same GPUs).
 A lock is an advisory `flock` on a file that also records its holder (pid, host, run, stage, start time,
 command). The kernel releases the flock when the holder dies however it dies, so a lock left by a dead
 process is taken over at once; its record is then reported as a note. A refusal names the live holder.
+
+The run lock of a detached job (scripts/launch.sh, scripts/jobs.sh: one job per run) is the same kind of lock,
+taken and read through this module's command line:
+
+    python -m eagle_pipeline.locks hold LOCK [--link PATH] [KEY=VALUE ...] -- COMMAND ...
+    python -m eagle_pipeline.locks state|describe|clear LOCK
+    python -m eagle_pipeline.locks get LOCK KEY
+
+`hold` takes LOCK (exit 2 with one `error:` line naming the holder when a live process has it), records its own
+pid and process group with the KEY=VALUEs, links PATH to LOCK while it holds it, runs COMMAND and exits with
+its exit code; SIGTERM, SIGINT and SIGHUP are left to COMMAND (a stop signals the job's whole process group),
+so the lock is held until COMMAND has ended. `state` prints live, stale (a record left by a holder that ended
+without releasing) or free; `get` one field of the record, `describe` the record in one line; `clear` empties a
+stale record (exit 1 while a live process holds the lock).
 """
 
 from __future__ import annotations
@@ -11,7 +25,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +75,9 @@ def holder_record(**what: Any) -> dict[str, Any]:
 
 
 def describe(record: dict[str, Any]) -> str:
+    if "stages" in record:  # a detached job's run lock
+        return (f"stages {record['stages']} of {record.get('config')} (pid {record.get('pid')} on "
+                f"{record.get('host')}, started {record.get('started')})")
     parts = [f"pid {record.get('pid')} on {record.get('host')}", f"started {record.get('started')}"]
     if record.get("run"):
         parts.insert(0, f"run {record['run']!r} stage {record.get('stage')}")
@@ -147,3 +166,95 @@ def take_gpu_locks(record: dict[str, Any], held: HeldLocks, lock_dir: Path | Non
              busy=f"GPU {gpu} is in use by another pipeline job; wait for it, stop it (scripts/remote.sh stop), or give "
                   f"this run other GPUs with env: {{CUDA_VISIBLE_DEVICES: ...}} in its config", shared_by_users=True)
     return gpus
+
+
+def probe(path: Path) -> tuple[str, dict[str, Any] | None]:
+    """("live", the holder's record) while a process holds the lock at `path`; ("stale", its record) when a holder
+    ended without releasing it; ("free", None) otherwise. The probe holds a shared lock for an instant."""
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        return "free", None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "live", _read_record(f)
+        record = _read_record(f)
+        return ("stale", record) if record else ("free", None)
+
+
+def clear(path: Path) -> bool:
+    """Empty the record a holder that ended left at `path`; False (and nothing changed) while one is live."""
+    try:
+        f = open(path, "r+")
+    except FileNotFoundError:
+        return True
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        f.truncate()
+        return True
+
+
+def hold(path: Path, fields: dict[str, str], command: list[str], link: Path | None = None) -> int:
+    """Run `command` while holding the lock at `path` (recording this process, its process group and `fields`);
+    its exit code, 128 + the signal that ended it. BadInput naming the holder when a live process has the lock."""
+    with HeldLocks() as held:
+        take(path, holder_record(pgid=os.getpgrp(), **fields), held,
+             busy="wait for it to end, or stop it with scripts/jobs.sh stop")
+        for note in held.notes:
+            print(f"note: {note}", file=sys.stderr, flush=True)
+        if link is not None:
+            link.unlink(missing_ok=True)
+            link.symlink_to(path)
+        # A handler, not SIG_IGN: an ignored signal would stay ignored in `command`, a handler is reset by exec.
+        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(number, lambda *_: None)
+        try:
+            code = subprocess.call(command)
+        finally:
+            if link is not None:
+                link.unlink(missing_ok=True)
+        return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str]) -> int:
+    usage = ("usage: python -m eagle_pipeline.locks hold LOCK [--link PATH] [KEY=VALUE ...] -- COMMAND ... | "
+             "state|describe|clear LOCK | get LOCK KEY")
+    action, args = (argv[0], argv[1:]) if argv else ("", [])
+    if action == "hold" and "--" in args and args.index("--") >= 1 and args[-1] != "--":
+        split = args.index("--")
+        lock, options, command = Path(args[0]), args[1:split], args[split + 1:]
+        link = None
+        if options[:1] == ["--link"] and len(options) >= 2:
+            link, options = Path(options[1]), options[2:]
+        if not all("=" in option for option in options):
+            print(f"error: {usage}", file=sys.stderr)
+            return 2
+        try:
+            return hold(lock, dict(option.split("=", 1) for option in options), command, link)
+        except BadInput as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if action in ("state", "describe", "clear") and len(args) == 1 or action == "get" and len(args) == 2:
+        lock = Path(args[0])
+        if action == "clear":
+            return 0 if clear(lock) else 1
+        state, record = probe(lock)
+        if action == "state":
+            print(state)
+        elif action == "describe":
+            print(describe(record or {}))
+        else:
+            value = (record or {}).get(args[1], "")
+            print(value)
+        return 0
+    print(f"error: {usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

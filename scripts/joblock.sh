@@ -1,41 +1,42 @@
 # Shared by launch.sh and jobs.sh (sourced, not run): the run lock that lets one job at a time use a run.
 #
 # A job is one detached runner (written by launch.sh) running one or more stages of one run. While it
-# lives it holds <run>/logs/run.lock, a file of key=value lines:
-#   pid, pid_start   the runner's pid and its start time (so a pid reused after a reboot is not "alive")
-#   pgid             its process group: stop signals the whole group (stage + its engine workers)
-#   host, started, stages, config, command, runner
-# and <code folder>/logs/jobs/<run name>.lock links to it, so `sync` can see every job of the folder.
+# lives, `python -m eagle_pipeline.locks hold` holds <run>/logs/run.lock for it: a flock, as every lock of the
+# pipeline (eagle_pipeline/locks.py), released by the kernel however the job ends, whose record (JSON) names
+#   pid, pgid        the holder (the runner's first process) and its process group: stop signals the whole
+#                    group (runner, stage and its engine workers)
+#   host, started, run, stages, config, command, launch
+# and <code folder>/logs/jobs/<run name>.lock links to it while it is held, so `sync` can see every job of the
+# folder.
 
-# The start time of a process (clock ticks since boot, from /proc), empty where /proc has none.
-proc_start() {
-  [ -r "/proc/$1/stat" ] || return 0
-  sed 's/^.*) //' "/proc/$1/stat" | cut -d' ' -f20
+# The Python that reads and takes the locks: the run's .venv, else the system's (locks.py needs no package).
+lock_python() {
+  if [ -x .venv/bin/python ]; then echo .venv/bin/python; else echo python3; fi
 }
 
-# The process group of a process, from /proc (empty where /proc has none).
-proc_pgid() {
-  [ -r "/proc/$1/stat" ] || return 0
-  sed 's/^.*) //' "/proc/$1/stat" | cut -d' ' -f3
+# live, stale (left by a holder that ended without releasing it) or free.
+lock_state() {
+  "$(lock_python)" -m eagle_pipeline.locks state "$1"
 }
 
-# The value of KEY in lock FILE (empty when missing).
+# The value of KEY in lock FILE's record (empty when missing).
 lock_get() {
-  sed -n "s/^$2=//p" "$1" 2>/dev/null | head -n 1
+  "$(lock_python)" -m eagle_pipeline.locks get "$1" "$2"
 }
 
-# True while the process named in lock FILE is the one that took it.
+# True while a live job holds lock FILE.
 lock_live() {
-  local pid start
-  pid=$(lock_get "$1" pid)
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
-  start=$(lock_get "$1" pid_start)
-  [ -z "$start" ] || [ "$start" = "$(proc_start "$pid")" ]
+  [ "$(lock_state "$1")" = live ]
 }
 
 # One line naming the job in lock FILE, for refusals and reports.
 lock_describe() {
-  echo "stages $(lock_get "$1" stages) of $(lock_get "$1" config) (pid $(lock_get "$1" pid) on $(lock_get "$1" host), started $(lock_get "$1" started))"
+  "$(lock_python)" -m eagle_pipeline.locks describe "$1"
+}
+
+# Empty the record a job that ended without releasing lock FILE left (fails while a live job holds it).
+lock_clear() {
+  "$(lock_python)" -m eagle_pipeline.locks clear "$1"
 }
 
 # The run directory of CONFIG with the stage options that follow it (--set k=v, --force, --dry-run).

@@ -52,11 +52,12 @@ case "$cmd" in
     config="$1"
     run_dir=$(run_dir_of "$@") || exit 2
     lock="$run_dir/logs/run.lock"; run=$(basename "$run_dir")
-    if [ ! -f "$lock" ]; then echo "no job is running for run $run"; exit 0; fi
-    if ! lock_live "$lock"; then
-      echo "no job is running for run $run; removed the stale lock of $(lock_describe "$lock")"
-      rm -f "$lock"; exit 0
-    fi
+    case "$(lock_state "$lock")" in
+      free) echo "no job is running for run $run"; exit 0 ;;
+      stale)
+        echo "no job is running for run $run; cleared the stale lock of $(lock_describe "$lock")"
+        lock_clear "$lock"; exit 0 ;;
+    esac
     pid=$(lock_get "$lock" pid); pgid=$(lock_get "$lock" pgid)
     job=$(lock_describe "$lock")
     # The stage running now is the one whose .pid file names the runner.
@@ -90,9 +91,11 @@ case "$cmd" in
       exit 1
     fi
     # After SIGTERM the runner released its lock and recorded the stage's exit code; after SIGKILL it
-    # could not, so clean up here (status then shows the stage as interrupted).
+    # could not, so clean up here (status then shows the stage as interrupted). The kernel has released the
+    # flock itself.
     if [ "$(lock_get "$lock" pid)" = "$pid" ]; then
-      rm -f "$lock" "$run_dir/logs/$stage.pid"
+      lock_clear "$lock" || true
+      rm -f "$run_dir/logs/$stage.pid"
     fi
     code=""; [ ! -f "$run_dir/logs/$stage.exit" ] || code=", exit $(cat "$run_dir/logs/$stage.exit")"
     echo "stopped $stage of run $run with $signal$code; rerun the same stages to resume: scripts/remote.sh run STAGE|all $config" ;;

@@ -3,9 +3,9 @@
 #   scripts/launch.sh STAGE|all CONFIG [--set key=value ...]
 # STAGE is a number (1..6) or a name (02_extract_hidden). Uses tmux when present, else nohup + setsid.
 # Per stage it writes <run>/logs/<stage>.out (everything printed), .pid while running, .exit at the end.
-# One job per run: the detached runner holds <run>/logs/run.lock until it exits (success, failure or
-# scripts/jobs.sh stop); a second launch is refused while it lives. A lock whose process is gone is stale
-# and is taken over with a note.
+# One job per run: the detached runner holds <run>/logs/run.lock (a flock, eagle_pipeline/locks.py) until it
+# exits (success, failure or scripts/jobs.sh stop); a second launch is refused while it lives. A record left
+# by a job that ended without releasing it (SIGKILL, reboot) is stale and is taken over with a note.
 # Exit codes: 0 started, 2 refused (bad arguments, no .venv, setup still running, run already running).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,48 +36,37 @@ refuse_running() {
   exit 2
 }
 
-# A live holder means the GPUs are busy with this run: refuse. A dead one left its lock behind (SIGKILL,
-# reboot): say so and take it over; the stages resume from their own manifests.
-if [ -f "$lock" ]; then
-  if lock_live "$lock"; then refuse_running; fi
-  echo "note: taking over the stale lock of $(lock_describe "$lock"), which is no longer running" >&2
-  rm -f "$lock"
-fi
+# A live holder means the GPUs are busy with this run: refuse. A dead one left its record behind (SIGKILL,
+# reboot): say so; the runner takes the lock over, and the stages resume from their own manifests.
+case "$(lock_state "$lock")" in
+  live) refuse_running ;;
+  stale) echo "note: taking over the stale lock of $(lock_describe "$lock"), which is no longer running" >&2 ;;
+esac
 
-# Reserve the lock atomically (noclobber fails if another launch got here first) under this launcher's
-# pid; the runner rewrites it under its own pid as soon as it starts. Released here on any early exit.
-started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-if ! (set -o noclobber; {
-    echo "pid=$$"
-    echo "pid_start=$(proc_start $$)"
-    echo "pgid="
-    echo "host=$(hostname)"
-    echo "started=$started"
-    echo "stages=${selected[*]}"
-    echo "config=$config"
-    echo "command=scripts/launch.sh $(printf '%q ' "$which" "$config" "$@")"
-  } > "$lock") 2>/dev/null; then
-  refuse_running
-fi
-trap '[ "$(lock_get "$lock" pid)" != $$ ] || rm -f "$lock"' EXIT
-ln -sfn "$lock" "$link"
-
-runner="$run_dir/logs/launch-$(date -u +%Y%m%dT%H%M%S).sh"
+# The runner takes the lock itself (`python -m eagle_pipeline.locks hold`, which runs the runner again under it):
+# of two launches at once, one runner gets it and the other launcher refuses, naming that job.
+launch="$$-$(date -u +%s%N)"
+runner="$run_dir/logs/launch-$(date -u +%Y%m%dT%H%M%S)-$$.sh"
+rm -f "$runner.started"
 {
   echo "#!/usr/bin/env bash"
   echo "# Written by scripts/launch.sh: runs ${selected[*]} of $config while holding $lock."
   echo "cd $(printf %q "$PWD")"
-  echo ". scripts/joblock.sh"
-  echo "lock=$(printf %q "$lock"); link=$(printf %q "$link")"
+  echo "if [ -z \"\${EAGLE_RUN_LOCK_HELD:-}\" ]; then"
+  printf '  EAGLE_RUN_LOCK_HELD=1 exec %q -m eagle_pipeline.locks hold %q --link %q ' "$python" "$lock" "$link"
+  printf '%q ' "run=$(basename "$run_dir")" "stages=${selected[*]}" "config=$config" "launch=$launch" \
+    "command=scripts/launch.sh $(printf '%q ' "$which" "$config" "$@")"
+  echo "-- \"\$0\""
+  echo "fi"
+  echo "# The lock's holder (this process's parent) is the job's pid: the stages' .pid files name it."
+  echo "job=\$PPID; echo \$job > $(printf %q "$runner.started")"
   echo "# A signal (scripts/jobs.sh stop sends SIGTERM to the group) reaches the stage too; bash runs the trap"
   echo "# once the stage has exited, so its exit code is still recorded and no further stage starts."
   echo "stopped=; trap 'stopped=TERM' TERM; trap 'stopped=INT' INT; trap 'stopped=HUP' HUP"
-  echo "trap '[ \"\$(lock_get \"\$lock\" pid)\" != \$\$ ] || rm -f \"\$lock\" \"\$link\"' EXIT"
-  echo "{ echo pid=\$\$; echo pid_start=\$(proc_start \$\$); echo pgid=\$(proc_pgid \$\$); grep -v '^pid=\\|^pid_start=\\|^pgid=' \"\$lock\"; } > \"\$lock.tmp\" && mv \"\$lock.tmp\" \"\$lock\""
   for stage in "${selected[@]}"; do
     log="$run_dir/logs/$stage"
     echo "[ -z \"\$stopped\" ] || exit 143"
-    echo "rm -f $(printf %q "$log.exit"); echo \$\$ > $(printf %q "$log.pid")"
+    echo "rm -f $(printf %q "$log.exit"); echo \$job > $(printf %q "$log.pid")"
     printf '%q ' "$python" -u "$stage.py" --config "$config" "$@"
     echo "> $(printf %q "$log.out") 2>&1; code=\$?"
     echo "echo \$code > $(printf %q "$log.exit"); rm -f $(printf %q "$log.pid")"
@@ -96,13 +85,16 @@ else
   how="with nohup"
 fi
 
-# Return once the runner holds the lock, so the next command (a second run, stop, sync) sees the job.
+# Return once the runner holds the lock, so the next command (a second run, stop, sync) sees the job; refuse
+# when another launch's runner got it first.
 for _ in $(seq 1 100); do
-  [ "$(lock_get "$lock" pid)" = $$ ] || break
+  [ ! -f "$runner.started" ] || break
+  if lock_live "$lock" && [ "$(lock_get "$lock" launch)" != "$launch" ]; then refuse_running; fi
   sleep 0.1
 done
-if [ "$(lock_get "$lock" pid)" = $$ ]; then
+if [ ! -f "$runner.started" ]; then
   echo "error: the runner $runner did not start within 10 s; see $run_dir/logs/launch.out" >&2
   exit 1
 fi
-echo "started ${selected[*]} $how (pid $(lock_get "$lock" pid)); logs in $run_dir/logs/"
+echo "started ${selected[*]} $how (pid $(cat "$runner.started")); logs in $run_dir/logs/"
+rm -f "$runner.started"

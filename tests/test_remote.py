@@ -8,6 +8,8 @@ from pathlib import Path
 
 from conftest import REPO, process_alive, write_config
 
+from eagle_pipeline import locks
+
 
 def remote(tmp_path, *args, timeout=120):
     env = {**os.environ, "EAGLE_HOST": "local", "EAGLE_REMOTE_DIR": str(tmp_path / "host"), "EAGLE_NO_TMUX": "1",
@@ -22,10 +24,11 @@ def wait_for(path, timeout=120):
         time.sleep(0.2)
 
 
-def wait_gone(path, timeout=30):
+def wait_released(lock, timeout=30):
+    """Until no job holds the run lock and none left its record there."""
     deadline = time.monotonic() + timeout
-    while path.exists() or path.is_symlink():
-        assert time.monotonic() < deadline, f"{path} is still there"
+    while locks.probe(lock)[0] != "free":
+        assert time.monotonic() < deadline, f"{lock} is still held: {locks.probe(lock)}"
         time.sleep(0.2)
 
 
@@ -38,7 +41,9 @@ def synced_host(tmp_path):
 
 
 def lock_fields(lock):
-    return dict(line.split("=", 1) for line in lock.read_text().splitlines() if "=" in line)
+    state, record = locks.probe(lock)
+    assert state == "live", state
+    return record
 
 
 def running_in_group(pgid):
@@ -77,7 +82,7 @@ def test_run_detached_then_status_shows_failed_stage_with_its_error(tmp_path):
     logs = tmp_path / "data" / "r" / "logs"
     wait_for(logs / "03_build_vocab_map.exit")
     assert (logs / "03_build_vocab_map.exit").read_text().strip() == "2"
-    wait_gone(logs / "run.lock")  # a failed stage releases the run lock as well
+    wait_released(logs / "run.lock")  # a failed stage releases the run lock as well
     assert not list((host / "logs" / "jobs").iterdir())
 
     result = remote(tmp_path, "status", str(config))
@@ -117,18 +122,19 @@ def test_lock_is_released_after_success_and_a_stale_lock_is_taken_over(tmp_path)
     assert result.returncode == 0, result.stderr
     wait_for(logs / "01_generate_data.exit")
     assert (logs / "01_generate_data.exit").read_text().strip() == "0"
-    wait_gone(logs / "run.lock")
+    wait_released(logs / "run.lock")
     assert not list((host / "logs" / "jobs").iterdir())
 
     # A lock left by a job that died without cleaning up (SIGKILL, reboot): its pid is gone.
     dead = subprocess.Popen(["true"])
     dead.wait()
-    (logs / "run.lock").write_text(f"pid={dead.pid}\npgid={dead.pid}\nhost=h\nstages=04_train\nconfig={config}\n")
+    (logs / "run.lock").write_text(json.dumps({"pid": dead.pid, "pgid": dead.pid, "host": "h", "stages": "04_train",
+                                               "config": str(config)}))
     result = remote(tmp_path, "run", "--no-sync", "1", str(config), "--dry-run")
     assert result.returncode == 0, result.stderr
     assert f"note: taking over the stale lock of stages 04_train of {config} (pid {dead.pid}" in result.stderr
     wait_for(logs / "01_generate_data.exit")
-    wait_gone(logs / "run.lock")
+    wait_released(logs / "run.lock")
 
 
 def test_second_run_and_sync_are_refused_while_a_job_runs_and_stop_ends_it(tmp_path):
@@ -141,6 +147,7 @@ def test_second_run_and_sync_are_refused_while_a_job_runs_and_stop_ends_it(tmp_p
     lock = lock_fields(logs / "run.lock")
     pid = int(lock["pid"])
     assert process_alive(pid) and lock["stages"] == "01_generate_data" and lock["config"] == str(config)
+    assert lock["pgid"] == pid  # the holder leads the job's process group, which stop signals
     assert f"(pid {pid})" in result.stdout
 
     for args in (("run", "1", str(config)), ("run", "--no-sync", "2", str(config)), ("sync",)):
@@ -151,7 +158,8 @@ def test_second_run_and_sync_are_refused_while_a_job_runs_and_stop_ends_it(tmp_p
     result = remote(tmp_path, "stop", str(config))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stopped 01_generate_data of run r with SIGTERM" in result.stdout, result.stdout
-    assert not process_alive(pid) and not (logs / "run.lock").exists() and not (logs / "01_generate_data.pid").exists()
+    assert not process_alive(pid) and not (logs / "01_generate_data.pid").exists()
+    assert locks.probe(logs / "run.lock") == ("free", None)
     assert (logs / "01_generate_data.exit").read_text().strip() != "0"
     assert not running_in_group(int(lock["pgid"]))  # nothing of the job's process group is left
     result = remote(tmp_path, "stop", str(config))
@@ -190,8 +198,14 @@ def test_stop_sends_sigkill_to_a_job_that_ignores_sigterm_and_clears_its_lock(tm
     logs = tmp_path / "data" / "r" / "logs"
     logs.mkdir(parents=True)
     # A stand-in job in its own process group that shrugs off SIGTERM, holding the lock as a runner would.
-    job = subprocess.Popen(["bash", "-c", "trap '' TERM; while :; do sleep 0.1; done"], start_new_session=True)
-    (logs / "run.lock").write_text(f"pid={job.pid}\npgid={job.pid}\nhost=h\nstages=04_train\nconfig={config}\n")
+    lock = logs / "run.lock"
+    job = subprocess.Popen([str(REPO / ".venv" / "bin" / "python"), "-m", "eagle_pipeline.locks", "hold", str(lock),
+                            "stages=04_train", f"config={config}", "--",
+                            "bash", "-c", "trap '' TERM; while :; do sleep 0.1; done"], cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while locks.probe(lock)[0] != "live":
+        assert time.monotonic() < deadline and job.poll() is None, "the stand-in job never took the lock"
+        time.sleep(0.1)
     (logs / "04_train.pid").write_text(f"{job.pid}\n")
     env_grace = {**os.environ, "EAGLE_STOP_GRACE": "1"}
     result = subprocess.run([str(REPO / "scripts" / "remote.sh"), "stop", str(config)], capture_output=True, text=True,
@@ -199,7 +213,7 @@ def test_stop_sends_sigkill_to_a_job_that_ignores_sigterm_and_clears_its_lock(tm
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stopped 04_train of run r with SIGKILL" in result.stdout, result.stdout
     assert job.wait(timeout=5) == -9
-    assert not (logs / "run.lock").exists() and not (logs / "04_train.pid").exists()
+    assert locks.probe(lock) == ("free", None) and not (logs / "04_train.pid").exists()
 
 
 def test_command_line_mistakes_are_one_error_line_and_exit_2(tmp_path):

@@ -58,6 +58,40 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_note(tmp_path):
         assert held.notes == []
 
 
+def test_a_job_holds_its_run_lock_through_the_command_line_as_a_stage_holds_its_own(tmp_path):
+    """scripts/launch.sh and jobs.sh take and read the run lock with `python -m eagle_pipeline.locks`."""
+    lock, link = tmp_path / "logs" / "run.lock", tmp_path / "jobs.lock"
+
+    def cli(*args, **kwargs):
+        return subprocess.run([sys.executable, "-m", "eagle_pipeline.locks", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60, **kwargs)
+
+    job = subprocess.Popen([sys.executable, "-m", "eagle_pipeline.locks", "hold", str(lock), "--link", str(link),
+                            "stages=01_generate_data", "config=c.yaml", "--", "sleep", "60"], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while locks.probe(lock)[0] != "live":
+            assert time.monotonic() < deadline and job.poll() is None, "the job never took its lock"
+            time.sleep(0.1)
+        assert link.resolve() == lock and cli("state", str(lock)).stdout == "live\n"
+        assert cli("get", str(lock), "pid").stdout == f"{job.pid}\n"
+        described = cli("describe", str(lock)).stdout
+        assert described.startswith(f"stages 01_generate_data of c.yaml (pid {job.pid} on "), described
+        second = cli("hold", str(lock), "stages=02_extract_hidden", "config=c.yaml", "--", "true")
+        assert second.returncode == 2 and second.stderr.startswith(f"error: {lock}: held by {described.strip()}")
+        assert cli("clear", str(lock)).returncode == 1
+        job.kill()  # as SIGKILL or a reboot leave it: the kernel releases the flock, the record stays
+        job.wait()
+        assert cli("state", str(lock)).stdout == "stale\n" and cli("clear", str(lock)).returncode == 0
+        assert locks.probe(lock) == ("free", None)
+        # A clean end releases the lock and its link and passes the command's exit code on.
+        assert cli("hold", str(lock), "--link", str(link), "stages=x", "--", "sh", "-c", "exit 3").returncode == 3
+        assert locks.probe(lock) == ("free", None) and not link.is_symlink()
+    finally:
+        job.kill()
+        job.wait()
+
+
 def test_gpu_locks_cover_the_visible_gpus_and_disjoint_sets_run_side_by_side(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with locks.HeldLocks() as first:
