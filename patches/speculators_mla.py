@@ -96,7 +96,8 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     "speculators.models.eagle3.core:Eagle3DraftModel.forward": "f682b266d1b18786842b8d031697e9e396acc1d710ed55b343ef6fd5d3a48df0",
     "speculators.models.utils:flatten_rope_parameters": "6f347a257f105ac790017c4d1bce25dfbdbaaa7601839ff49a66544db96a6771",
     # Reads a checkpoint's transformer_layer_config through the config class of its model_type.
-    "speculators.models.eagle3.config:Eagle3SpeculatorConfig.validate_transformer_config": "c1e994760b8946b51b72766fea73fce3f3b7efb3221ae16c9cf9ea6edd43411b",
+    "speculators.models.eagle3.config:Eagle3SpeculatorConfig.validate_transformer_config":
+        "c1e994760b8946b51b72766fea73fce3f3b7efb3221ae16c9cf9ea6edd43411b",
     "speculators.models.base_components:ModelComponents": "faf80f7339ef42d032db8e08dc334b5502aff570eea969d985986867147e98ee",
     # transformers' MLA layer, as the list in the docstring describes it.
     f"{_TF}:DeepseekV3Attention.__init__": "3aef62456a38b86cd5e5db228c087d7f7b463ba64c965ca70148d7565d811b3f",
@@ -110,7 +111,8 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     f"{_TF}:apply_rotary_pos_emb_interleave": "8ed90f4983a65a1e83ec329c093ecfb785c3254d0fc229a6c77226f4f53aeeba",
     f"{_TF}:yarn_apply_mscale": "4ef036930f05b466dbb6b83d74286f958dfffa61c7f1e42b547816eed358c054",
     f"{_TF}:yarn_get_mscale": "1ef61394fdbf2127e24ac2a05377035828f766a01fa3359d8dbced98979a65f6",
-    "transformers.models.deepseek_v3.configuration_deepseek_v3:DeepseekV3Config.__post_init__": "4c0c6c15d5d4cfd18aa97126758ebafa2c32109a8111ec232c6d72c91af0a141",
+    "transformers.models.deepseek_v3.configuration_deepseek_v3:DeepseekV3Config.__post_init__":
+        "4c0c6c15d5d4cfd18aa97126758ebafa2c32109a8111ec232c6d72c91af0a141",
     "transformers.modeling_rope_utils:_compute_yarn_parameters": "19637b57845378007dd8fa9741e565b4fe3669541d046fee5b7d520a0dbf2cf1",
 }
 

@@ -201,8 +201,8 @@ def test_an_mla_drafter_gets_dense_masks_and_block_attention_on_every_device(mon
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_block_attention_serves_a_value_width_other_than_the_keys(steps):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from test_ttt_attention import attention_module, packed_document_ids, ttt_mask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     torch.manual_seed(steps)
     document_ids = packed_document_ids()
