@@ -235,10 +235,20 @@ def draft_vllm_config(vllm_config, runner: str):
                                                                              vllm_config=vllm_config))
 
 
+def builds_mla_drafter(model_config) -> bool:
+    """vLLM's EAGLE-3 MLA drafter (deepseek_eagle3.py) builds MLA attention layers, though its ModelConfig (the
+    EAGLE wrapper, model_type eagle) reports no MLA; its layers select their backend as MLA layers."""
+    from eagle_pipeline.drafter.layouts import MLA_ARCHITECTURE_ALIASES
+
+    architectures = getattr(model_config, "architectures", None) or []
+    return (any(name in MLA_ARCHITECTURE_ALIASES for name in architectures)
+            and getattr(model_config.hf_text_config, "kv_lora_rank", None) is not None)
+
+
 def _layer_args(model_config, parallel_config) -> tuple[str, dict[str, Any]]:
     """The selector arguments vLLM's attention layers pass for this model's decoder layers."""
     num_heads = model_config.get_num_attention_heads(parallel_config)
-    if model_config.use_mla:
+    if model_config.use_mla or builds_mla_drafter(model_config):
         text = model_config.hf_text_config
         return "MLA", {"head_size": int(text.kv_lora_rank) + int(text.qk_rope_head_dim), "use_mla": True,
                        "num_heads": num_heads}

@@ -143,3 +143,23 @@ def test_the_dry_run_prints_a_line_per_engine_and_refuses_what_cuda_refuses(stan
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "serve.drafter_attention_backend" in errors[0], err
     assert not (standin / "data").exists(), "a dry run writes nothing"
+
+
+def test_an_mla_drafter_takes_cpu_mla_blocks_of_16_with_its_target(standin, tmp_path):
+    """An MLA drafter (vLLM's Eagle3DeepseekV2ForCausalLM, the Kimi-K2.5 recipe's) on CPU_MLA like its target: both
+    layers take KV blocks of 16, so the block-size conflict of a Llama drafter (the test above) does not arise and
+    the rehearsal accepts the EAGLE-3 server (docs/engines.md, "The CPU MLA limit")."""
+    from released_drafter_standin import write_mla_standin
+
+    from eagle_pipeline.engine_rehearsal import check_engines
+
+    drafter = write_mla_standin(tmp_path / "mla-drafter")
+    cfg = kimi_config(standin, "cpu-mla", serve={"drafter": str(drafter)}).model_copy(update={"device": "cpu"})
+    cfg = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"attention_backend": "CPU_MLA"}),
+                                 "serve": cfg.serve.model_copy(update={"drafter_attention_backend": "CPU_MLA",
+                                                                       "engine_variants": []})})
+    done = check_engines(cfg, (6,), show=False)  # a refusal would raise BadInput
+    eagle3 = next(item for item in done if item.engine.name == "server eagle3")
+    assert [(layer.kind, layer.attention, layer.backend) for layer in eagle3.result.layers] == [
+        ("target", "MLA", "CPU_MLA"), ("drafter", "MLA", "CPU_MLA")], eagle3.line()
+    assert eagle3.result.block_size == 16, eagle3.line()
