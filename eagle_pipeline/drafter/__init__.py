@@ -22,11 +22,11 @@ vocabulary 32000, 8 key/value heads) instead of refusing; it fixes the speculati
 writes in place, not atomically. What it does use, speculators' own config classes (`Eagle3SpeculatorConfig`,
 `SpeculatorsConfig`, `VerifierConfig`, `LlamaConfig`), to_speculators uses too.
 
-A second layout of the same drafter role, such as the MLA drafter vLLM serves as `Eagle3DeepseekV2ForCausalLM`
-(`midlayer.self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
-o_proj}` beside the same `fc`, `norm`, `lm_head`, layer norms and mlp), belongs here as rows of the same table
-and an architecture that `layouts.config_layout` names, not as another set of modules. The readers' interface
-(layout, dims, flags, aux ids, tensor files) holds for it; what is Llama-shaped today is the attention part of
-`DraftDims`, `tensors.expected_tensor_specs` and the two config writers (convert.flat_config,
-to_speculators.decoder_config), where an MLA layout adds its own branch.
+The MLA drafter vLLM serves as `Eagle3DeepseekV2ForCausalLM` (`midlayer.self_attn.{q_a_proj, q_a_layernorm,
+q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}` beside the same `fc`, `norm`, `lm_head`, layer
+norms and mlp) is a second layer shape of the same folder, not another set of modules: `layouts.layer_shape` names
+it, `DraftDims` carries its MLA dimensions, `tensors.expected_tensor_specs` its tensors (and
+`tensors.split_fused_tensors` reads a fused `fused_qkv_a_proj` as its two projections), and the two config writers
+(convert.mla_flat_config, to_speculators.mla_decoder_config) have an MLA branch (docs/formats.md, "The MLA
+drafter folder").
 """
