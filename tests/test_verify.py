@@ -387,12 +387,17 @@ def test_a_job_past_its_timeout_is_killed_and_its_log_kept(tmp_path):
     import os
     import sys
 
-    from eagle_pipeline.drafter_checks.subprocess_json import run_logged
+    from eagle_pipeline.child_process import run_logged
 
-    log = tmp_path / "job.log"
-    command = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"]
-    assert run_logged(command, log, dict(os.environ), timeout=1) is None
+    log, pids = tmp_path / "job.log", tmp_path / "pids"
+    # The job starts a child that sleeps on, as vLLM's engine core would.
+    program = ("import os, subprocess, sys, time; print('started', flush=True); "
+               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+               f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}'); time.sleep(600)")
+    assert run_logged([sys.executable, "-c", program], log, dict(os.environ), timeout=5) is None
     assert log.read_text().startswith(f"$ {sys.executable} -c ")
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert len(started) == 2 and [pid for pid in started if process_alive(pid)] == []
 
 
 def test_killing_a_job_kills_everything_it_started(tmp_path):

@@ -5,22 +5,20 @@ vLLM starts engine processes and keeps process-global state (distributed groups,
 not leak into the caller, so each job gets its own process, as on a GPU host. Its whole output goes to a log
 file the caller names (stage 05: `05_convert/logs/`), because the reason an engine fails to start on a
 multi-GPU host is seldom in the last lines; a failure carries the log's tail and its path. A job that runs
-past its timeout is killed with everything it started (eagle_pipeline/process_tree.py).
+past its timeout is killed with everything it started (eagle_pipeline/child_process.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from eagle_pipeline import engine_starts
-from eagle_pipeline.process_tree import kill_tree
+from eagle_pipeline.child_process import run_logged
 
 # Default for one vLLM job (a start, a load or a parity run); stage 05 passes convert.engine_timeout_s.
 SUBPROCESS_TIMEOUT_S = 1800
@@ -51,21 +49,3 @@ def run_json_subprocess(args: list[str], env: dict[str, str] | None = None,
             what = f"did not finish within {timeout:g} s and was killed" if code is None else f"exited with {code}"
             raise RuntimeError(f"vLLM subprocess {args[0]} {what}{whole}:\n{tail}")
         return json.loads(out.read_text())
-
-
-def run_logged(command: list[str], log: Path, env: dict[str, str], timeout: float) -> int | None:
-    """Run `command` with its output in `log` (headed by the command); its exit code, or None when it ran
-    past `timeout` and was killed together with every process below it."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as log_file:
-        log_file.write(f"$ {shlex.join(command)}\n".encode())
-        log_file.flush()
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-        try:
-            return process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(process)
-            return None
-        except BaseException:  # Ctrl-C while waiting: nothing of the job may outlive the stage
-            kill_tree(process)
-            raise
