@@ -42,7 +42,6 @@ from eagle_pipeline.embedded import EMBEDDED_PREFIX
 from eagle_pipeline.engine import target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
-from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompt_filter import PromptFilter
 from eagle_pipeline.prompt_fit import (
     DROPPED_FILE,
@@ -96,7 +95,6 @@ def truncation_warning(finish_reasons: dict[str, int], samples: int, cfg: RunCon
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
-    check_preconditions(cfg, stage.number)
     # -- inputs ------------------------------------------------------------------------------------
     check_verifier_path(cfg)
     prompts_path = cfg.resolve_path(cfg.data.prompts)
@@ -176,12 +174,12 @@ def run(stage: Stage, dry_run: bool) -> None:
         "record_format": RECORD_FORMAT,
     }
     parts_dir = stage.dir / "parts"
-    # Before the manifest is written: a changed input is named first, then samples (to resume or extend) tied
-    # to other prompts. A finished stage is left as it is: its samples stay what they are.
-    if (selection is not None and stage.check_unchanged(inputs, samples=len(sample_ids)) is not None
-            and not stage.already_complete(inputs, samples=len(sample_ids))):
-        check_resumed_samples(read_parts(parts_dir, skip_torn=True), sample_ids, selection.kept, parts_dir)
-    if stage.start(inputs, samples=len(sample_ids)) is Start.ALREADY_COMPLETE:
+
+    def resumable() -> None:  # samples to resume or extend, tied to other prompts (--force starts over)
+        if selection is not None and not stage.force:
+            check_resumed_samples(read_parts(parts_dir, skip_torn=True), sample_ids, selection.kept, parts_dir)
+
+    if stage.begin(inputs, samples=len(sample_ids), before_writing=resumable) is Start.ALREADY_COMPLETE:
         print(f"stage 01 already complete for these inputs: {stage.dir}")
         return
     if selection is not None:

@@ -32,7 +32,6 @@ from eagle_pipeline.disk_plan import amount, later_stages_bytes, plan_run, same_
 from eagle_pipeline.engine import target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
-from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.samples import (
     SAMPLES_DIR,
     estimate_bytes,
@@ -126,7 +125,6 @@ def plan_without_conversations(stage: Stage) -> None:
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
-    check_preconditions(cfg, stage.number)
     if dry_run and not is_complete(cfg, 1):
         return plan_without_conversations(stage)
     upstream = require_complete(cfg, 1)
@@ -189,11 +187,12 @@ def run(stage: Stage, dry_run: bool) -> None:
     def disk_needed(todo: list[int]) -> int:
         return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size, hs_cfg.storage_dtype) + later
 
-    stage.check_unchanged(inputs, samples=len(rows))  # a changed input is named before a want of disk
-    if hs_cfg.mode == "offline" and not stage.already_complete(inputs, samples=len(rows)):  # refused for want of disk before anything is written
-        todo = samples_to_capture(rows, hs_dir, num_states, hidden_size)
-        check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples and {later_what}")
-    if stage.start(inputs, samples=len(rows)) is Start.ALREADY_COMPLETE:
+    def room_for_samples() -> None:  # a want of disk is refused before anything is written
+        if hs_cfg.mode == "offline":
+            todo = samples_to_capture(rows, hs_dir, num_states, hidden_size)
+            check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples and {later_what}")
+
+    if stage.begin(inputs, samples=len(rows), before_writing=room_for_samples) is Start.ALREADY_COMPLETE:
         print(f"stage 02 already complete for these inputs: {stage.dir}")
         return
 

@@ -19,7 +19,6 @@ import numpy as np
 
 from eagle_pipeline import atomic, plots, released_drafter, vocab
 from eagle_pipeline.fingerprint import file_fingerprint
-from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.stage import (
     Stage,
     Start,
@@ -35,7 +34,6 @@ from eagle_pipeline.verifier import Verifier
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
-    check_preconditions(cfg, stage.number)
     draft_vocab_size = cfg.vocab.draft_vocab_size
     if dry_run and not is_complete(cfg, 2):
         vocab_size = Verifier.from_config(cfg).vocab_size
@@ -67,7 +65,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     }
     if adopted:  # only then, so that runs counting their own vocabulary keep their recorded inputs
         inputs["from_drafter"] = {"file": str(adopted[2]), "fingerprint": file_fingerprint(adopted[2])}
-    if stage.start(inputs, samples=upstream["counts"]["samples"]) is Start.ALREADY_COMPLETE:
+    if stage.begin(inputs, samples=upstream["counts"]["samples"]) is Start.ALREADY_COMPLETE:
         print(f"stage 03 already complete for these inputs: {stage.dir}")
         return
 

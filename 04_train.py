@@ -29,12 +29,11 @@ from pathlib import Path
 from eagle_pipeline import released_drafter
 from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
-from eagle_pipeline.disk_plan import drafter_params, planned_draft_dims, training_bytes
+from eagle_pipeline.disk_plan import drafter_params, planned_draft_dims, training_bytes, window_bound
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.online.settings import OnlineTraining
-from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (
     Stage,
@@ -100,7 +99,6 @@ def online_session(cfg, stage: Stage, train_run: TrainRun, verifier: Verifier, l
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
-    check_preconditions(cfg, stage.number)
     t = cfg.train
     verifier = Verifier.from_config(cfg)
     check_draft_shape(t, verifier.text_config())  # dry run too, and before --force deletes anything
@@ -181,12 +179,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         online=OnlineTraining.from_config(cfg.hidden_states) if online else None,
     )
     samples = hidden_manifest["counts"]["samples"]
-    stage.check_unchanged(inputs, samples)  # a changed input is named before the slower checks below
-    if not stage.already_complete(inputs, samples):  # checked before anything is written
+
+    def ready_to_train() -> None:  # checked before anything is written
         in_flight = 0
         if online and cfg.hidden_states.transfer != "mooncake":  # a local server's states in flight land in stage.dir
-            from eagle_pipeline.online.session import window_bound
-
             in_flight = window_bound(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
         check_disk(stage.dir, need + in_flight, "drafter checkpoints" + (" and the states in flight" if in_flight else ""))
         if not online:  # an online run's states are checked as they arrive (speculators) and at each server's probe
@@ -200,7 +196,8 @@ def run(stage: Stage, dry_run: bool) -> None:
 
             before_first_load(cfg, stage.number)
         check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest
-    if stage.start(inputs, samples=samples) is Start.ALREADY_COMPLETE:
+
+    if stage.begin(inputs, samples=samples, before_writing=ready_to_train) is Start.ALREADY_COMPLETE:
         # A finished run whose epoch count was raised continues training from its last checkpoint.
         done = read_manifest(stage.dir)["counts"].get("epochs_completed")
         if done == t.epochs or stopped_early(stage.dir, t.early_stop_patience, t.select_by):

@@ -26,7 +26,6 @@ from eagle_pipeline import atomic, convert, drafter_checks
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
-from eagle_pipeline.preconditions import check_preconditions
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (
@@ -52,7 +51,6 @@ def parity_plan(cfg) -> str:
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
-    check_preconditions(cfg, stage.number)
     c = cfg.convert
     if dry_run and not is_complete(cfg, 4):
         verifier = Verifier.from_config(cfg)
@@ -95,19 +93,17 @@ def run(stage: Stage, dry_run: bool) -> None:
         "reference_dir": str(reference) if reference else None,
         "convert": value_fingerprint(c.model_dump(mode="json", exclude={"engine_timeout_s"})),
     }
-    stage.check_unchanged(inputs)  # a changed input is named before the checkpoint is read
-    if not stage.already_complete(inputs):
-        convert.read_speculators_checkpoint(checkpoint)  # a checkpoint without weights is refused before any write
     # Read before the manifest is written too: a bad prompt file is refused with the stage folder untouched.
     parity_prompts = None
     if c.parity == "vllm":
         parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
                                                                "data.eval_prompts")[: c.parity_prompts]]
-    if not stage.already_complete(inputs):  # the engines vLLM will be asked for, before anything is written
-        from eagle_pipeline.engine_rehearsal import before_first_load
 
-        before_first_load(cfg, stage.number)
-    if stage.start(inputs) is Start.ALREADY_COMPLETE:
+    def readable_checkpoint() -> None:  # a checkpoint without weights is refused before any write
+        convert.read_speculators_checkpoint(checkpoint)
+
+    # The engines vLLM will be asked for are rehearsed too, before anything is written.
+    if stage.begin(inputs, before_writing=readable_checkpoint, rehearse=True) is Start.ALREADY_COMPLETE:
         print(f"stage 05 already complete for these inputs: {stage.dir}")
         return
 

@@ -33,7 +33,7 @@ from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.drafter.folder import check_weights_whole
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
-from eagle_pipeline.preconditions import check_preconditions, speculation_warnings
+from eagle_pipeline.preconditions import speculation_warnings
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.serve.baseline import (
     BASELINE_DIR,
@@ -83,7 +83,6 @@ def verdict(report: dict, floor: float) -> tuple[bool, str]:
 
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
-    check_preconditions(cfg, stage.number)
     s = cfg.serve
     if s.port is not None and not dry_run:
         check_port_free(s.port)
@@ -156,11 +155,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     # README's cheap rerun points serve.baseline at this very folder, and its changed input needs --force: the
     # baseline it reads is kept, not deleted with the rest.
     own_baseline = s.baseline is not None and cfg.resolve_path(s.baseline).resolve() == stage.dir.resolve()
-    if not stage.already_complete(inputs):  # the engines vLLM will be asked for, before anything is written
-        from eagle_pipeline.engine_rehearsal import before_first_load
-
-        before_first_load(cfg, stage.number)
-    if stage.start(inputs, keep=(BASELINE_DIR,) if own_baseline else ()) is Start.ALREADY_COMPLETE:
+    # The engines vLLM will be asked for are rehearsed before anything is written.
+    if stage.begin(inputs, keep=(BASELINE_DIR,) if own_baseline else (), rehearse=True) is Start.ALREADY_COMPLETE:
         report = read_report(stage.dir / "report.json")
         ok, message = verdict(report, s.min_acceptance_length)
         print(f"stage 06 already complete for these inputs: {stage.dir}\n{message}")

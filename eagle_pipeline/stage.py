@@ -248,6 +248,27 @@ class Stage:
         self.write_config()
         return Start.STARTED
 
+    def begin(self, inputs: dict[str, Any], samples: int | None = None, keep: tuple[str, ...] = (),
+              before_writing: Callable[[], None] | None = None, rehearse: bool = False) -> "Start":
+        """The steps from a stage's inputs to its work, the same in every stage, each stage saying what differs.
+
+        An output made from other inputs is refused first (`check_unchanged`). Unless the output is complete for
+        these inputs, the stage's own checks (`before_writing`) and, with `rehearse`, the rehearsal of the engines
+        it starts (eagle_pipeline.engine_rehearsal.before_first_load) refuse what they find before anything is
+        written; then `start` (`samples`, `keep`: as there). ALREADY_COMPLETE: nothing was written.
+        """
+        self.check_unchanged(inputs, samples)
+        if self.already_complete(inputs, samples):
+            self.inputs = inputs
+            return Start.ALREADY_COMPLETE
+        if before_writing is not None:
+            before_writing()
+        if rehearse:
+            from eagle_pipeline.engine_rehearsal import before_first_load
+
+            before_first_load(self.cfg, self.number)
+        return self.start(inputs, samples=samples, keep=keep)
+
     def check_unchanged(self, inputs: dict[str, Any], samples: int | None = None) -> dict[str, Any] | None:
         """Refuse (BadInput) an output made from other inputs, or from more samples; reads only.
 
@@ -407,7 +428,8 @@ def _raise_terminated(signum, frame) -> None:
 
 
 def main(number: int, description: str, body: Callable[[Stage, bool], None], argv: list[str] | None = None) -> None:
-    """Parse the command line, load the config and run `body(stage, dry_run)` with the exit-code contract.
+    """Parse the command line, load the config, make the checks every stage makes first
+    (preconditions.check_preconditions) and run `body(stage, dry_run)` with the exit-code contract.
 
     A real run (not `--dry-run`) holds the stage's lock, and on a GPU host the locks of the GPUs it may use,
     until it ends (eagle_pipeline/locks.py)."""
@@ -438,12 +460,14 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
             if args.dry_run:  # the whole plan first: what the host lacks is its last line
                 # scripts/run_pipeline.sh --dry-run says it once, after every stage's plan.
                 with preconditions.host_shortfall_last(report=os.environ.get("EAGLE_DRY_RUN_HOST") != "later"):
+                    preconditions.check_preconditions(cfg, number)
                     body(stage, True)
                     # Every engine the stage would start, configured by vLLM's own code (no model loads).
                     from eagle_pipeline.engine_rehearsal import dry_run_lines
 
                     dry_run_lines(cfg, number)
             else:
+                preconditions.check_preconditions(cfg, number)
                 body(stage, False)
     finally:
         held.release()

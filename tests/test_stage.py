@@ -44,6 +44,26 @@ def test_changed_input_is_refused_and_named(cfg):
         Stage(2, cfg, force=False).start({"verifier": "v2"})
 
 
+def test_begin_names_a_changed_input_then_runs_the_stages_checks_before_writing(cfg):
+    ran = []
+
+    def refuse():
+        ran.append("checks")
+        raise BadInput("checkpoint: no weights")
+
+    stage = Stage(3, cfg, force=False)
+    with pytest.raises(BadInput, match="no weights"):
+        stage.begin({"a": "1"}, before_writing=refuse)
+    assert ran == ["checks"] and not stage.dir.exists(), "a refusal of the stage's checks writes nothing"
+    assert stage.begin({"a": "1"}, before_writing=lambda: ran.append("checks")) is Start.STARTED
+    stage.finish({}, output_fingerprint="x")
+    again = Stage(3, cfg, force=False)
+    assert again.begin({"a": "1"}, before_writing=refuse) is Start.ALREADY_COMPLETE and again.inputs == {"a": "1"}
+    with pytest.raises(BadInput, match=r"input 'a' changed"):  # named before the stage's own checks
+        Stage(3, cfg, force=False).begin({"a": "2"}, before_writing=refuse)
+    assert ran == ["checks", "checks"]
+
+
 def test_force_removes_old_output(cfg):
     stage = Stage(3, cfg, force=False)
     stage.start({"a": "1"})
