@@ -9,9 +9,11 @@ Layer ids follow eagle_pipeline.layer_ids (HF `output_hidden_states` indices); v
 ids plus the final layer (its output before the final norm), which speculators expects in the last slot
 (`verifier_last_hidden_states`). The stored sample format belongs to eagle_pipeline.samples.
 
-The engine runs once per `HiddenStateCapture` context, in the calling process where engine.in_process_engine
-says so (one CPU worker, through engine.apply_engine_env) and otherwise in processes vLLM spawns, for which the
-calling script must guard its entry point with `if __name__ == "__main__":`.
+The engine starts once per `HiddenStateCapture` context. On a CPU host without tensor parallelism it runs in the
+stage's own process (engine.in_process_engine, set through engine.apply_engine_env), and `capture` steps it until
+the connector has written every finished request; otherwise (the GPU host, tensor parallelism) vLLM runs it in
+engine processes it spawns, for which the calling script must guard its entry point with
+`if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
