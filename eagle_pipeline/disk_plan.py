@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle_pipeline.config import STAGES
-from eagle_pipeline.drafter.layouts import SPECULATORS
-from eagle_pipeline.drafter.tensors import DraftDims
+from eagle_pipeline.drafter.layouts import MLA, SPECULATORS
+from eagle_pipeline.drafter.tensors import DraftDims, mla_attention_shapes
 from eagle_pipeline.online.settings import requests_in_flight
 from eagle_pipeline.outputs import read_manifest
 from eagle_pipeline.samples import SampleLayout, estimate_bytes, planned_sample_layout
@@ -55,6 +55,16 @@ def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
     shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
     hidden = shape.get("hidden_size", verifier.hidden_size)
     heads = shape.get("num_attention_heads", text.get("num_attention_heads"))
+    if cfg.train.draft_layer == MLA:  # the verifier's MLA attention, one dense layer (train/draft_config.py)
+        q_lora = text.get("q_lora_rank")
+        nope, rope = int(text["qk_nope_head_dim"]), int(text["qk_rope_head_dim"])
+        return DraftDims(format=SPECULATORS, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=nope + rope, intermediate_size=shape.get("intermediate_size", text.get("intermediate_size")),
+                         vocab_size=verifier.vocab_size, draft_vocab_size=cfg.vocab.draft_vocab_size, num_aux=n_aux,
+                         target_hidden_size=verifier.hidden_size, num_layers=1, attention_bias=False, mlp_bias=False,
+                         norm_before_fc=False, fc_norm=bool(cfg.train.fc_norm), layer_shape=MLA,
+                         q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(text["kv_lora_rank"]),
+                         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(text["v_head_dim"]))
     return DraftDims(format=SPECULATORS, hidden_size=hidden, num_attention_heads=heads,
                      num_key_value_heads=shape.get("num_key_value_heads", text.get("num_key_value_heads", heads)),
                      head_dim=shape.get("head_dim", text.get("head_dim") or hidden // heads),
@@ -73,6 +83,9 @@ def drafter_params(dims: DraftDims) -> int:
     mlp = 3 * hidden * dims.intermediate_size
     first = 2 * hidden * (heads + 2 * kv_heads) * head_dim + out + mlp
     later = hidden * (heads + 2 * kv_heads) * head_dim + out + mlp
+    if dims.layer_shape == MLA:  # its attention's tensors as the drafter folder counts them, the layer's three
+        # norms and the final norm: every tensor saved
+        first = sum(math.prod(s) for s in mla_attention_shapes(dims, 2 * hidden).values()) + mlp + 4 * hidden
     return (dims.num_aux * dims.target_hidden_size * hidden + first + (dims.num_layers - 1) * later
             + dims.draft_vocab_size * hidden + dims.vocab_size * hidden)
 

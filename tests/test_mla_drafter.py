@@ -296,16 +296,14 @@ def test_stage_04_trains_an_mla_drafter_whose_checkpoint_has_the_contracts_tenso
     checkpoint = out / summary["last"]["checkpoint"]
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["norm_before_fc"] is False
-    # speculators saves the layer config's differences from DeepseekV3Config's defaults; read through it.
-    from transformers import DeepseekV3Config
-
-    layer = DeepseekV3Config.from_dict(config["transformer_layer_config"])
-    assert config["transformer_layer_config"]["model_type"] == "deepseek_v3"
-    assert (layer.num_hidden_layers, layer.first_k_dense_replace, layer.num_attention_heads) == (1, 1, 2)
-    assert (layer.q_lora_rank, layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim,
-            layer.v_head_dim, layer.intermediate_size, layer.rope_interleave) == (24, KV_LORA, NOPE, ROPE, V_DIM, 48, True)
-    assert {k: layer.rope_parameters[k] for k in ("rope_type", "factor", "mscale", "mscale_all_dim",
-                                                  "original_max_position_embeddings", "rope_theta")} \
+    # Every field the contract names is in the file as written (readers take it as a plain dict).
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "deepseek_v3"
+    assert (layer["num_hidden_layers"], layer["first_k_dense_replace"], layer["num_attention_heads"]) == (1, 1, 2)
+    assert ([layer[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                "intermediate_size", "rope_interleave")] == [24, KV_LORA, NOPE, ROPE, V_DIM, 48, True])
+    assert {k: layer["rope_parameters"][k] for k in ("rope_type", "factor", "mscale", "mscale_all_dim",
+                                                     "original_max_position_embeddings", "rope_theta")} \
         == {"rope_type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 1.0,
             "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     tensors = load_file(str(checkpoint / "model.safetensors"))
@@ -370,3 +368,22 @@ def test_mla_config_and_shape_refusals(tmp_path):
     assert (draft["q_lora_rank"], draft["kv_lora_rank"], draft["v_head_dim"], draft["intermediate_size"]) \
         == (Q_LORA, KV_LORA, V_DIM, 48)
     assert draft["rope_parameters"]["mscale_all_dim"] == 1.0 and draft["rope_interleave"] is True
+
+
+def test_the_plan_has_the_dims_and_parameters_of_the_mla_drafter_stage_04_writes(mla_trained):
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from eagle_pipeline.disk_plan import drafter_params, planned_draft_dims
+    from eagle_pipeline.drafter.tensors import draft_dims
+
+    checkpoint = mla_trained["out"] / mla_trained["summary"]["last"]["checkpoint"]
+    text = json.loads((mla_trained["root"] / "kimi" / "config.json").read_text())["text_config"]
+    verifier = SimpleNamespace(text_config=lambda: text, hidden_size=64, vocab_size=VOCAB)
+    cfg = SimpleNamespace(train=mla_trained["train"], vocab=SimpleNamespace(draft_vocab_size=VOCAB // 4))
+    planned = planned_draft_dims(cfg, verifier, 3)
+    assert planned == draft_dims(json.loads((checkpoint / "config.json").read_text()))
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        saved = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys() if name not in ("d2t", "t2d"))
+    assert drafter_params(planned) == saved
