@@ -193,14 +193,16 @@ def test_a_swapped_draft_vocabulary_is_named_by_stages_05_and_06(tmp_path, serve
 # process stopping the server is a subreaper (as a container's init may be) that never waits for orphans.
 ZOMBIE_GROUP = r"""
 import ctypes, json, os, subprocess, sys, time
+from eagle_pipeline.child_process import ChildProcess
 from eagle_pipeline.process_tree import process_state
 from eagle_pipeline.serve.server import VllmServer
 
 ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the group become ours, never reaped
 server = VllmServer("/models/target", log_path=sys.argv[1], stop_grace_s=5.0)
-server.process = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
-                                   "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-                                   "time.sleep(600)"], start_new_session=True)
+server.child = ChildProcess([sys.executable, "-c", "import subprocess, sys, time\n"
+                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                             "time.sleep(600)"], sys.argv[1], name="vLLM server", stop_grace_s=5.0)
+server.child.start()
 group, engine, deadline = server.process.pid, [], time.monotonic() + 60
 while not engine and time.monotonic() < deadline:  # until the engine stand-in has started
     time.sleep(0.1)

@@ -21,7 +21,8 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
 from eagle_pipeline.serve.measure import ModeMeasurement, speculative_config_for, summarize
 from eagle_pipeline.serve.report import write_report
-from eagle_pipeline.serve.server import ServerFailed, VllmServer, _ServerGuard, check_port_free, find_free_port
+from eagle_pipeline.child_process import ChildProcess, Guard
+from eagle_pipeline.serve.server import ServerFailed, VllmServer, check_port_free, find_free_port
 from eagle_pipeline.serve.spec_metrics import (
     acceptance_stats,
     metrics_delta,
@@ -426,15 +427,21 @@ def _group_members(group: int) -> list[int]:
     return members
 
 
-def _stubborn_server() -> subprocess.Popen:
-    """A process group like a vLLM server's during its start: a leader that ignores SIGTERM, and a child."""
-    program = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)")
-    server = subprocess.Popen([sys.executable, "-c", program], start_new_session=True)
+# A process group like a vLLM server's during its start: a leader that ignores SIGTERM, and a child.
+STUBBORN_SERVER = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)")
+
+
+def _wait_for_its_child(leader: int) -> None:
     deadline = time.monotonic() + 30
-    while len(_group_members(server.pid)) < 2:
+    while len(_group_members(leader)) < 2:
         assert time.monotonic() < deadline, "the stand-in server did not start its child"
         time.sleep(0.05)
+
+
+def _stubborn_server() -> subprocess.Popen:
+    server = subprocess.Popen([sys.executable, "-c", STUBBORN_SERVER], start_new_session=True)
+    _wait_for_its_child(server.pid)
     return server
 
 
@@ -443,9 +450,9 @@ def test_guard_stops_the_server_group_when_its_owner_dies_without_stopping_it(tm
     server = _stubborn_server()
     grace_s = 4.0
     try:
-        guard = _ServerGuard(server.pid, grace_s, tmp_path / "server.log")
+        guard = Guard(server.pid, grace_s, tmp_path / "server.log")
         if healthy:
-            guard.healthy()
+            guard.ready()
         died = time.monotonic()
         os.close(guard._write_end)  # what the kernel does when this process is killed
         assert guard.process.wait(timeout=30) == 0
@@ -469,10 +476,12 @@ def test_guard_stops_the_server_group_when_its_owner_dies_without_stopping_it(tm
 
 def test_stop_kills_a_server_that_never_became_healthy_without_a_grace_period(tmp_path):
     server = VllmServer("/models/target", log_path=tmp_path / "server.log", stop_grace_s=60.0)
-    server.process = _stubborn_server()
+    server.child = ChildProcess([sys.executable, "-c", STUBBORN_SERVER], server.log_path, name="vLLM server",
+                                stop_grace_s=server.stop_grace_s)
+    server.child.start()
     group = server.process.pid
     try:
-        server._guard = _ServerGuard(group, server.stop_grace_s, tmp_path / "server.log")
+        _wait_for_its_child(group)
         started = time.monotonic()
         server.stop()
         assert time.monotonic() - started < 15
@@ -485,7 +494,7 @@ def test_stop_kills_a_server_that_never_became_healthy_without_a_grace_period(tm
 def test_released_guard_leaves_the_server_alone(tmp_path):
     server = _stubborn_server()
     try:
-        guard = _ServerGuard(server.pid, 1.0, tmp_path / "server.log")
+        guard = Guard(server.pid, 1.0, tmp_path / "server.log")
         guard.release()
         assert guard.process.returncode == 0
         time.sleep(0.5)
