@@ -783,3 +783,21 @@ def test_an_online_run_starts_the_target_in_stage_04_not_stage_02():
     assert two_hosts["02_extract_hidden"] == 0 and two_hosts["04_train"] == 0  # host A's server, started apart
     offline = planned_target_starts(load_config(REPO / "configs" / "kimi-k2.5-10k.yaml"))
     assert offline["02_extract_hidden"] == 1 and offline["04_train"] == 0
+
+
+def test_mooncake_services_start_until_the_store_joins_and_stop_whole(tmp_path):
+    """The master and store of stage 04 (or a capture host) for real: the store's capacity is in the master's
+    metrics once started, and nothing of either process group is left after the block."""
+    from eagle_pipeline.config import MooncakeSettings
+    from eagle_pipeline.online import mooncake as mc
+    from eagle_pipeline.process_tree import live_group_members
+
+    if mc.mooncake_problem():
+        pytest.skip(mc.mooncake_problem())
+    with mc.MooncakeServices(MooncakeSettings(store_gib=0.25), tmp_path / "logs") as services:
+        groups = [child.pid for child in services.children]
+        assert mc.read_metrics(services.metrics_url)["master_total_capacity_bytes"] == 2**28
+        assert services.allocated_bytes() == 0 and all(live_group_members(group) for group in groups)
+    assert len(groups) == 2 and not any(live_group_members(group) for group in groups)
+    assert services.children == []
+    assert (tmp_path / "logs" / "mooncake-master.log").read_text().startswith("$ ")

@@ -13,18 +13,14 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
-import urllib.error
 from pathlib import Path
 from typing import Any
 
+from eagle_pipeline.child_process import ChildProcess
 from eagle_pipeline.config import MooncakeSettings
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.parent_death import signal_on_parent_death
 from eagle_pipeline.serve.server import find_free_port
 
 MASTER_PROGRAM = "mooncake_master"
@@ -112,10 +108,6 @@ def client_config(settings: MooncakeSettings, master: str, writer_threads: int =
     }
 
 
-def _die_with_parent() -> None:
-    signal_on_parent_death(signal.SIGTERM)
-
-
 def read_metrics(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
     """The master's Prometheus counters and gauges by name."""
     from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums
@@ -126,7 +118,8 @@ def read_metrics(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
 class MooncakeServices:
     """`with MooncakeServices(settings, log_dir) as services:` runs a master and a store on this host until the
     block ends; `services.master` is the address clients use, `services.metrics_url` the master's metrics (the
-    store's capacity and what is allocated in it)."""
+    store's capacity and what is allocated in it). Both are child processes of eagle_pipeline/child_process.py
+    (their own process groups, stopped with this process)."""
 
     def __init__(self, settings: MooncakeSettings, log_dir: Path, host: str = "127.0.0.1", rpc_port: int | None = None,
                  start_timeout_s: float = 60.0):
@@ -135,30 +128,30 @@ class MooncakeServices:
         self.host = host  # the address clients reach the master at; other than 127.0.0.1, it listens on every interface
         self.rpc_port = rpc_port
         self.start_timeout_s = start_timeout_s
-        self.processes: list[subprocess.Popen] = []
+        self.children: list[ChildProcess] = []
         self.master = ""
         self.metrics_url = ""
 
     def __enter__(self) -> "MooncakeServices":
         require_mooncake()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         rpc_port, metrics_port, store_port = self.rpc_port or find_free_port(), find_free_port(), find_free_port()
         bind = "0.0.0.0" if self.host != "127.0.0.1" else "127.0.0.1"
         self.master = f"{self.host}:{rpc_port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         try:
-            self._start("mooncake-master", [str(program_path(MASTER_PROGRAM)), f"--rpc_port={rpc_port}",
-                                            f"--rpc_address={bind}", f"--metrics_port={metrics_port}"])
-            self._wait(lambda: read_metrics(self.metrics_url) is not None, "the Mooncake master")
+            master = self._start("mooncake-master", [str(program_path(MASTER_PROGRAM)), f"--rpc_port={rpc_port}",
+                                                     f"--rpc_address={bind}", f"--metrics_port={metrics_port}"])
+            master.wait_ready(lambda: read_metrics(self.metrics_url) is not None, self.start_timeout_s,
+                              "the Mooncake master to answer")
             store_gib = self.settings.store_gib
-            self._start("mooncake-store", [
+            store = self._start("mooncake-store", [
                 str(program_path(STORE_PROGRAM)), f"--master_server_address={self.master}",
                 f"--metadata_server={METADATA_SERVER}", f"--host={local_address(self.settings, self.master)}",
                 f"--port={store_port}", f"--global_segment_size={int(store_gib * 2**30)}",
                 f"--protocol={self.settings.protocol}", f"--device_names={self.settings.device}",
             ])
-            self._wait(lambda: read_metrics(self.metrics_url).get("master_total_capacity_bytes", 0) > 0,
-                       "the Mooncake store to join its master")
+            store.wait_ready(lambda: read_metrics(self.metrics_url).get("master_total_capacity_bytes", 0) > 0,
+                             self.start_timeout_s, "the Mooncake store to join its master", watch=[master])
         except BaseException:
             self.stop()
             raise
@@ -171,37 +164,14 @@ class MooncakeServices:
         """Bytes the store holds now (the states in flight)."""
         return int(read_metrics(self.metrics_url).get("master_allocated_bytes", 0))
 
-    def _start(self, name: str, command: list[str]) -> None:
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            log.write(f"$ {' '.join(command)}\n".encode())
-            log.flush()
-            self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                                   start_new_session=True, preexec_fn=_die_with_parent))
-
-    def _wait(self, ready, what: str) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            for process in self.processes:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{' '.join(process.args[:1])} exited with {process.returncode} while waiting for "
-                                       f"{what}; its log is in {self.log_dir}")
-            try:
-                if ready():
-                    return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gave up waiting for {what} after {self.start_timeout_s:.0f} s; logs in {self.log_dir}")
-            time.sleep(0.2)
+    def _start(self, name: str, command: list[str]) -> ChildProcess:
+        child = ChildProcess(command, self.log_dir / f"{name}.log", name=name, stop_grace_s=10.0)
+        self.children.append(child)
+        child.start()
+        return child
 
     def stop(self) -> None:
         """The store first (it leaves the master), then the master; SIGKILL after a grace period."""
-        for process in reversed(self.processes):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-        self.processes = []
+        for child in reversed(self.children):
+            child.stop()
+        self.children = []
