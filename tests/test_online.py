@@ -145,20 +145,16 @@ def test_a_restarted_capture_server_asks_for_what_is_free_then(tmp_path, monkeyp
                                    hidden_states={"mode": "online", "capture_gpu_memory_utilization": 0.8}))
     assert memory_plan.capture_share(gpu) == 0.8 and servers.free_share_reader(_load(tmp_path, mode="online")) is None
 
-    class Process:
-        def __init__(self, code):
-            self.returncode = code
-
-        def poll(self):
-            return self.returncode
-
     class Server:  # a VllmServer that dies once, then stays up
         def __init__(self):
-            self.extra_args, self.started, self.process = ["--gpu-memory-utilization", "0.8"], [], None
+            self.extra_args, self.started, self.code = ["--gpu-memory-utilization", "0.8"], [], None
 
         def start(self):
             self.started.append(list(self.extra_args))
-            self.process = Process(1 if len(self.started) == 1 else None)
+            self.code = 1 if len(self.started) == 1 else None
+
+        def returncode(self):
+            return self.code
 
         def stop(self):
             pass

@@ -129,7 +129,8 @@ class CaptureServer:
     """`with CaptureServer(server_kwargs, log_path) as server:` starts a capture server on a free port (or
     `port`) and keeps it up until the block ends: a server that dies is started again on the same port, up to
     MAX_RESTARTS times, asking vLLM for `restart_share()` of each GPU when that is given (`free_share_reader`).
-    `server.endpoint` is the base URL speculators asks."""
+    `server.endpoint` is the base URL speculators asks. Starting, watching and stopping the server is VllmServer's
+    (eagle_pipeline/child_process.py); this class decides when to start it again."""
 
     def __init__(self, server_kwargs: dict[str, Any], log_path: Path, *, port: int | None = None,
                  startup_timeout_s: float = 1200.0, max_restarts: int = MAX_RESTARTS, poll_s: float = 1.0,
@@ -189,10 +190,10 @@ class CaptureServer:
         self._ready.set()
         try:
             while not self._stop.wait(self.poll_s):
-                process = server.process
-                if process is None or process.poll() is None:
+                code = server.returncode()
+                if code is None:
                     continue
-                log.warning("capture server %s exited with %s; see %s", self.endpoint, process.returncode, self.log_path)
+                log.warning("capture server %s exited with %s; see %s", self.endpoint, code, self.log_path)
                 server.stop()
                 if self.restarts >= self.max_restarts:
                     self.gave_up = True

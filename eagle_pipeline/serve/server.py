@@ -92,6 +92,10 @@ class VllmServer:
         """The API server's process (subprocess.Popen; its process group holds the engine), None while stopped."""
         return self.child.process if self.child is not None else None
 
+    def returncode(self) -> int | None:
+        """The API server's exit code once it has exited on its own; None while it runs or is stopped."""
+        return self.child.returncode() if self.child is not None else None
+
     @property
     def model(self) -> str:
         """The name requests must use: vLLM serves the model under the path it was given."""
