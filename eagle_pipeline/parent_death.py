@@ -1,6 +1,6 @@
 """Linux's parent-death signal: a child asks the kernel (prctl PR_SET_PDEATHSIG) for a signal when the thread
 that started it exits, so that a process killed outright does not leave the processes below it running. Asked
-for by vLLM servers (serve/server.py).
+for by every child process of the pipeline (child_process.py).
 """
 
 from __future__ import annotations
