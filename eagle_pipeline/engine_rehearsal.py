@@ -105,7 +105,8 @@ def _online_capture_argv(cfg: RunConfig, verifier, scratch: Path) -> list[str]:
 
 def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
     """The drafter folder stages 05 and 06 serve: `serve.drafter`, stage 05's output, or (before stage 05 has run)
-    a config-only stand-in with the drafter's planned shape, which is all vLLM reads to configure an engine."""
+    a config-only stand-in with the drafter's planned shape (Llama-shaped, or MLA with train.draft_layer mla), which
+    is all vLLM reads to configure an engine."""
     if cfg.serve.drafter is not None:
         return cfg.resolve_path(cfg.serve.drafter)
     converted = cfg.stage_dir("05_convert") / "vllm"
@@ -114,20 +115,31 @@ def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
     from eagle_pipeline import atomic
     from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
     from eagle_pipeline.disk_plan import planned_draft_dims
+    from eagle_pipeline.drafter.layouts import MLA, NORM_FLAGS, SPECULATORS_TYPE_KEY
 
     text = verifier.text_config()
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
-    dims = planned_draft_dims(cfg, verifier, len(layout.layer_ids))
-    shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
-    layer = {"hidden_size": dims.hidden_size, "num_attention_heads": dims.num_attention_heads,
-             "num_key_value_heads": dims.num_key_value_heads, "head_dim": dims.head_dim,
-             "intermediate_size": dims.intermediate_size, "vocab_size": verifier.vocab_size,
-             "rms_norm_eps": text.get("rms_norm_eps", 1e-6),
-             "max_position_embeddings": text.get("max_position_embeddings", cfg.verifier.max_model_len),
-             "rope_theta": shape.get("rope_theta", text.get("rope_theta", 10000.0))}
-    flags = {name: getattr(cfg.train, name) for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
-    planned = SpeculatorsCheckpoint(scratch, {"draft_vocab_size": cfg.vocab.draft_vocab_size,
-                                              "target_hidden_size": verifier.hidden_size}, layer, {}, flags)
+    flags = {name: getattr(cfg.train, name) for name in NORM_FLAGS}
+    config = {"draft_vocab_size": cfg.vocab.draft_vocab_size, "target_hidden_size": verifier.hidden_size}
+    if cfg.train.draft_layer == MLA:
+        from eagle_pipeline.train.draft_config import build_mla_draft_config
+
+        # The DeepseekV3Config stage 04 trains, in the speculators config it writes: the flat config is then
+        # convert.mla_flat_config's (Eagle3DeepseekV2ForCausalLM, model_type kimi_k2 for a Kimi target), whose
+        # layers select an MLA backend as the served drafter's do.
+        layer = build_mla_draft_config(cfg.train, text)
+        config |= {SPECULATORS_TYPE_KEY: "eagle3", "transformer_layer_config": layer,
+                   "speculators_config": {"verifier": {"name_or_path": str(verifier.path)}}}
+    else:
+        dims = planned_draft_dims(cfg, verifier, len(layout.layer_ids))
+        shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
+        layer = {"hidden_size": dims.hidden_size, "num_attention_heads": dims.num_attention_heads,
+                 "num_key_value_heads": dims.num_key_value_heads, "head_dim": dims.head_dim,
+                 "intermediate_size": dims.intermediate_size, "vocab_size": verifier.vocab_size,
+                 "rms_norm_eps": text.get("rms_norm_eps", 1e-6),
+                 "max_position_embeddings": text.get("max_position_embeddings", cfg.verifier.max_model_len),
+                 "rope_theta": shape.get("rope_theta", text.get("rope_theta", 10000.0))}
+    planned = SpeculatorsCheckpoint(scratch, config, layer, {}, flags)
     config = flat_config(planned, vocab_size=verifier.vocab_size, written_layer_ids=list(layout.layer_ids),
                          dtype="bfloat16", engine="vllm")
     folder = scratch / "planned-drafter"

@@ -36,10 +36,12 @@ def standin(tmp_path_factory) -> Path:
     return root
 
 
-def kimi_config_file(root: Path, name: str, verifier: dict | None = None, serve: dict | None = None) -> Path:
+def kimi_config_file(root: Path, name: str, verifier: dict | None = None, serve: dict | None = None,
+                     train: dict | None = None) -> Path:
     path = root / f"{name}.yaml"
     data = {"extends": str(KIMI_CONFIG), "run_name": name, "data_root": str(root / "data"), **STANDIN_FIT,
-            "verifier": {"path": str(root / "kimi"), **VERIFIER_FIT, **(verifier or {})}, "serve": serve or {}}
+            "verifier": {"path": str(root / "kimi"), **VERIFIER_FIT, **(verifier or {})}, "serve": serve or {},
+            "train": {**STANDIN_FIT["train"], **(train or {})}}
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -163,3 +165,47 @@ def test_an_mla_drafter_takes_cpu_mla_blocks_of_16_with_its_target(standin, tmp_
     assert [(layer.kind, layer.attention, layer.backend) for layer in eagle3.result.layers] == [
         ("target", "MLA", "CPU_MLA"), ("drafter", "MLA", "CPU_MLA")], eagle3.line()
     assert eagle3.result.block_size == 16, eagle3.line()
+
+
+# An MLA drafter on the stand-in: its layer derived from the verifier (the Kimi config's Llama draft_shape dropped).
+MLA_TRAIN = {"draft_layer": "mla", "draft_shape": None}
+
+
+def test_before_stage_05_the_rehearsal_plans_the_mla_drafter_train_draft_layer_asks_for(standin):
+    """Stage 05 has not run: the rehearsal plans the drafter stage 04 will train, so with train.draft_layer mla an
+    Eagle3DeepseekV2ForCausalLM whose layers take CPU_MLA beside the CPU_MLA target (blocks of 16), where the
+    Llama-shaped drafter the same settings would plan is refused for the block-size conflict."""
+    from eagle_pipeline.engine_rehearsal import check_engines
+
+    def cpu(name: str, **train):
+        cfg = kimi_config(standin, name, train=train, serve={"drafter_attention_backend": "CPU_MLA"})
+        return cfg.model_copy(update={
+            "device": "cpu", "verifier": cfg.verifier.model_copy(update={"attention_backend": "CPU_MLA"}),
+            "serve": cfg.serve.model_copy(update={"engine_variants": []})})
+
+    mla = cpu("cpu-mla-planned", **MLA_TRAIN)
+    assert not (mla.stage_dir("05_convert") / "vllm").exists()
+    done = check_engines(mla, (5, 6), show=False)  # a refusal would raise BadInput
+    for name in ("drafter load check", "server eagle3"):
+        item = next(item for item in done if item.engine.name == name)
+        assert [(layer.kind, layer.attention, layer.backend) for layer in item.result.layers] == [
+            ("target", "MLA", "CPU_MLA"), ("drafter", "MLA", "CPU_MLA")], item.line()
+        assert "drafter MLA -> CPU_MLA" in item.line(), item.line()
+
+    llama = cpu("cpu-llama-planned")  # CPU_MLA asked for a Llama drafter: the CPU gives it CPU_ATTN
+    with pytest.raises(BadInput) as refusal:
+        check_engines(llama, (6,), show=False)
+    assert "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" in str(refusal.value)
+
+
+def test_on_the_gpu_host_the_planned_mla_drafter_takes_cudas_mla_backend(standin):
+    """The same plan under CUDA's selector at the GPU host's sm_120: the MLA drafter's layers ask for an MLA
+    backend, so the Kimi config's TRITON_ATTN (for its Llama-shaped drafter) is refused and TRITON_MLA taken."""
+    from eagle_pipeline.engine_rehearsal import check_engines
+
+    with pytest.raises(BadInput) as refusal:
+        check_engines(kimi_config(standin, "cuda-mla-attn", train=MLA_TRAIN), (5,), show=False)
+    assert "serve.drafter_attention_backend" in str(refusal.value), refusal.value
+    cfg = kimi_config(standin, "cuda-mla", train=MLA_TRAIN, serve={"drafter_attention_backend": "TRITON_MLA"})
+    (done,) = check_engines(cfg, (5,), show=False)
+    assert CUDA in done.line() and "drafter MLA -> TRITON_MLA" in done.line(), done.line()
