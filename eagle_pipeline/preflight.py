@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from eagle_pipeline.gpus import NOT_ON_PATH, query as query_nvidia_smi
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.gpus import NOT_ON_PATH
+from eagle_pipeline.gpus import query as query_nvidia_smi
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GPU_REQUIREMENTS = REPO_ROOT / "requirements" / "gpu.txt"

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from eagle_pipeline.child_process import ChildProcess, Guard
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
 from eagle_pipeline.serve.measure import ModeMeasurement, speculative_config_for, summarize
 from eagle_pipeline.serve.report import write_report
-from eagle_pipeline.child_process import ChildProcess, Guard
 from eagle_pipeline.serve.server import ServerFailed, VllmServer, check_port_free, find_free_port
 from eagle_pipeline.serve.spec_metrics import (
     acceptance_stats,
