@@ -22,7 +22,8 @@ Full scale (8 GPUs, see README "Running on a GPU host"):
     python 01_generate_data.py --config configs/kimi-k2.5-10k.yaml
 
 Output in <data_root>/<run_name>/01_generate_data/:
-    parts/part-*.jsonl   finished conversations, generation.batch_size a file (a crash loses at most those not yet written)
+    parts/part-*.jsonl   finished conversations, generation.batch_size a file (a crash loses at most those not yet
+    written)
     dropped_prompts.jsonl   prompt_source file: the prompts dropped as too long (id, prompt tokens, reason)
     self_written/part-*.jsonl   prompt_source self: every sampled user turn and the filter's verdict
     conversations/       `datasets` dataset: sample_id, prompt_id, topic, messages, finish_reason, token counts,
@@ -88,9 +89,10 @@ def truncation_warning(finish_reasons: dict[str, int], samples: int, cfg: RunCon
         return None
     thinking = (" generation.reasoning is true, so thinking traces are being cut, often before any answer;"
                 if cfg.generation.reasoning else "")
-    return (f"{cut} of {samples} answers ({share:.0%}) stopped at the length limit, above generation.max_truncated_share "
-            f"({cfg.generation.max_truncated_share:.0%}):{thinking} the drafter learns from cut answers; raise "
-            f"generation.max_tokens ({cfg.generation.max_tokens}) and verifier.max_model_len if needed")
+    return (f"{cut} of {samples} answers ({share:.0%}) stopped at the length limit, above "
+            f"generation.max_truncated_share ({cfg.generation.max_truncated_share:.0%}):{thinking} "
+            "the drafter learns from cut answers; raise generation.max_tokens "
+            f"({cfg.generation.max_tokens}) and verifier.max_model_len if needed")
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -103,7 +105,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     if self_written:  # written by the target once its engine runs, kept clear of the held-out prompts
         held_out = load_prompts(eval_path, cfg.data.prompt_field, "data.eval_prompts")
         prompts = None
-        source = f"user turns the target writes itself (temperature {cfg.data.self_written.temperature}), clear of {eval_path}"
+        source = (f"user turns the target writes itself (temperature {cfg.data.self_written.temperature}), "
+                  f"clear of {eval_path}")
     else:
         # The held-out file is checked here too, so that a bad one is refused before hours of generation.
         prompts, _ = load_training_and_eval_prompts(prompts_path, eval_path, cfg.data.prompt_field)
@@ -129,7 +132,8 @@ def run(stage: Stage, dry_run: bool) -> None:
             # A model folder's tokenizer is cheap to load and is where remote code breaks first (docs/engines.md);
             # an embedded model is converted on first use, which a dry run must not do.
             verifier = Verifier.from_config(cfg)
-            template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
+            template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning,
+                                                   cfg.generation.chat_template_kwargs)
             print(f"  tokenizer {type(verifier.tokenizer).__name__}, chat template arguments {template_kwargs}")
             if prompts is not None:
                 selection = select_prompts(prompts, len(sample_ids), template_counter(
@@ -143,7 +147,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         return
 
     verifier = Verifier.from_config(cfg)
-    template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
+    template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning,
+                                           cfg.generation.chat_template_kwargs)
     selection = None
     if not self_written:  # every prompt measured once; vLLM never sees one that cannot fit
         selection = select_prompts(prompts, len(sample_ids), template_counter(
@@ -158,7 +163,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         # What the prompts come from; their count is data.num_samples (counts), which may grow on a rerun.
         prompt_input = {"source": "self", "model": verifier.fingerprints()["verifier"], "seed": cfg.seed,
                         **cfg.data.self_written.model_dump(mode="json"), "eval_prompts": file_fingerprint(eval_path)
-                        if eval_path.is_file() else value_fingerprint(held_out), "system_prompt": cfg.generation.system_prompt}
+                        if eval_path.is_file() else value_fingerprint(held_out),
+                        "system_prompt": cfg.generation.system_prompt}
     else:
         # All of them, not the ones this sample count uses: raising data.num_samples extends the run.
         prompt_input = file_fingerprint(prompts_path) if prompts_path.is_file() else value_fingerprint(all_prompts)
@@ -240,7 +246,8 @@ def run(stage: Stage, dry_run: bool) -> None:
 
         def write_part(records: list[dict]) -> None:
             first = min(r["sample_id"] for r in records)
-            atomic.write_text(parts_dir / f"part-{first}-{len(records):05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+            atomic.write_text(parts_dir / f"part-{first}-{len(records):05d}.jsonl",
+                              "".join(json.dumps(r) + "\n" for r in records))
             done.update({r["sample_id"]: r for r in records})
 
         with tqdm(total=len(todo), desc="generate", unit="conv") as bar:
@@ -284,7 +291,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "generated_now": len(todo),
         "completion_tokens": sum(completion_tokens),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-        "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows) for k in sorted({r["finish_reason"] for r in rows})},
+        "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows)
+                           for k in sorted({r["finish_reason"] for r in rows})},
         "generation_seconds": round(gen_seconds, 1),
         "output_tokens_per_s": round(generated_tokens / gen_seconds, 1) if generated_tokens else None,
     }
@@ -300,11 +308,13 @@ def run(stage: Stage, dry_run: bool) -> None:
     warning = truncation_warning(counts["finish_reasons"], len(rows), cfg)
     if warning:
         log.warning("stage 01: %s", warning)
-    stage.finish(counts, output_fingerprint=value_fingerprint([(r["sample_id"], r["messages"][-1]["content"]) for r in rows]),
+    stage.finish(counts,
+                 output_fingerprint=value_fingerprint([(r["sample_id"], r["messages"][-1]["content"]) for r in rows]),
                  extra={"warnings": [warning]} if warning else None)
     print(
-        f"stage 01 done: {len(rows)} conversations ({len(todo)} new), {counts['completion_tokens']} response tokens, "
-        f"finish reasons {counts['finish_reasons']}{dropped_note}, {counts['output_tokens_per_s']} output tok/s -> {stage.dir}"
+        f"stage 01 done: {len(rows)} conversations ({len(todo)} new), {counts['completion_tokens']} "
+        f"response tokens, finish reasons {counts['finish_reasons']}{dropped_note}, "
+        f"{counts['output_tokens_per_s']} output tok/s -> {stage.dir}"
     )
 
 

@@ -87,7 +87,8 @@ def check_first_batch(hs_dir: Path, rows: list[dict], batch: list[int], head, la
     from eagle_pipeline.state_meaning import check_stage02_samples
 
     other = ("" if model_runner == "v1" else
-             ", or capture with vLLM's V1 model runner, whose capture path is the tested one (verifier.model_runner: v1)")
+             ", or capture with vLLM's V1 model runner, whose capture "
+             "path is the tested one (verifier.model_runner: v1)")
     fix = (f"stage 02 stopped after its first batch ({len(batch)} samples, their files removed): check the engine's "
            f"settings (docs/engines.md, \"Engine settings\"){other}, and rerun stage 02")
     try:
@@ -104,23 +105,26 @@ def plan_without_conversations(stage: Stage) -> None:
     verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     if cfg.hidden_states.mode == "online":
-        return print_online_plan(stage, verifier, layout, num_samples=cfg.data.num_samples, note=not_run_yet_note(cfg, 1))
+        return print_online_plan(stage, verifier, layout, num_samples=cfg.data.num_samples,
+                                 note=not_run_yet_note(cfg, 1))
     max_tokens = cfg.data.num_samples * cfg.hidden_states.max_seq_len
     need = estimate_bytes(max_tokens, layout.num_hidden_states, layout.hidden_size, layout.storage_dtype)
     print(f"stage 02: capture hidden states of {cfg.data.num_samples} conversations")
     print(not_run_yet_note(cfg, 1))
-    print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden {layout.hidden_size}), "
-          f"tensor_parallel={cfg.verifier.tensor_parallel_size}, expert_parallel={cfg.verifier.enable_expert_parallel}")
-    print(f"  aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}; stored as {layout.storage_dtype} "
-          f"[seq, {layout.num_hidden_states}, {layout.hidden_size}]")
+    print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, "
+          f"hidden {layout.hidden_size}), tensor_parallel={cfg.verifier.tensor_parallel_size}, "
+          f"expert_parallel={cfg.verifier.enable_expert_parallel}")
+    print(f"  aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}; stored "
+          f"as {layout.storage_dtype} [seq, {layout.num_hidden_states}, {layout.hidden_size}]")
     later, what = later_stages_bytes(cfg, verifier, layout)
     expected = plan_run(cfg, verifier, layout).stage(2)
-    print(f"  disk: ~{amount(expected.bytes)} of hidden states {expected.detail} ({need / max_tokens / 1e3:.1f} KB/token), "
-          f"at most ~{need / 1e9:.1f} GB (every conversation at hidden_states.max_seq_len {cfg.hidden_states.max_seq_len}), "
-          f"under {stage.dir}; stage 02 also reserves {what}")
+    print(f"  disk: ~{amount(expected.bytes)} of hidden states {expected.detail} ({need / max_tokens / 1e3:.1f} "
+          f"KB/token), at most ~{need / 1e9:.1f} GB (every conversation at hidden_states.max_seq_len "
+          f"{cfg.hidden_states.max_seq_len}), under {stage.dir}; stage 02 also reserves {what}")
     from eagle_pipeline.capture import capture_memory_line
 
-    print(capture_memory_line(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len) + " (at most)")
+    print(capture_memory_line(cfg, layout.num_hidden_states, layout.hidden_size,
+                              cfg.hidden_states.max_seq_len) + " (at most)")
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -139,14 +143,17 @@ def run(stage: Stage, dry_run: bool) -> None:
     conversations_dir = cfg.stage_dir("01_generate_data") / "conversations"
     conversations = load_from_disk(str(conversations_dir))
     if "completion_token_ids" not in conversations.column_names:
-        raise BadInput(f"{conversations_dir}: has no token ids (made by an older stage 01); rerun 01_generate_data.py with --force")
+        raise BadInput(f"{conversations_dir}: has no token ids (made by an older "
+                       "stage 01); rerun 01_generate_data.py with --force")
     rows = []
     for conv in conversations:
-        ids, mask = training_sequence(conv["prompt_token_ids"], conv["completion_token_ids"], max_len=hs_cfg.max_seq_len)
+        ids, mask = training_sequence(conv["prompt_token_ids"], conv["completion_token_ids"],
+                                      max_len=hs_cfg.max_seq_len)
         # The topic lets stage 04 validate on whole topics; conversations from before it was recorded are
         # each their own topic.
         topic = conv.get("topic") or conv["prompt_id"]
-        rows.append({"sample_id": conv["sample_id"], "topic": topic, "input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
+        rows.append({"sample_id": conv["sample_id"], "topic": topic, "input_ids": ids, "loss_mask": mask,
+                     "seq_len": len(ids)})
     total_tokens = sum(r["seq_len"] for r in rows)
     need = estimate_bytes(total_tokens, num_states, hidden_size, hs_cfg.storage_dtype)
 
@@ -154,13 +161,14 @@ def run(stage: Stage, dry_run: bool) -> None:
         return print_online_plan(stage, verifier, layout, rows)
     if dry_run:
         print(f"stage 02: capture hidden states of {len(rows)} conversations ({total_tokens} tokens)")
-        print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden {hidden_size}), "
-              f"tensor_parallel={cfg.verifier.tensor_parallel_size}, expert_parallel={cfg.verifier.enable_expert_parallel}")
+        print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, "
+              f"hidden {hidden_size}), tensor_parallel={cfg.verifier.tensor_parallel_size}, "
+              f"expert_parallel={cfg.verifier.enable_expert_parallel}")
         print(f"  aux layer ids {layer_ids} + final layer {verifier.num_layers}; stored as {hs_cfg.storage_dtype} "
               f"[seq, {num_states}, {hidden_size}]")
         later, what = later_stages_bytes(cfg, verifier, layout)
-        print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} KB/token) under {stage.dir}, "
-              f"plus {what} reserved")
+        print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} "
+              f"KB/token) under {stage.dir}, plus {what} reserved")
         from eagle_pipeline.capture import capture_memory_line
 
         print(capture_memory_line(cfg, num_states, hidden_size, max((r["seq_len"] for r in rows), default=1)))
@@ -185,7 +193,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         later, later_what = 0, "nothing for later stages (they write to another disk)"
 
     def disk_needed(todo: list[int]) -> int:
-        return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size, hs_cfg.storage_dtype) + later
+        return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size,
+                              hs_cfg.storage_dtype) + later
 
     def room_for_samples() -> None:  # a want of disk is refused before anything is written
         if hs_cfg.mode == "offline":
@@ -211,7 +220,8 @@ def run(stage: Stage, dry_run: bool) -> None:
             stray.unlink()
     todo_tokens = sum(rows[i]["seq_len"] for i in todo)
     check_disk(hs_dir, disk_needed(todo), f"hidden states for {len(todo)} samples and {later_what}")
-    print(f"stage 02: {len(rows) - len(todo)} of {len(rows)} samples already captured, {len(todo)} to capture ({todo_tokens} tokens)")
+    print(f"stage 02: {len(rows) - len(todo)} of {len(rows)} samples "
+          f"already captured, {len(todo)} to capture ({todo_tokens} tokens)")
 
     # -- capture with vLLM, its first batch checked for meaning before the rest ------------------------
     from eagle_pipeline.state_meaning import check_stage02_samples, target_head_for
@@ -253,7 +263,8 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     # -- summary --------------------------------------------------------------------------------------
     stored = sum(sample_path(hs_dir, i).stat().st_size for i in range(len(rows)))
-    plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length", "tokens")
+    plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length",
+                    "tokens")
     counts = {
         "samples": len(rows),
         "captured_now": len(todo),
@@ -272,22 +283,23 @@ def run(stage: Stage, dry_run: bool) -> None:
     stage.finish(counts, output_fingerprint=value_fingerprint([r["input_ids"] for r in rows]),
                  extra={"resolved": layout.to_json()})
     print(
-        f"stage 02 done: {len(rows)} samples ({len(todo)} captured now), {total_tokens} tokens, "
-        f"{stored / 1e6:.1f} MB ({counts['bytes_per_token']} B/token), {counts['capture_tokens_per_s']} tokens/s -> {stage.dir}"
+        f"stage 02 done: {len(rows)} samples ({len(todo)} captured now), {total_tokens} tokens, {stored / 1e6:.1f} "
+        f"MB ({counts['bytes_per_token']} B/token), {counts['capture_tokens_per_s']} tokens/s -> {stage.dir}"
     )
 
 
 def print_online_plan(stage: Stage, verifier: Verifier, layout, rows: list[dict] | None = None,
                       num_samples: int | None = None, note: str | None = None) -> None:
     """Dry run of an online run: the dataset only; the states are stage 04's to capture."""
-    size = f"{len(rows)} conversations ({sum(r['seq_len'] for r in rows)} tokens)" if rows else f"{num_samples} conversations"
+    size = (f"{len(rows)} conversations ({sum(r['seq_len'] for r in rows)} tokens)" if rows
+            else f"{num_samples} conversations")
     print(f"stage 02: the training dataset of {size}, no hidden states "
           f"(hidden_states.mode: online: stage 04 captures them live and discards them)")
     if note:
         print(note)
-    print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden {layout.hidden_size}); "
-          f"aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}, which stage 04's capture "
-          f"servers will hand over as [seq, {layout.num_hidden_states}, {layout.hidden_size}]")
+    print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, hidden "
+          f"{layout.hidden_size}); aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}, which "
+          f"stage 04's capture servers will hand over as [seq, {layout.num_hidden_states}, {layout.hidden_size}]")
     print(f"  disk: the dataset only (token ids and loss masks) under {stage.dir}")
 
 
@@ -295,7 +307,8 @@ def finish_online(stage: Stage, rows: list[dict], verifier: Verifier, layout) ->
     """An online run's stage 02 ends with the dataset: token ids and loss masks, in the format stage 04 reads,
     and no states (stage 04 asks its capture servers for them; eagle_pipeline/online/)."""
     total_tokens = sum(r["seq_len"] for r in rows)
-    plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length", "tokens")
+    plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length",
+                    "tokens")
     counts = {
         "samples": len(rows),
         "captured_now": 0,

@@ -3,7 +3,8 @@
 The drafter proposes tokens from a smaller vocabulary (32k of Kimi's 163,840) to keep its lm_head cheap;
 the most frequent assistant tokens are kept. With `vocab.from_drafter: DIR` the vocabulary of that drafter
 (a released one to fine-tune, docs/released_drafters.md) is adopted instead, checked against the target:
-its lm_head rows only mean something for the tokens it was trained to propose. Writes `d2t.npy` (int64 offsets) and `t2d.npy` (bool), the
+its lm_head rows only mean something for the tokens it was trained to propose. Writes `d2t.npy` (int64 offsets) and
+`t2d.npy` (bool), the
 files speculators' trainer loads (`--d2t-path`, `--t2d-path`) and stage 05 embeds for vLLM.
 
 Embedded default (CPU, seconds):
@@ -55,7 +56,8 @@ def run(stage: Stage, dry_run: bool) -> None:
                                                      draft_vocab_size=draft_vocab_size)
     source = f"adopted from {cfg.vocab.from_drafter}" if adopted else f"from {upstream['counts']['samples']} samples"
     if dry_run:
-        print(f"stage 03: draft vocabulary of {draft_vocab_size} {source}, target vocabulary {vocab_size} -> {stage.dir}")
+        print(f"stage 03: draft vocabulary of {draft_vocab_size} "
+              f"{source}, target vocabulary {vocab_size} -> {stage.dir}")
         return
 
     inputs = {
@@ -86,10 +88,12 @@ def run(stage: Stage, dry_run: bool) -> None:
         atomic.write_with(stage.dir / name, lambda tmp, a=array: np.save(open(tmp, "wb"), a))
 
     covered = vocab.coverage(counts, draft_ids)
-    sizes = sorted({s for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, 65536, vocab_size, draft_vocab_size) if s <= vocab_size})
+    sizes = sorted({s for s in (256, 512, 1024, 2048, 4096, 8192, 16384, 32000, 65536, vocab_size,
+                                draft_vocab_size) if s <= vocab_size})
     curve = vocab.coverage_curve(counts, sizes)
     plots.curve(sizes, {"coverage of assistant tokens": curve}, stage.dir / "coverage.png",
-                f"draft vocabulary coverage ({covered:.1%} at {draft_vocab_size})", "draft vocabulary size", "share of training tokens",
+                f"draft vocabulary coverage ({covered:.1%} at {draft_vocab_size})", "draft vocabulary size",
+                "share of training tokens",
                 marks={f"chosen size {draft_vocab_size}": (draft_vocab_size, covered)})
     stats = {
         "samples": upstream["counts"]["samples"],
@@ -102,7 +106,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "from_drafter": str(cfg.resolve_path(cfg.vocab.from_drafter)) if adopted else None,
     }
     stage.finish(stats, output_fingerprint=file_fingerprint(stage.dir / "d2t.npy"))
-    print(f"stage 03 done: {draft_vocab_size} draft tokens ({source}) cover {covered:.2%} of {stats['assistant_tokens']} assistant tokens "
+    print(f"stage 03 done: {draft_vocab_size} draft tokens ({source}) cover "
+          f"{covered:.2%} of {stats['assistant_tokens']} assistant tokens "
           f"({stats['distinct_tokens_seen']} distinct seen) -> {stage.dir}")
 
 

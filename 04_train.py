@@ -63,12 +63,13 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[FlatDr
     t = cfg.train
     init_from = cfg.resolve_path(t.init_from)
     if not (init_from / "config.json").exists():
-        raise BadInput(f"train.init_from: {init_from} is not a drafter directory (no config.json); point it at a speculators or released drafter")
+        raise BadInput(f"train.init_from: {init_from} is not a drafter directory (no "
+                       "config.json); point it at a speculators or released drafter")
     if is_speculators_drafter(init_from):
         check_weights_whole(init_from, "train.init_from")
         if t.init_from_convention == "sglang":
-            raise BadInput(f"train.init_from_convention: sglang, but {init_from} is a speculators drafter, whose ids are "
-                           f"always HF indices (the vllm convention); leave it out")
+            raise BadInput(f"train.init_from_convention: sglang, but {init_from} is a speculators "
+                           "drafter, whose ids are always HF indices (the vllm convention); leave it out")
         return None, None
     drafter = read_flat_drafter(init_from, "train.init_from")
     released_drafter.check_against_target(drafter, hidden_size=verifier.hidden_size, vocab_size=verifier.vocab_size)
@@ -77,9 +78,9 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[FlatDr
     ids = released_drafter.hf_layer_ids(drafter, convention)
     if ids != list(layer_ids):
         raise BadInput(f"train.init_from: {drafter.config_path}: eagle_config.eagle_aux_hidden_state_layer_ids "
-                       f"{drafter.written_layer_ids} in the {convention} convention are HF layers {ids}, but this run "
-                       f"captured {list(layer_ids)}; check train.init_from_convention, or set hidden_states.layer_ids: {ids} "
-                       f"and rerun stage 02")
+                       f"{drafter.written_layer_ids} in the {convention} convention are HF layers {ids}, but "
+                       f"this run captured {list(layer_ids)}; check train.init_from_convention, or set "
+                       f"hidden_states.layer_ids: {ids} and rerun stage 02")
     vocab_dir = cfg.stage_dir("03_build_vocab_map")
     if (vocab_dir / "d2t.npy").is_file() and "d2t" in drafter.tensor_files:  # a full-vocabulary one has none
         check_same_vocab_map(drafter.tensor_files["d2t"], vocab_dir / "d2t.npy", vocab_dir / "t2d.npy")
@@ -93,7 +94,8 @@ def online_session(cfg, stage: Stage, train_run: TrainRun, verifier: Verifier, l
     from eagle_pipeline.train.topic_split import dataset_topics, split_by_topic
 
     rows = dataset_rows(train_run.data_dir)
-    split = split_by_topic(dataset_topics(train_run.data_dir), cfg.train.val_ratio, cfg.seed)  # as runner.prepare splits
+    # as runner.prepare splits
+    split = split_by_topic(dataset_topics(train_run.data_dir), cfg.train.val_ratio, cfg.seed)
     return OnlineSession(cfg, stage.dir, train_run, verifier, layout, rows, split.val_rows)
 
 
@@ -110,8 +112,9 @@ def run(stage: Stage, dry_run: bool) -> None:
         vocab_manifest = require_complete(cfg, 3)
         stored_mode = hidden_manifest.get("hidden_states_mode", "offline")
         if stored_mode != cfg.hidden_states.mode:
-            raise BadInput(f"hidden_states.mode: {cfg.hidden_states.mode}, but stage 02 prepared its data for mode "
-                           f"{stored_mode}; rerun 02_extract_hidden.py --force with this config, or set mode: {stored_mode}")
+            raise BadInput(f"hidden_states.mode: {cfg.hidden_states.mode}, but stage 02 prepared "
+                           f"its data for mode {stored_mode}; rerun 02_extract_hidden.py --force "
+                           f"with this config, or set mode: {stored_mode}")
     layer_ids = list(layout.layer_ids)
     dims = planned_draft_dims(cfg, verifier, len(layer_ids))
     hidden, heads, kv_heads = dims.hidden_size, dims.num_attention_heads, dims.num_key_value_heads
@@ -122,7 +125,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     if t.num_gpus == 0:
         launcher = "in-process on the CPU"
     else:
-        launcher = f"torch.distributed.run on {t.num_gpus} GPU(s), drafter {'sharded with FSDP' if t.fsdp_shard else 'replicated'}"
+        sharding = "sharded with FSDP" if t.fsdp_shard else "replicated"
+        launcher = f"torch.distributed.run on {t.num_gpus} GPU(s), drafter {sharding}"
 
     if dry_run:
         print(f"stage 04: train an EAGLE-3 drafter {launcher}, {t.epochs} epochs, {t.optimizer}, {t.dtype}, lr {t.lr}")
@@ -131,15 +135,16 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  verifier {verifier.path} ({verifier.architecture}); aux layer ids {layer_ids}")
         print(f"  drafter: hidden {hidden}, heads {heads}/{kv_heads} kv, head_dim {head_dim}, intermediate {inter}, "
               f"draft vocab {cfg.vocab.draft_vocab_size}, ~{params / 1e6:.1f}M parameters")
-        print(f"  shapes: fc [{hidden}, {len(layer_ids) * verifier.hidden_size}], q_proj [{heads * head_dim}, {2 * hidden}], "
-              f"k/v_proj [{kv_heads * head_dim}, {2 * hidden}], o_proj [{hidden}, {heads * head_dim}], "
-              f"gate/up [{inter}, {hidden}], lm_head [{cfg.vocab.draft_vocab_size}, {hidden}]")
+        print(f"  shapes: fc [{hidden}, {len(layer_ids) * verifier.hidden_size}], q_proj [{heads * head_dim}, "
+              f"{2 * hidden}], k/v_proj [{kv_heads * head_dim}, {2 * hidden}], o_proj [{hidden}, "
+              f"{heads * head_dim}], gate/up [{inter}, {hidden}], lm_head [{cfg.vocab.draft_vocab_size}, {hidden}]")
         init_note = ""
         if t.init_from:
             _, record = released_init(cfg, verifier, layer_ids)
             if record:
                 init_note = f" (flat, {record['convention']} ids {record['written']} = HF {record['hf']})"
-        print(f"  init_from {t.init_from or '(scratch)'}{init_note}; checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
+        print(f"  init_from {t.init_from or '(scratch)'}{init_note}; "
+              f"checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
         if online:
             from eagle_pipeline.online.memory_plan import run_plan_lines
             from eagle_pipeline.online.session import plan_lines
@@ -172,7 +177,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         inputs["online_transfer"] = cfg.hidden_states.transfer
     vocab_dir = cfg.stage_dir("03_build_vocab_map")
     train_run = TrainRun(
-        data_dir=cfg.stage_dir("02_extract_hidden") / "data", d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
+        data_dir=cfg.stage_dir("02_extract_hidden") / "data",
+        d2t_path=vocab_dir / "d2t.npy", t2d_path=vocab_dir / "t2d.npy",
         verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
         storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
         init_from_dir=stage.dir / INIT_FROM_DIR if released else None,
@@ -184,9 +190,11 @@ def run(stage: Stage, dry_run: bool) -> None:
         in_flight = 0
         if online and cfg.hidden_states.transfer != "mooncake":  # a local server's states in flight land in stage.dir
             in_flight = window_bound(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
-        check_disk(stage.dir, need + in_flight, "drafter checkpoints" + (" and the states in flight" if in_flight else ""))
+        check_disk(stage.dir, need + in_flight,
+                   "drafter checkpoints" + (" and the states in flight" if in_flight else ""))
         if not online:  # an online run's states are checked as they arrive (speculators) and at each server's probe
-            check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states, layout.hidden_size, cfg.seed)
+            check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states,
+                                layout.hidden_size, cfg.seed)
         elif cfg.hidden_states.capture_endpoints:  # servers elsewhere: the target, layer ids and connector each serves
             from eagle_pipeline.online.session import check_named_endpoints, dataset_rows
 
@@ -210,7 +218,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         import numpy as np
 
         written = released_drafter.write_speculators_folder(
-            released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids, ttt_steps=t.ttt_steps,
+            released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids,
+            ttt_steps=t.ttt_steps,
             vocab_map=(np.load(train_run.d2t_path), np.load(train_run.t2d_path)))
         print(f"train.init_from: {released.path} ({layer_id_record['convention']} ids {layer_id_record['written']} "
               f"= HF {layer_id_record['hf']}) -> {written['dir']} (speculators layout, the target's embedding)")

@@ -46,7 +46,8 @@ def parity_plan(cfg) -> str:
     if c.parity == "replay":
         return (f"acceptance parity replayed offline on {c.parity_prompts} held-out conversations "
                 f"(tolerance {c.parity_tolerance}, no engine start)")
-    return f"acceptance parity served by vLLM on {c.parity_prompts} eval prompts (tolerance {c.parity_tolerance}, two engine starts)"
+    return (f"acceptance parity served by vLLM on {c.parity_prompts} eval prompts (tolerance {c.parity_tolerance}, "
+            f"two engine starts)")
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -55,9 +56,9 @@ def run(stage: Stage, dry_run: bool) -> None:
     if dry_run and not is_complete(cfg, 4):
         verifier = Verifier.from_config(cfg)
         layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
-        print(f"stage 05: convert the best checkpoint under {cfg.stage_dir('04_train') / 'checkpoints'} for vLLM"
-              f"{' and SGLang' if c.sglang else ''}; aux layer ids {list(layout.layer_ids)}, target vocab {verifier.vocab_size}, "
-              f"draft vocab {cfg.vocab.draft_vocab_size}")
+        print(f"stage 05: convert the best checkpoint under {cfg.stage_dir('04_train') / 'checkpoints'} "
+              f"for vLLM{' and SGLang' if c.sglang else ''}; aux layer ids {list(layout.layer_ids)}, "
+              f"target vocab {verifier.vocab_size}, draft vocab {cfg.vocab.draft_vocab_size}")
         print(not_run_yet_note(cfg, 4))
         print(f"  verify shapes{' against ' + c.reference_dir if c.reference_dir else ''}, config, vLLM load_weights, "
               f"{parity_plan(cfg)}")
@@ -96,7 +97,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     # Read before the manifest is written too: a bad prompt file is refused with the stage folder untouched.
     parity_prompts = None
     if c.parity == "vllm":
-        parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts), cfg.data.prompt_field,
+        parity_prompts = [p["messages"] for p in load_prompts(cfg.resolve_path(cfg.data.eval_prompts),
+                                                              cfg.data.prompt_field,
                                                                "data.eval_prompts")[: c.parity_prompts]]
 
     def readable_checkpoint() -> None:  # a checkpoint without weights is refused before any write
@@ -111,7 +113,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     vllm_dir = stage.dir / "vllm"
     summary = convert.convert_for_vllm(checkpoint, vllm_dir, target_vocab_size=verifier.vocab_size, layer_ids=layer_ids)
     if c.sglang:
-        summary["sglang"] = convert.convert_for_sglang(checkpoint, stage.dir / "sglang", target_vocab_size=verifier.vocab_size,
+        summary["sglang"] = convert.convert_for_sglang(checkpoint, stage.dir / "sglang",
+                                                       target_vocab_size=verifier.vocab_size,
                                                        layer_ids=layer_ids, target_num_layers=verifier.num_layers)
     print(f"converted {checkpoint} -> {vllm_dir}")
 
@@ -133,7 +136,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     }
     result = drafter_checks.verify_drafter(
         vllm_dir, target_dir=verifier.path, reference_dir=reference, expected=expected,
-        parity_source_dir=checkpoint, parity_prompts=parity_prompts, num_speculative_tokens=cfg.serve.num_speculative_tokens,
+        parity_source_dir=checkpoint, parity_prompts=parity_prompts,
+        num_speculative_tokens=cfg.serve.num_speculative_tokens,
         max_tokens=c.parity_max_tokens, tolerance=c.parity_tolerance,
         engine_kwargs={k: v for k, v in llm_kwargs(cfg, str(verifier.path)).items() if k != "model"},
         env=engine_env(cfg), timeout_s=c.engine_timeout_s, log_dir=stage.dir / "logs",
@@ -150,10 +154,12 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"whole output in {stage.dir / 'logs'})", file=sys.stderr)
         sys.exit(1)
 
-    counts = {"checkpoint": str(checkpoint.relative_to(cfg.run_dir)), "checks": {k: v["ok"] for k, v in result["checks"].items()},
+    counts = {"checkpoint": str(checkpoint.relative_to(cfg.run_dir)),
+              "checks": {k: v["ok"] for k, v in result["checks"].items()},
               "tensors": summary.get("tensors"), "sglang": c.sglang}
     stage.finish(counts, output_fingerprint=file_fingerprint(vllm_dir / "model.safetensors"))
-    print(f"stage 05 done: {vllm_dir} verified (shapes, config, vLLM load_weights, parity) -> {stage.dir / 'verify.json'}")
+    print(f"stage 05 done: {vllm_dir} verified (shapes, config, vLLM "
+          f"load_weights, parity) -> {stage.dir / 'verify.json'}")
 
 
 if __name__ == "__main__":

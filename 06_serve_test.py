@@ -100,19 +100,22 @@ def run(stage: Stage, dry_run: bool) -> None:
         drafter_dir = cfg.stage_dir("05_convert") / "vllm"
     eval_path = cfg.resolve_path(cfg.data.eval_prompts)
     prompts = load_prompts(eval_path, cfg.data.prompt_field, "data.eval_prompts")[: cfg.data.num_eval_prompts]
-    train_texts = {json.dumps(p["messages"]) for p in load_prompts(cfg.resolve_path(cfg.data.prompts), cfg.data.prompt_field, "data.prompts")}
+    train_texts = {json.dumps(p["messages"]) for p in load_prompts(cfg.resolve_path(cfg.data.prompts),
+                                                                   cfg.data.prompt_field, "data.prompts")}
     overlap = [p["id"] for p in prompts if json.dumps(p["messages"]) in train_texts]
     if overlap and not foreign:
-        raise BadInput(f"data.eval_prompts: {len(overlap)} evaluation prompts (e.g. {overlap[0]}) also appear in data.prompts; "
-                       f"held-out prompts must never be trained on")
+        raise BadInput(f"data.eval_prompts: {len(overlap)} evaluation prompts (e.g. {overlap[0]}) "
+                       "also appear in data.prompts; held-out prompts must never be trained on")
     modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
 
     if dry_run:
-        print(f"stage 06: serve {cfg.verifier.path} with modes {modes}, {len(prompts)} held-out prompts from {eval_path}")
+        print(f"stage 06: serve {cfg.verifier.path} with modes {modes}, "
+              f"{len(prompts)} held-out prompts from {eval_path}")
         if converted is None and not foreign:
             print(not_run_yet_note(cfg, 5))
-        print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature {s.temperature}, "
-              f"concurrency {s.concurrency}, tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}"
+        print(f"  drafter {drafter_dir}, {s.num_speculative_tokens} speculative tokens, temperature "
+              f"{s.temperature}, concurrency {s.concurrency}, "
+              f"tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}"
               + (f"; no-speculation answers from {s.baseline}" if s.baseline else ""))
         from eagle_pipeline.serve.plan import sweep_plan_line
 
@@ -136,7 +139,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         require_sample_layout(cfg)
         require_complete(cfg, 4)
     verifier = Verifier.from_config(cfg)
-    template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning, cfg.generation.chat_template_kwargs)
+    template_kwargs = chat_template_kwargs(verifier.chat_template(), cfg.generation.reasoning,
+                                           cfg.generation.chat_template_kwargs)
     # What shapes the no-speculation answers: a reused baseline must match all of it.
     shaped_by = {"verifier": verifier.fingerprints()["verifier"], "eval_prompts": value_fingerprint(prompts),
                  "max_tokens": s.max_tokens, "temperature": s.temperature, "seed": cfg.seed,
@@ -145,7 +149,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "drafter": model_dir_fingerprint(drafter_dir) if foreign else upstream_fingerprint(converted),
         "drafter_weights": model_dir_fingerprint(drafter_dir) if foreign else converted["output_fingerprint"],
         "eval_prompts": shaped_by["eval_prompts"],
-        "serve": value_fingerprint(s.model_dump(mode="json", exclude={"min_acceptance_length", "port", "startup_timeout_s"})),
+        "serve": value_fingerprint(s.model_dump(mode="json",
+                                                exclude={"min_acceptance_length", "port", "startup_timeout_s"})),
         "verifier": shaped_by["verifier"],
         "chat_template_kwargs": template_kwargs,
     }
@@ -215,11 +220,13 @@ def run(stage: Stage, dry_run: bool) -> None:
     report["verdict"] = message
     write_report(stage.dir, report, messages)
 
-    counts = {k: report.get(k) for k in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length", "acceptance_rate",
+    counts = {k: report.get(k) for k in ("num_prompts", "num_speculative_tokens", "mean_acceptance_length",
+                                         "acceptance_rate",
                                          "per_position_acceptance", "tokens_per_s", "speedup", "greedy_match",
                                          "predicted_mean_acceptance_length", "predicted_per_position_acceptance")}
     diagnosis = report.get("diagnosis")
-    counts["diagnosis"] = None if diagnosis is None else {k: diagnosis.get(k) for k in ("status", "cause", "engine_variant")}
+    counts["diagnosis"] = None if diagnosis is None else {k: diagnosis.get(k) for k in ("status", "cause",
+                                                                                        "engine_variant")}
     plan = report["serving_plan"]
     confirmed_rows = (plan["confirmed"] or {}).get("levels", [])
     counts["serving_plan"] = {"concurrency_levels": plan["levels"], "kind": plan["kind"], "schedule": plan["schedule"],
@@ -234,7 +241,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     for finding in plan["findings"]:
         print(f"warning: {finding['text']}")
     if not report.get("greedy_match"):
-        print(f"warning: greedy outputs differ with the drafter on prompts {report.get('greedy_mismatches')}; see responses.jsonl")
+        print("warning: greedy outputs differ with the drafter on prompts "
+              f"{report.get('greedy_mismatches')}; see responses.jsonl")
     if not ok:
         sys.exit(1)
 
@@ -353,13 +361,21 @@ def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     print(f"  replay: captures layers {captured} + final layer {num_layers} (every reading's ids) of the "
           f"no-speculation answers, in one engine sized for the longest answer")
     # The longest prompt and answer stay below verifier.max_model_len.
-    print(capture_memory_line(cfg, len(captured) + 1, verifier.hidden_size, cfg.verifier.max_model_len - 1) + " (at most)")
+    print(capture_memory_line(cfg, len(captured) + 1, verifier.hidden_size,
+                              cfg.verifier.max_model_len - 1) + " (at most)")
 
 
 def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir, report: dict, baseline):
     """The replay under every reading of the drafter, and the verdict with a cause; (states captured now, or None
     where `baseline`'s kept states held every layer the readings need; fields)."""
-    from eagle_pipeline.predict.served import capture_states, diagnosis, folder_plan, predict_served, served_checkpoint, trained_plan
+    from eagle_pipeline.predict.served import (
+        capture_states,
+        diagnosis,
+        folder_plan,
+        predict_served,
+        served_checkpoint,
+        trained_plan,
+    )
     from eagle_pipeline.serve.baseline import baseline_states
     from eagle_pipeline.state_meaning import check_replay_states, target_head_for
 
@@ -374,7 +390,8 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
         from eagle_pipeline.predict.diagnose import config_findings
         from eagle_pipeline.predict.flat_drafter import flat_tensor_names, read_flat_config
 
-        findings = config_findings(read_flat_config(drafter_dir), num_layers=num_layers, target_vocab_size=verifier.vocab_size,
+        findings = config_findings(read_flat_config(drafter_dir), num_layers=num_layers,
+                                   target_vocab_size=verifier.vocab_size,
                                    has_d2t="d2t" in flat_tensor_names(drafter_dir))
         plan = trained_plan(served_checkpoint(cfg, require_complete(cfg, 4)), layout.layer_ids, num_layers, findings)
     answered = [i for i, (p, c) in enumerate(report["token_ids"]["none"]) if p is not None and c is not None]
@@ -386,7 +403,8 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
         stored = baseline_states(baseline, layer_ids) if baseline is not None else None
         where = f"the states kept in {baseline['dir']}" if stored is not None else "the replay's capture"
         if stored is None:
-            stored = capture_states(cfg, verifier.path, layer_ids, num_layers, [p + c for p, c in pairs], scratch), list(layer_ids)
+            stored = capture_states(cfg, verifier.path, layer_ids, num_layers, [p + c for p, c in pairs],
+                                    scratch), list(layer_ids)
             captured.append(stored)
         # Shape is checked by the capture; meaning here, before any replay trusts the states.
         checked.update(check_replay_states(stored[0], pairs, lambda: target_head_for(verifier), stored[1], num_layers,

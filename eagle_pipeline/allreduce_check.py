@@ -48,7 +48,8 @@ def check_rank(rank: int, world_size: int, backend: str, init_file: str) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle_pipeline.allreduce_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m eagle_pipeline.allreduce_check",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("world_size", type=int, help="processes, one per GPU (GPUs 0..N-1 of CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl", help="gloo: CPU processes, no GPU")
     args = parser.parse_args(argv)
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.multiprocessing as mp
 
-    what = f"{args.world_size} GPU{'s' if args.world_size != 1 else ''}" if args.backend == "nccl" else f"{args.world_size} CPU processes"
+    what = (f"{args.world_size} GPU{'s' if args.world_size != 1 else ''}" if args.backend == "nccl"
+            else f"{args.world_size} CPU processes")
     if args.backend == "nccl" and torch.cuda.device_count() < args.world_size:
         print(f"error: all-reduce across {what}: torch sees {torch.cuda.device_count()} GPUs", file=sys.stderr)
         return 1
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                      nprocs=args.world_size, join=True)
         except Exception as e:  # a rank's exception arrives with its traceback; its last line says what went wrong
             said = [line.strip() for line in str(e).splitlines() if line.strip()]
-            print(f"error: all-reduce ({args.backend}) across {what} failed: {said[-1] if said else type(e).__name__}", file=sys.stderr)
+            print(f"error: all-reduce ({args.backend}) across {what} failed: {said[-1] if said else type(e).__name__}",
+                  file=sys.stderr)
             return 1
     print(f"all-reduce ({args.backend}) across {what}: every rank got {expected_sum(args.world_size):g}, "
           f"{time.monotonic() - start:.1f} s")

@@ -56,17 +56,19 @@ def capture_memory_line(cfg, num_states: int, hidden_size: int, longest_sequence
     per_token = num_states * hidden_size * width
     batch = capture_sizing(longest_sequence)["max_num_batched_tokens"]
     budget = (f"verifier.cpu_kvcache_gib {v.cpu_kvcache_gib} GiB" if cfg.device == "cpu" else
-              f"verifier.gpu_memory_utilization {v.gpu_memory_utilization:.2f} of each GPU, less weights and activations")
-    return (f"  capture memory: {num_states} states x {hidden_size} x {width} B = {per_token / 1e3:.1f} KB per token; a "
-            f"batch of {batch} tokens (max_num_batched_tokens) holds {per_token * batch / 2**20:.1f} MiB of hidden "
-            f"states, out of the KV-cache budget ({budget})")
+              f"verifier.gpu_memory_utilization {v.gpu_memory_utilization:.2f} "
+              "of each GPU, less weights and activations")
+    return (f"  capture memory: {num_states} states x {hidden_size} x {width} B = {per_token / 1e3:.1f} "
+            f"KB per token; a batch of {batch} tokens (max_num_batched_tokens) holds "
+            f"{per_token * batch / 2**20:.1f} MiB of hidden states, out of the KV-cache budget ({budget})")
 
 
 def speculative_config(layer_ids: Sequence[int], num_layers: int) -> dict[str, Any]:
     return {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture_layer_ids(layer_ids, num_layers)}},
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture_layer_ids(layer_ids,
+                                                                                                   num_layers)}},
     }
 
 

@@ -23,7 +23,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from eagle_pipeline.config_file import Origins, read_config_file
@@ -88,8 +97,8 @@ def argument_problem(text: str, limit: int = MAX_ARG_BYTES) -> str | None:
     if size is None:
         return "holds a character the OS cannot encode (a lone surrogate such as \\ud800); remove it"
     if size > limit:
-        room = (f"the {limit} bytes one command-line argument or environment entry may hold" if limit == MAX_ARG_BYTES else
-                f"the {limit} bytes left for it in the one command-line argument it travels in")
+        room = (f"the {limit} bytes one command-line argument or environment entry may hold" if limit == MAX_ARG_BYTES
+                else f"the {limit} bytes left for it in the one command-line argument it travels in")
         return f"is {size} bytes, above {room} (Linux refuses more with E2BIG when a process starts); shorten it"
     return None
 
@@ -190,7 +199,8 @@ def cross_field(field: str, message: str) -> PydanticCustomError:
 
 def _is_section(annotation: Any) -> bool:
     """A config section, or an Optional of one: it checks its own values."""
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union,
+                                                                               types.UnionType) else (annotation,)
     return any(isinstance(a, type) and issubclass(a, BaseModel) for a in options)
 
 
@@ -198,7 +208,9 @@ def _is_number(annotation: Any) -> bool:
     """int, float, or an Optional of one."""
     if annotation in (int, float):
         return True
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(a in (int, float) for a in typing.get_args(annotation))
+    return typing.get_origin(annotation) in (typing.Union,
+                                             types.UnionType) and any(a in (int,
+                                                                            float) for a in typing.get_args(annotation))
 
 
 class Section(BaseModel):
@@ -238,13 +250,19 @@ class VerifierConfig(Section):
     # How vLLM computes the target, for every stage that starts it (01, 02, 05, 06). The same keys for the
     # drafter are serve.drafter_*; stage 06's report records both, so a known-good serving command can be
     # read off it (docs/engines.md, "Engine settings").
-    attention_backend: Optional[AttentionBackend] = Field(None, description="vLLM attention backend of the target, e.g. TRITON_MLA; None: vLLM picks")
+    attention_backend: Optional[AttentionBackend] = Field(None, description="vLLM attention backend of the target, "
+                                                                            "e.g. TRITON_MLA; None: vLLM picks")
     kv_cache_dtype: KvCacheDtype = Field("auto", description="KV-cache dtype of the target: auto, fp8, fp8_e4m3, ...")
-    enforce_eager: bool = Field(False, description="no CUDA graphs or torch.compile (on the CPU build: no graph recompiles at each start)")
-    model_runner: Literal["auto", "v1", "v2"] = Field("auto", description="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); auto: vLLM's choice")
+    enforce_eager: bool = Field(False, description="no CUDA graphs or torch.compile (on the CPU "
+                                                   "build: no graph recompiles at each start)")
+    model_runner: Literal["auto", "v1", "v2"] = Field("auto", description="vLLM's model runner "
+                                                                          "(VLLM_USE_V2_MODEL_RUNNER); "
+                                                                          "auto: vLLM's choice")
     log_level: Optional[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field(
-        None, description="vLLM's log level; None: INFO on cuda (a cold start's load time, KV memory and backends), WARNING on cpu")
-    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM engine arguments (not those a key above owns)")
+        None, description="vLLM's log level; None: INFO on cuda (a cold start's "
+                          "load time, KV memory and backends), WARNING on cpu")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="extra vLLM engine arguments "
+                                                                          "(not those a key above owns)")
 
     @field_validator("engine_args")
     @classmethod
@@ -273,7 +291,8 @@ class VerifierConfig(Section):
         for key in args:
             if key not in names:
                 close = difflib.get_close_matches(str(key), sorted(names), n=1)
-                hint = f"did you mean {close[0]!r}?" if close else "see vllm.engine.arg_utils.EngineArgs for the valid names"
+                hint = (f"did you mean {close[0]!r}?" if close
+                        else "see vllm.engine.arg_utils.EngineArgs for the valid names")
                 raise cross_field(str(key), f"not a vLLM engine argument; {hint}")
         return args
 
@@ -287,31 +306,34 @@ ENGINE_ARGS_OWNED_BY_KEYS = {
     "gpu_memory_utilization": "verifier.gpu_memory_utilization", "trust_remote_code": "verifier.trust_remote_code",
     "attention_backend": "verifier.attention_backend", "kv_cache_dtype": "verifier.kv_cache_dtype",
     "enforce_eager": "verifier.enforce_eager",
-    "speculative_config": "serve.* (stage 06) and the drafter folder", "spec_method": "serve.* (stage 06) and the drafter folder",
+    "speculative_config": "serve.* (stage 06) and the drafter folder",
+    "spec_method": "serve.* (stage 06) and the drafter folder",
     "spec_model": "serve.* (stage 06) and the drafter folder", "spec_tokens": "serve.num_speculative_tokens",
     "kv_transfer_config": "hidden_states.*",
 }
 # vLLM engine arguments no key owns that would make the engine compute another target than the folder at
 # verifier.path, whose files every manifest fingerprints: other weights, another depth or shape, another tokenizer.
 # Each entry: why, and the fix.
-_OTHER_WEIGHTS = ("would load other weights than the folder's, which every stage fingerprints; remove it (to run another "
-                  "checkpoint, point verifier.path at it)")
-_OTHER_CONFIG = ("would read another model config than the folder's config.json (its depth and sizes), which every stage "
-                 "reads and fingerprints; remove it, and edit a copy of the folder instead")
-_OTHER_REVISION = ("picks a hub revision, but verifier.path is a local folder whose files every stage fingerprints; remove "
-                   "it, and point verifier.path at a download of that revision")
+_OTHER_WEIGHTS = ("would load other weights than the folder's, which every stage fingerprints; "
+                  "remove it (to run another checkpoint, point verifier.path at it)")
+_OTHER_CONFIG = ("would read another model config than the folder's config.json (its depth and sizes), which "
+                 "every stage reads and fingerprints; remove it, and edit a copy of the folder instead")
+_OTHER_REVISION = ("picks a hub revision, but verifier.path is a local folder whose files every stage "
+                   "fingerprints; remove it, and point verifier.path at a download of that revision")
 _QUANTIZED = ("would quantize the target on the fly, so the drafter would learn and be measured against another "
               "distribution than the folder's; remove it, and point verifier.path at a quantized checkpoint (its "
               "config.json declares its quantization)")
 ENGINE_ARGS_REFUSED = {
     "load_format": _OTHER_WEIGHTS.replace("; remove", " (dummy: random ones); remove"),
-    "model_weights": _OTHER_WEIGHTS, "ignore_patterns": _OTHER_WEIGHTS.replace("; remove", " (it skips weight files); remove"),
+    "model_weights": _OTHER_WEIGHTS,
+    "ignore_patterns": _OTHER_WEIGHTS.replace("; remove", " (it skips weight files); remove"),
     "model_loader_extra_config": _OTHER_WEIGHTS, "hf_overrides": _OTHER_CONFIG, "hf_config_path": _OTHER_CONFIG,
-    "config_format": _OTHER_CONFIG, "model_class_overrides": _OTHER_CONFIG.replace("; remove", " (it swaps the model class); remove"),
+    "config_format": _OTHER_CONFIG,
+    "model_class_overrides": _OTHER_CONFIG.replace("; remove", " (it swaps the model class); remove"),
     "revision": _OTHER_REVISION, "code_revision": _OTHER_REVISION, "tokenizer_revision": _OTHER_REVISION,
     "quantization": _QUANTIZED, "quantization_config": _QUANTIZED,
-    "tokenizer_mode": "would tokenize with another tokenizer mode than the folder's, which every stage uses and fingerprints; "
-                      "remove it",
+    "tokenizer_mode": "would tokenize with another tokenizer mode than the "
+                      "folder's, which every stage uses and fingerprints; remove it",
     "skip_tokenizer_init": "would leave the engine without the tokenizer every stage needs; remove it",
 }
 
@@ -320,16 +342,19 @@ class SelfWrittenPrompts(Section):
     """The target writes its own user turns (Magpie): its chat template up to the user header, then sampling.
     A turn is kept only if it passes eagle_pipeline/prompt_filter.py; the bounds below are that filter's."""
 
-    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of the user turns (not of the answers)")
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature of the "
+                                                             "user turns (not of the answers)")
     top_p: float = Field(0.99, gt=0, le=1)
-    max_tokens: int = Field(96, ge=8, lt=MAX_TOKENS, description="a user turn's token budget; one cut off at it is dropped")
+    max_tokens: int = Field(96, ge=8, lt=MAX_TOKENS, description="a user turn's token budget; "
+                                                                 "one cut off at it is dropped")
     min_words: int = Field(4, ge=1, le=100_000, description="shorter user turns are dropped")
     max_words: int = Field(80, ge=1, le=100_000, description="longer user turns are dropped")
 
     @model_validator(mode="after")
     def _word_bounds_ordered(self):
         if self.min_words > self.max_words:
-            raise cross_field("min_words", f"{self.min_words} is above max_words ({self.max_words}); no turn could pass")
+            raise cross_field("min_words", f"{self.min_words} is above max_words "
+                                           f"({self.max_words}); no turn could pass")
         return self
 
 
@@ -348,8 +373,11 @@ class GenerationConfig(Section):
     max_tokens: int = Field(256, ge=1, lt=MAX_TOKENS)
     temperature: float = Field(0.0, ge=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
-    reasoning: bool = Field(False, description="thinking on or off, through the template's own switch (enable_thinking, thinking, ...)")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra chat-template arguments; override the detected thinking switch")
+    reasoning: bool = Field(False, description="thinking on or off, through the template's "
+                                               "own switch (enable_thinking, thinking, ...)")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra chat-template "
+                                                                                   "arguments; override the "
+                                                                                   "detected thinking switch")
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -359,19 +387,22 @@ class GenerationConfig(Section):
             raise ValueError(f"as one JSON argument {problem}")
         return kwargs
     system_prompt: Optional[str] = None
-    batch_size: int = Field(32, ge=1, le=MAX_COUNT, description="conversations the engine decodes at once, and per part file "
-                            "(a crash loses at most those not yet written)")
-    refill: bool = Field(True, description="start the next conversation as soon as one finishes; false hands the engine fixed "
-                         "batches of batch_size (eagle_pipeline/answering.py)")
+    batch_size: int = Field(32, ge=1, le=MAX_COUNT, description="conversations the engine decodes at "
+                                                                "once, and per part file (a crash "
+                                                                "loses at most those not yet written)")
+    refill: bool = Field(True, description="start the next conversation as soon as one finishes; false hands the "
+                                           "engine fixed batches of batch_size (eagle_pipeline/answering.py)")
     dtype: Optional[Literal["bfloat16", "float16", "float32", "auto"]] = Field(
-        None, description="the target's dtype while it answers (default: verifier.dtype); stage 02 captures and stage 06 "
-        "serves with verifier.dtype, so the drafter still learns the served target's states and distribution")
+        None, description="the target's dtype while it answers (default: verifier.dtype); "
+                          "stage 02 captures and stage 06 serves with verifier.dtype, so the "
+                          "drafter still learns the served target's states and distribution")
     # Stage 01 drops a prompt that leaves less room than this (or than max_tokens, if lower) for its answer
     # within verifier.max_model_len (eagle_pipeline/prompt_fit.py).
     min_answer_tokens: int = Field(16, ge=1, lt=MAX_TOKENS, description="answer tokens a prompt must leave room for "
                                    "within verifier.max_model_len; prompts that leave less are dropped")
-    max_truncated_share: float = Field(0.2, ge=0, le=1, description="share of answers that may stop at max_tokens before "
-                                       "stage 01 warns (and records it in its manifest)")
+    max_truncated_share: float = Field(0.2, ge=0, le=1, description="share of answers that may stop at "
+                                                                    "max_tokens before stage 01 warns "
+                                                                    "(and records it in its manifest)")
 
 
 class MooncakeSettings(Section):
@@ -384,8 +415,9 @@ class MooncakeSettings(Section):
                                                               "the states in flight live there")
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake's transport between the hosts")
     device: str = Field("", description="RDMA device names, e.g. mlx5_0,mlx5_1; empty: Mooncake picks")
-    local_hostname: Optional[str] = Field(None, description="this host's address as the store's peers reach it; None: "
-                                                            "127.0.0.1 with a local master, else the host name's address")
+    local_hostname: Optional[str] = Field(None, description="this host's address as the store's peers "
+                                                            "reach it; None: 127.0.0.1 with a local "
+                                                            "master, else the host name's address")
 
     @field_validator("master")
     @classmethod
@@ -398,8 +430,10 @@ class MooncakeSettings(Section):
 
 
 class HiddenStatesConfig(Section):
-    layer_ids: Optional[list[int]] = Field(None, description="aux layer ids (HF hidden_states indices); default (2, L//2, L-3)")
-    storage_dtype: StorageDtype = Field(StorageDtype.BFLOAT16, description="bfloat16, or fp8 with per-token scales (half the disk)")
+    layer_ids: Optional[list[int]] = Field(None, description="aux layer ids (HF hidden_states "
+                                                             "indices); default (2, L//2, L-3)")
+    storage_dtype: StorageDtype = Field(StorageDtype.BFLOAT16, description="bfloat16, or fp8 with per-token "
+                                                                           "scales (half the disk)")
     max_seq_len: int = Field(2048, ge=8, lt=MAX_TOKENS)
     batch_size: int = Field(16, ge=1, le=MAX_COUNT)
     # offline: stage 02 stores every sample's states; online: stage 04 asks vLLM capture servers for each sample's
@@ -410,12 +444,14 @@ class HiddenStatesConfig(Section):
         "file", description="online: how states reach the trainer: files on a disk both share, fp8-quantized files "
                             "(half the bytes), or a Mooncake store (no shared disk)")
     online_window: int = Field(2, ge=1, le=MAX_PARALLEL, description="online: samples whose states exist at once per "
-                               "training rank (1: the trainer asks in turn with its steps; N: N loader processes ask ahead)")
+                                                                     "training rank (1: the trainer asks in turn with "
+                                                                     "its steps; N: N loader processes ask ahead)")
     capture_endpoints: list[str] = Field(default_factory=list, description="online: base URLs (http://host:port/v1) of "
                                          "capture servers started elsewhere, one per training rank in turn; empty: "
                                          "stage 04 starts one on this host")
     capture_retry_s: float = Field(300.0, ge=1, le=86400, description="online: how long a sample's capture is retried "
-                                   "while its server does not answer (a restart); then training stops naming the server")
+                                                                      "while its server does not answer (a restart); "
+                                                                      "then training stops naming the server")
     # A capture server stage 04 starts on GPUs the trainer also uses takes only its share of them; stage 04's dry run
     # prints the memory plan that says whether the two fit (eagle_pipeline/online/memory_plan.py).
     capture_gpu_memory_utilization: Optional[float] = Field(
@@ -445,7 +481,8 @@ class HiddenStatesConfig(Section):
                 raise ValueError(f"{redact_url(url)!r}: its port is not a number from 1 to 65535; e.g. "
                                  f"http://10.0.0.5:8000/v1") from None
             if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None or port == 0:
-                raise ValueError(f"{redact_url(url)!r} must be a server's base URL with its port, e.g. http://10.0.0.5:8000/v1")
+                raise ValueError(f"{redact_url(url)!r} must be a server's base URL "
+                                 "with its port, e.g. http://10.0.0.5:8000/v1")
         if len(set(urls)) != len(urls):
             raise ValueError("names a server twice; list each capture server once")
         return urls
@@ -461,12 +498,14 @@ class HiddenStatesConfig(Section):
             if self.transfer == "fp8":
                 raise cross_field("transfer", "fp8 quantizes states in flight, which mode: offline has none of; "
                                               "to store them in fp8 set storage_dtype: fp8")
-            if self.transfer != "file" or self.capture_endpoints or self.mooncake.master or self.capture_gpu_memory_utilization:
+            if (self.transfer != "file" or self.capture_endpoints or self.mooncake.master
+                    or self.capture_gpu_memory_utilization):
                 raise cross_field("mode", "offline stores the states and captures nothing live; set mode: online to "
                                           "use transfer, capture_endpoints, capture_gpu_memory_utilization or mooncake")
         elif self.storage_dtype != StorageDtype.BFLOAT16:
-            raise cross_field("storage_dtype", "online stores no states (only a few validation rows, kept in the "
-                                               "transfer's precision); to quantize the states in flight set transfer: fp8")
+            raise cross_field("storage_dtype", "online stores no states (only a few validation "
+                                               "rows, kept in the transfer's precision); to "
+                                               "quantize the states in flight set transfer: fp8")
         if self.mooncake.master and self.transfer != "mooncake":
             raise cross_field("mooncake", f"a Mooncake master is set but transfer is {self.transfer}; set transfer: "
                                           f"mooncake or leave mooncake.master out")
@@ -477,7 +516,8 @@ class VocabConfig(Section):
     # At most the target's vocabulary: that needs the model, so stage 03 checks it (dry run included).
     draft_vocab_size: int = Field(ge=1, le=MAX_VOCAB)
     # A drafter to fine-tune can only keep its lm_head rows if the run uses its own draft vocabulary.
-    from_drafter: Optional[PathStr] = Field(None, description="drafter folder whose d2t/t2d stage 03 adopts instead of counting tokens")
+    from_drafter: Optional[PathStr] = Field(None, description="drafter folder whose d2t/t2d stage "
+                                                              "03 adopts instead of counting tokens")
 
 
 class DraftShape(Section):
@@ -523,18 +563,24 @@ class TrainConfig(Section):
     # eagle_pipeline/train/topic_split.py.
     val_ratio: float = Field(0.05, gt=0, lt=1)
     early_stop_patience: Optional[int] = Field(None, ge=1, le=100_000,
-                                               description="epochs without a lower validation loss before training stops; None: every epoch")
+                                               description="epochs without a lower validation loss "
+                                                           "before training stops; None: every epoch")
     keep_last: int = Field(2, ge=1, le=100_000)
     # Which checkpoint best.json names (and stage 05 converts): the one whose replay on held-out conversations
-    # predicts the longest accepted chains, or the lowest validation loss (eagle_pipeline/train/predicted_acceptance.py).
+    # predicts the longest accepted chains, or the lowest validation loss
+    # (eagle_pipeline/train/predicted_acceptance.py).
     select_by: Literal["predicted_acceptance", "val_loss"] = "predicted_acceptance"
     predict_conversations: int = Field(16, ge=0, le=MAX_COUNT,
-                                       description="validation conversations each epoch's checkpoint is replayed on; 0: none")
+                                       description="validation conversations each epoch's "
+                                                   "checkpoint is replayed on; 0: none")
     num_workers: int = Field(2, ge=0, le=MAX_PARALLEL)
-    threads: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL, description="torch threads for CPU training; None uses every core")
-    num_gpus: int = Field(0, ge=0, le=MAX_PARALLEL, description="0 trains on the CPU; 1 or more launches torch.distributed.run")
+    threads: Optional[int] = Field(None, ge=1, le=MAX_PARALLEL, description="torch threads for CPU "
+                                                                            "training; None uses every core")
+    num_gpus: int = Field(0, ge=0, le=MAX_PARALLEL, description="0 trains on the CPU; 1 or more "
+                                                                "launches torch.distributed.run")
     fsdp_shard: bool = Field(False, description="multi-GPU: shard the drafter with FSDP instead of replicating it")
-    draft_shape: Optional[DraftShape] = Field(None, description="explicit drafter shape; None derives it from the verifier")
+    draft_shape: Optional[DraftShape] = Field(None, description="explicit drafter shape; None "
+                                                                "derives it from the verifier")
     draft_layer: Literal["llama", "mla"] = Field(
         "llama", description="the drafter's decoder layer: llama (Llama-shaped attention) or mla (the target's MLA "
                              "attention, vLLM's Eagle3DeepseekV2ForCausalLM)")
@@ -543,7 +589,8 @@ class TrainConfig(Section):
     norm_before_fc: bool = True
     fc_norm: bool = False
     norm_output: bool = True
-    init_from: Optional[PathStr] = Field(None, description="drafter directory to fine-tune from: speculators or flat LlamaForCausalLMEagle3")
+    init_from: Optional[PathStr] = Field(None, description="drafter directory to fine-tune from: "
+                                                           "speculators or flat LlamaForCausalLMEagle3")
     # A flat drafter's aux ids mean different layers in vLLM and SGLang (docs/layer_ids.md); a folder
     # with only eagle_config ids does not say which, so the run must.
     init_from_convention: Optional[Literal["vllm", "sglang"]] = Field(
@@ -553,7 +600,8 @@ class TrainConfig(Section):
     @classmethod
     def _prediction_to_select_by(cls, conversations, info):
         if conversations == 0 and info.data.get("select_by") == "predicted_acceptance":
-            raise ValueError("0 leaves nothing to select by; set select_by: val_loss, or replay at least one conversation")
+            raise ValueError("0 leaves nothing to select by; set select_by: "
+                             "val_loss, or replay at least one conversation")
         return conversations
 
     @field_validator("fsdp_shard")
@@ -597,11 +645,13 @@ class ConvertConfig(Section):
     # the converted folder offline on held-out conversations (no engine start); "vllm" serves each in a vLLM
     # engine of its own (two target cold starts) on eval prompts (eagle_pipeline/drafter_checks/parity.py).
     parity: Literal["replay", "vllm"] = "replay"
-    parity_prompts: int = Field(4, ge=1, le=MAX_COUNT, description="held-out conversations (replay) or eval prompts (vllm)")
+    parity_prompts: int = Field(4, ge=1, le=MAX_COUNT, description="held-out conversations (replay) "
+                                                                   "or eval prompts (vllm)")
     parity_max_tokens: int = Field(32, ge=1, le=MAX_TOKENS)
     parity_tolerance: float = Field(0.05, ge=0, le=1, description="allowed per-position acceptance difference")
     # Each check starts its own engine: a cold start of a ~600 GB target alone takes tens of minutes.
-    engine_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds one vLLM job of the checks may take")
+    engine_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds one vLLM job "
+                                                                            "of the checks may take")
 
 
 class ServeConfig(Section):
@@ -633,16 +683,21 @@ class ServeConfig(Section):
     # are reused instead of serving without speculation again; it must match this run's target and prompts.
     baseline: Optional[PathStr] = None
     # A cold start of a ~600 GB target (weights from disk, graph capture on 8 GPUs) takes tens of minutes.
-    startup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds a vLLM server may take to become healthy")
+    startup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="seconds a vLLM server may "
+                                                                             "take to become healthy")
     # How vLLM computes the drafter (stage 05's parity and stage 06), beside verifier.attention_backend etc.
-    drafter_attention_backend: Optional[AttentionBackend] = Field(None, description="vLLM attention backend of the drafter; None: vLLM picks")
-    drafter_kv_cache_dtype: Optional[KvCacheDtype] = Field(None, description="KV-cache dtype of the drafter; None: the target's")
+    drafter_attention_backend: Optional[AttentionBackend] = Field(None, description="vLLM attention backend of the "
+                                                                                    "drafter; None: vLLM picks")
+    drafter_kv_cache_dtype: Optional[KvCacheDtype] = Field(None, description="KV-cache dtype of the "
+                                                                             "drafter; None: the target's")
     # When served acceptance falls short of the replay and no reading of the drafter's config explains it, the
     # engine computes the drafter differently: these engine settings are then served with the drafter in turn,
     # each a dict of ENGINE_VARIANT_KEYS, until one serves as predicted (eagle_pipeline/serve/engine_probe.py).
-    engine_variants: list[dict[str, Any]] = Field(default_factory=list, description="engine settings to serve the drafter "
-                                                  "with in turn when the diagnosis names the engine, e.g. "
-                                                  "[{verifier.attention_backend: TRITON_MLA, env: {VAR: value}}]")
+    engine_variants: list[dict[str, Any]] = Field(default_factory=list, description="engine settings to serve the "
+                                                                                    "drafter with in turn when the "
+                                                                                    "diagnosis names the engine, e.g. "
+                                                                                    "[{verifier.attention_backend: "
+                                                                                    "TRITON_MLA, env: {VAR: value}}]")
     probe_engine: Literal["on_engine_verdict", "always", "never"] = Field(
         "on_engine_verdict", description="when to serve engine_variants: on an engine verdict, always, or never")
 
@@ -654,8 +709,8 @@ class ServeConfig(Section):
             if problem:
                 raise ValueError(f"entry {index}: {problem}")
             if variant in variants[:index]:  # each entry costs a cold start of the target
-                raise ValueError(f"entry {index} repeats entry {variants.index(variant)}, and each entry is served with a "
-                                 f"cold start of the target; remove one")
+                raise ValueError(f"entry {index} repeats entry {variants.index(variant)}, and each "
+                                 "entry is served with a cold start of the target; remove one")
         return variants
 
     @field_validator("concurrency")
@@ -708,8 +763,9 @@ class ServeConfig(Section):
         # Each verification step accepts at most every draft token plus the verifier's own token.
         if self.min_acceptance_length > self.num_speculative_tokens + 1:
             raise cross_field("min_acceptance_length", f"{self.min_acceptance_length} can never be reached with "
-                                                       f"num_speculative_tokens {self.num_speculative_tokens} (at most "
-                                                       f"{self.num_speculative_tokens + 1}); lower it or draft more tokens")
+                                                       f"num_speculative_tokens {self.num_speculative_tokens} "
+                                                       f"(at most {self.num_speculative_tokens + 1}); lower it "
+                                                       "or draft more tokens")
         return self
 
 
@@ -718,11 +774,13 @@ class RunConfig(Section):
     data_root: PathStr
     seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["cpu", "cuda"] = "cpu"
-    disk_budget_gb: Optional[float] = Field(None, gt=0, le=1e7, description="the most the run folder may hold; every stage "
-                                            "refuses to go beyond it (eagle_pipeline/preconditions.py)")
+    disk_budget_gb: Optional[float] = Field(None, gt=0, le=1e7, description="the most the run folder may hold; "
+                                                                            "every stage refuses to go beyond it "
+                                                                            "(eagle_pipeline/preconditions.py)")
     # Extra environment for every process the run starts: vLLM engines and servers, the training launcher
     # and its ranks, the detached runner (NCCL settings, CUDA_VISIBLE_DEVICES, VLLM_* switches).
-    env: dict[str, str] = Field(default_factory=dict, description="environment variables for every process the run starts")
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables for "
+                                                                  "every process the run starts")
 
     @field_validator("env")
     @classmethod
@@ -753,7 +811,8 @@ class RunConfig(Section):
     @classmethod
     def _data_root_given(cls, root):
         if not root.strip():
-            raise ValueError("must not be empty (it would write runs into the repository itself); set a folder, e.g. runs")
+            raise ValueError("must not be empty (it would write runs into the "
+                             "repository itself); set a folder, e.g. runs")
         return root
 
     @model_validator(mode="after")
@@ -793,19 +852,22 @@ def resolve_path(value: str) -> Path:
 # The engine settings a serve.engine_variants entry may override (docs/engines.md, "Engine settings"): each
 # names the field it overrides, whose own checks its value gets; `env` is merged into the run's env.
 ENGINE_VARIANT_KEYS = ("verifier.attention_backend", "verifier.kv_cache_dtype", "verifier.enforce_eager",
-                       "verifier.model_runner", "serve.drafter_attention_backend", "serve.drafter_kv_cache_dtype", "env")
+                       "verifier.model_runner", "serve.drafter_attention_backend", "serve.drafter_kv_cache_dtype",
+                       "env")
 
 
 def engine_variant_problem(variant: Any) -> str | None:
     """Why a serve.engine_variants entry cannot be served, or None."""
     if not isinstance(variant, dict) or not variant:
-        return f"each entry is a mapping of engine keys to values, e.g. {{verifier.attention_backend: TRITON_MLA}}; got {variant!r}"
+        return (f"each entry is a mapping of engine keys to values, e.g. {{verifier.attention_backend: TRITON_MLA}}; "
+                f"got {variant!r}")
     sections = {"verifier": VerifierConfig, "serve": ServeConfig}
     for key, value in variant.items():
         if key not in ENGINE_VARIANT_KEYS:
             return f"unknown key {key!r}; allowed: {', '.join(ENGINE_VARIANT_KEYS)}"
         if key == "env":
-            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k,
+                                                      v in value.items()):
                 return "env: must map variable names to strings (quote numbers)"
             problem = env_problem(value)
             if problem:
@@ -864,9 +926,11 @@ def _quote_it(loc: tuple[str, ...], value: Any) -> str | None:
     what = _read_by_yaml_as(value)
     if what is None:
         return None
-    example = "on" if value is True else "off" if value is False else value.isoformat() if hasattr(value, "isoformat") else value
+    example = ("on" if value is True else "off" if value is False
+               else value.isoformat() if hasattr(value, "isoformat") else value)
     if loc and loc[-1] == "[key]":  # a mapping's name (env: {1: x}): pydantic puts it at <mapping>.<name>.[key]
-        return f"{'.'.join(loc[:-2])}: YAML read the unquoted name {loc[-2]} as {what}, not text; quote it, e.g. \"{example}\": ..."
+        return (f"{'.'.join(loc[:-2])}: YAML read the unquoted name {loc[-2]} as {what}, not text; quote it, "
+                f"e.g. \"{example}\": ...")
     return f"{'.'.join(loc)}: YAML read the unquoted value as {what}, not text; quote it, e.g. {loc[-1]}: \"{example}\""
 
 
@@ -876,7 +940,8 @@ def _explain(error: ValidationError, source: str, section: str | None = None, or
     kind = first["type"]
     if kind == "cross_field":  # a rule across fields names the one it blames
         loc = loc + tuple(first["ctx"]["field"].split("."))
-    said = {"value_error": lambda: first["ctx"]["error"], "cross_field": lambda: first["ctx"]["message"]}.get(kind, str)()
+    said = {"value_error": lambda: first["ctx"]["error"],
+            "cross_field": lambda: first["ctx"]["message"]}.get(kind, str)()
     source = _blame(origins or {}, loc, source, str(said))
     where = ".".join(loc) or "(top level)"
     if kind == "string_type" and _quote_it(loc, first.get("input")):

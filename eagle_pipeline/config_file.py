@@ -54,7 +54,8 @@ def _parse_yaml(path: Path) -> Any:
     try:
         raw = path.read_bytes()
     except IsADirectoryError:
-        raise BadInput(f"{path}: is a folder, not a config file; name a .yaml file inside it, e.g. configs/tiny.yaml") from None
+        raise BadInput(f"{path}: is a folder, not a config file; name a .yaml "
+                       "file inside it, e.g. configs/tiny.yaml") from None
     except OSError as e:
         raise BadInput(f"{path}: cannot read the config ({e.strerror}); check the path and its permissions") from None
     try:
@@ -70,7 +71,8 @@ def _parse_yaml(path: Path) -> Any:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" line {mark.line + 1}" if mark else ""
-        raise BadInput(f"{path}{at}: not valid YAML ({_one_line(getattr(e, 'problem', None) or e)}); fix the syntax") from None
+        raise BadInput(f"{path}{at}: not valid YAML "
+                       f"({_one_line(getattr(e, 'problem', None) or e)}); fix the syntax") from None
 
 
 def _resolve(path: Path, what: str) -> Path:

@@ -30,7 +30,8 @@ def check_training_data(data_dir: Path, num_states: int, hidden_size: int, seed:
                        f"dataset and hidden-state files are out of step; rerun stage 02")
     total = sum(f.stat().st_size for f in files.values())
     full = total <= FULL_VALUE_CHECK_BYTES
-    sampled = set(range(len(data))) if full else set(random.Random(seed).sample(range(len(data)), min(SAMPLED_FILES, len(data))))
+    sampled = set(range(len(data))) if full else set(random.Random(seed).sample(range(len(data)),
+                                                                                min(SAMPLED_FILES, len(data))))
     from tqdm import tqdm
 
     for row, ids in enumerate(tqdm(data["input_ids"], desc="check training data", unit="file", leave=False)):

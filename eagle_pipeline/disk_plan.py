@@ -59,7 +59,8 @@ def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
         q_lora = text.get("q_lora_rank")
         nope, rope = int(text["qk_nope_head_dim"]), int(text["qk_rope_head_dim"])
         return DraftDims(format=SPECULATORS, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
-                         head_dim=nope + rope, intermediate_size=shape.get("intermediate_size", text.get("intermediate_size")),
+                         head_dim=nope + rope,
+                         intermediate_size=shape.get("intermediate_size", text.get("intermediate_size")),
                          vocab_size=verifier.vocab_size, draft_vocab_size=cfg.vocab.draft_vocab_size, num_aux=n_aux,
                          target_hidden_size=verifier.hidden_size, num_layers=1, attention_bias=False, mlp_bias=False,
                          norm_before_fc=False, fc_norm=bool(cfg.train.fc_norm), layer_shape=MLA,
@@ -78,7 +79,8 @@ def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
 def drafter_params(dims: DraftDims) -> int:
     """speculators' Eagle3DraftModel as saved: fc, decoder layers (the first reads 2 x hidden), lm_head and
     embed_tokens."""
-    hidden, heads, kv_heads, head_dim = dims.hidden_size, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim
+    hidden, heads, kv_heads = dims.hidden_size, dims.num_attention_heads, dims.num_key_value_heads
+    head_dim = dims.head_dim
     out = heads * head_dim * hidden
     mlp = 3 * hidden * dims.intermediate_size
     first = 2 * hidden * (heads + 2 * kv_heads) * head_dim + out + mlp

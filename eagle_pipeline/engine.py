@@ -103,7 +103,8 @@ def drafter_engine_settings(cfg: RunConfig) -> dict[str, Any]:
     return settings
 
 
-def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None,
+               dtype: str | None = None) -> dict[str, Any]:
     """vLLM's offline-engine arguments for the target: the verifier section, with `dtype` (stage 01's
     generation.dtype) in place of verifier.dtype when given."""
     v = cfg.verifier
@@ -195,7 +196,8 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
 
 
 def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any], kv_transfer_config: dict[str, Any],
-                          served_model_names: list[str], max_model_len: int, listen_host: str | None = None) -> dict[str, Any]:
+                          served_model_names: list[str], max_model_len: int,
+                          listen_host: str | None = None) -> dict[str, Any]:
     """`VllmServer` arguments for a hidden-state capture server of the target (online training): the served
     target's settings (`server_kwargs`) with the capture method and connector (eagle_pipeline/capture.py), no
     prefix caching (each request is a one-off prefill whose states must be its own), a batch of one longest
@@ -217,7 +219,8 @@ def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any],
     if not cfg.verifier.enforce_eager:  # server_args already passes it when the config sets it
         flags.append("--enforce-eager")
     share = cfg.hidden_states.capture_gpu_memory_utilization
-    if cfg.device == "cuda" and share is not None:  # after server_args' verifier.gpu_memory_utilization: the last counts
+    # After server_args' verifier.gpu_memory_utilization: the last one counts.
+    if cfg.device == "cuda" and share is not None:
         flags += ["--gpu-memory-utilization", str(share)]
     if listen_host is not None:
         flags += ["--host", listen_host]  # after serve_flags' own --host: the last one counts

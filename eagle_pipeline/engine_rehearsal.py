@@ -68,7 +68,8 @@ def planned_engines(cfg: RunConfig, stage: int, scratch: Path) -> list[PlannedEn
     if stage == 4:
         if cfg.hidden_states.mode != "online" or cfg.hidden_states.capture_endpoints:
             return []
-        return [PlannedEngine(4, "online capture server", env, server_argv=_online_capture_argv(cfg, verifier, scratch))]
+        return [PlannedEngine(4, "online capture server", env,
+                              server_argv=_online_capture_argv(cfg, verifier, scratch))]
     if stage == 5:
         return _stage_05_engines(cfg, verifier, env, scratch)
     if stage == 6:
@@ -159,8 +160,9 @@ def _stage_05_engines(cfg: RunConfig, verifier, env: dict[str, str], scratch: Pa
     if cfg.convert.parity == "vllm":
         from eagle_pipeline.drafter_checks.parity import acceptance_engine_kwargs
 
-        engines.append(PlannedEngine(5, "parity engine", env, engine_args=acceptance_engine_kwargs(
-            str(verifier.path), drafter, cfg.serve.num_speculative_tokens, engine_kwargs, drafter_engine_settings(cfg))))
+        parity_args = acceptance_engine_kwargs(str(verifier.path), drafter, cfg.serve.num_speculative_tokens,
+                                               engine_kwargs, drafter_engine_settings(cfg))
+        engines.append(PlannedEngine(5, "parity engine", env, engine_args=parity_args))
     return engines
 
 

@@ -61,7 +61,8 @@ def _write_cache(cache: Path, entries: dict[str, dict[str, str]]) -> None:
     try:
         atomic.write_json(cache, entries)
     except OSError as e:  # a read-only home only costs the next run the same hashing
-        log.warning("cannot write the file hash cache %s (%s); the next run hashes these files again", cache, e.strerror)
+        log.warning("cannot write the file hash cache %s (%s); the next run hashes these files again", cache,
+                    e.strerror)
 
 
 def cached_file_fingerprints(paths: list[Path], cache: Path | None = None) -> dict[Path, str]:
@@ -83,7 +84,8 @@ def cached_file_fingerprints(paths: list[Path], cache: Path | None = None) -> di
         return found
     size = sum(Path(p).stat().st_size for p, _ in todo)
     if size > 1 << 30:
-        log.info("hashing %d file(s), %.1f GB, once: the hashes are kept in %s until a file changes", len(todo), size / 1e9, cache)
+        log.info("hashing %d file(s), %.1f GB, once: the hashes are kept in %s until a file changes", len(todo),
+                 size / 1e9, cache)
     with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(todo))) as pool:
         hashes = list(pool.map(lambda item: file_fingerprint(item[0], chunk=8 << 20), todo))
     entries = _read_cache(cache)  # another process may have added entries meanwhile

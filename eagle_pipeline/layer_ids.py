@@ -53,9 +53,11 @@ def check_layer_ids(ids: Sequence[int], num_layers: int, field: str = "hidden_st
     return [int(k) for k in ids]
 
 
-def resolve_layer_ids(configured: Sequence[int] | None, num_layers: int, field: str = "hidden_states.layer_ids") -> list[int]:
+def resolve_layer_ids(configured: Sequence[int] | None, num_layers: int,
+                      field: str = "hidden_states.layer_ids") -> list[int]:
     """The configured ids, or the default ones, checked against the target's depth."""
-    return check_layer_ids(list(configured) if configured is not None else default_layer_ids(num_layers), num_layers, field)
+    return check_layer_ids(list(configured) if configured is not None else default_layer_ids(num_layers), num_layers,
+                           field)
 
 
 def capture_layer_ids(aux_ids: Sequence[int], num_layers: int) -> list[int]:

@@ -41,7 +41,8 @@ def _recorded(stage_dir: Path, path: Path) -> bool:
     rel = path.relative_to(stage_dir)
     if rel.parts[0] in NOT_RECORDED_DIRS or (len(rel.parts) == 1 and rel.name in NOT_RECORDED):
         return False
-    return not any(part.startswith(atomic.TMP_PREFIX) for part in rel.parts) and path.is_file() and not path.is_symlink()
+    return (not any(part.startswith(atomic.TMP_PREFIX) for part in rel.parts)
+            and path.is_file() and not path.is_symlink())
 
 
 def _check_of(path: Path, size: int) -> str:

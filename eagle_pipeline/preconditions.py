@@ -139,8 +139,9 @@ def parallel_split_problem(text_config: dict, tp: int, where: str = "the target"
                 f"(the largest up to {tp} is {divisors[-1]})")
     # vLLM's QKV layer gives each rank a share of the key/value heads, or replicates them when there are fewer.
     if (tp % kv_heads) if tp >= kv_heads else (kv_heads % tp):
-        return (f"{tp} and the {kv_heads} key/value heads of {where} do not divide one another, which vLLM needs to "
-                f"shard or replicate them; choose a tensor parallel size that divides {kv_heads} or is a multiple of it")
+        return (f"{tp} and the {kv_heads} key/value heads of {where} do not divide "
+                "one another, which vLLM needs to shard or replicate them; choose a "
+                f"tensor parallel size that divides {kv_heads} or is a multiple of it")
     return None
 
 

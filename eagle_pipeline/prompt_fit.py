@@ -55,7 +55,8 @@ class LengthLimits:
         return {
             TOO_LONG_FOR_MODEL: f"leave less than {self.min_answer_tokens} answer tokens within verifier.max_model_len "
                                 f"({self.max_model_len})",
-            NO_ROOM_TO_TRAIN: f"fill hidden_states.max_seq_len ({self.max_seq_len}), leaving no answer token to train on",
+            NO_ROOM_TO_TRAIN: f"fill hidden_states.max_seq_len ({self.max_seq_len}), "
+                              "leaving no answer token to train on",
             TEMPLATE_REFUSED: "are refused by the chat template",
         }[reason]
 
@@ -65,7 +66,8 @@ class Selection:
     """The prompts that fit, in order (sample i answers kept[i]), and those dropped on the way to them."""
 
     kept: list[dict] = field(default_factory=list)
-    dropped: list[dict] = field(default_factory=list)  # {"id", "prompt_tokens" (None: not rendered), "reason", "detail"}
+    # each {"id", "prompt_tokens" (None: not rendered), "reason", "detail"}
+    dropped: list[dict] = field(default_factory=list)
     measured: int = 0
 
     def reasons(self) -> dict[str, int]:
@@ -105,7 +107,8 @@ def template_counter(tokenizer: Any, system_prompt: str | None,
     return count
 
 
-def select_prompts(prompts: Sequence[dict], wanted: int, count_tokens: Callable[[list[list[dict]]], list[int | Refused]],
+def select_prompts(prompts: Sequence[dict], wanted: int,
+                   count_tokens: Callable[[list[list[dict]]], list[int | Refused]],
                    limits: LengthLimits) -> Selection:
     """The first `wanted` prompts that fit `limits`, each measured at most once; prompts after the last one
     kept are measured only as far as the batch it is in."""
@@ -152,14 +155,15 @@ def require_enough(selection: Selection, wanted: int, source: str, limits: Lengt
     )
 
 
-def check_resumed_samples(done: dict[str, dict], sample_ids: Sequence[str], kept: Sequence[dict], parts_dir: Any) -> None:
+def check_resumed_samples(done: dict[str, dict], sample_ids: Sequence[str], kept: Sequence[dict],
+                          parts_dir: Any) -> None:
     """Refuse to resume when a finished sample answered another prompt than the one it is tied to now (the
     prompt file or the length limits changed what fits, and the sample ids would mix two selections)."""
     for sample_id, prompt in zip(sample_ids, kept):
         record = done.get(sample_id)
         if record is not None and record.get("prompt_id") != prompt["id"]:
             raise BadInput(
-                f"{parts_dir}: sample {sample_id} answered prompt {record.get('prompt_id')!r}, but the prompts that fit now "
-                f"tie it to {prompt['id']!r} (verifier.max_model_len, hidden_states.max_seq_len or "
-                f"generation.min_answer_tokens changed which prompts are dropped); restore them, or rerun with --force"
+                f"{parts_dir}: sample {sample_id} answered prompt {record.get('prompt_id')!r}, but the prompts that "
+                f"fit now tie it to {prompt['id']!r} (verifier.max_model_len, hidden_states.max_seq_len or "
+                "generation.min_answer_tokens changed which prompts are dropped); restore them, or rerun with --force"
             )

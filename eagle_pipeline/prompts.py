@@ -71,8 +71,8 @@ def _jsonl_rows(path: Path) -> list[tuple[str, object]]:
                 lineno += 1
                 content = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw
                 if len(content) > MAX_LINE_BYTES:
-                    raise BadInput(f"{path}:{lineno}: line longer than {_size(MAX_LINE_BYTES)} (the limit for one prompt); "
-                                   f"shorten or remove it")
+                    raise BadInput(f"{path}:{lineno}: line longer than {_size(MAX_LINE_BYTES)} "
+                                   "(the limit for one prompt); shorten or remove it")
                 text = _decode_line(path, lineno, content)
                 if text.strip():
                     rows.append((f"{path}:{lineno}", _parse_line(path, lineno, text)))
@@ -98,8 +98,8 @@ def _check_file_kind(path: Path, config_key: str) -> bool:
             raise BadInput(f"{config_key}: {path} is {kind}, not a regular file; point it at a JSONL file or a saved "
                            f"datasets folder (copy the data into a file first)")
     if st.st_size > MAX_PROMPT_FILE_BYTES:
-        raise BadInput(f"{config_key}: {path} is {_size(st.st_size)}, above the {_size(MAX_PROMPT_FILE_BYTES)} a prompt "
-                       f"file may hold; split it, or save it as a datasets folder")
+        raise BadInput(f"{config_key}: {path} is {_size(st.st_size)}, above the {_size(MAX_PROMPT_FILE_BYTES)} "
+                       "a prompt file may hold; split it, or save it as a datasets folder")
     return False
 
 
@@ -135,21 +135,24 @@ def read_prompts(path: Path, field: str, config_key: str) -> list[tuple[str, dic
     """(where, prompt) for each prompt of a file or folder: `where` is `path:line` (or `path record n`), a
     prompt is {"id": str, "topic": str, "messages": [...]}; each record gives `field` (a string) or `messages`."""
     if not path.exists():
-        raise BadInput(f"{config_key}: {path} {_why_missing(path)}; point it at a JSONL file or a saved datasets folder")
+        raise BadInput(f"{config_key}: {path} {_why_missing(path)}; point "
+                       "it at a JSONL file or a saved datasets folder")
     if _check_file_kind(path, config_key):
         from datasets import load_from_disk
 
         try:
             rows = [(f"{path} record {i + 1}", row) for i, row in enumerate(load_from_disk(str(path)))]
         except Exception as e:  # noqa: BLE001
-            raise BadInput(f"{config_key}: {path} is not a saved datasets folder ({e}); save it with Dataset.save_to_disk") from None
+            raise BadInput(f"{config_key}: {path} is not a saved datasets folder "
+                           f"({e}); save it with Dataset.save_to_disk") from None
     else:
         rows = _jsonl_rows(path)
     prompts = []
     first_seen: dict[str, str] = {}
     for i, (where, row) in enumerate(rows):
         if not isinstance(row, dict):
-            raise BadInput(f"{where}: expected a JSON object with {field!r} or 'messages', got {type(row).__name__}; fix or remove the line")
+            raise BadInput(f"{where}: expected a JSON object with {field!r} or "
+                           f"'messages', got {type(row).__name__}; fix or remove the line")
         if "messages" in row:
             messages = row["messages"]
             problem = _messages_problem(messages)
@@ -158,14 +161,17 @@ def read_prompts(path: Path, field: str, config_key: str) -> list[tuple[str, dic
         elif isinstance(row.get(field), str) and row[field].strip():
             messages = [{"role": "user", "content": row[field]}]
         else:
-            raise BadInput(f"{where}: no non-empty {field!r} string and no 'messages'; set data.prompt_field to the right column")
+            raise BadInput(f"{where}: no non-empty {field!r} string and no "
+                           "'messages'; set data.prompt_field to the right column")
         prompt_id = str(row.get("id", i))
         if prompt_id in first_seen:
-            raise BadInput(f"{where}: id {prompt_id!r} was already used at {first_seen[prompt_id]}; give every prompt a unique id")
+            raise BadInput(f"{where}: id {prompt_id!r} was already used at "
+                           f"{first_seen[prompt_id]}; give every prompt a unique id")
         first_seen[prompt_id] = where
         topic = row.get(TOPIC_FIELD)
         if topic is not None and not (isinstance(topic, str) and topic.strip()):
-            raise BadInput(f"{where}: {TOPIC_FIELD!r} must be a non-empty string, got {topic!r:.60}; fix it or remove the key")
+            raise BadInput(f"{where}: {TOPIC_FIELD!r} must be a non-empty "
+                           f"string, got {topic!r:.60}; fix it or remove the key")
         prompts.append((where, {"id": prompt_id, "topic": topic.strip() if topic else prompt_id, "messages": messages}))
     if not prompts:
         raise BadInput(f"{config_key}: {path} holds no prompts; add at least one")
@@ -200,7 +206,8 @@ def load_training_and_eval_prompts(train_path: Path, eval_path: Path, field: str
     train = read_prompts(train_path, field, "data.prompts")
     held_out = read_prompts(eval_path, field, "data.eval_prompts")
     same_file = train_path.resolve() == eval_path.resolve()
-    if same_file or value_fingerprint([p["messages"] for _, p in train]) == value_fingerprint([p["messages"] for _, p in held_out]):
+    if same_file or value_fingerprint([p["messages"] for _, p in train]) == value_fingerprint([p["messages"] for _,
+                                                                                               p in held_out]):
         how = "is the same file as" if same_file else "holds the same prompts as"
         raise BadInput(f"data.eval_prompts: {eval_path} {how} data.prompts; held-out prompts must never be trained on: "
                        f"point data.eval_prompts at a separate file")
@@ -212,7 +219,8 @@ def load_training_and_eval_prompts(train_path: Path, eval_path: Path, field: str
                if (key := match_key(_asked(prompt))) in held_out_keys]
     if overlap:
         where, prompt_id, (eval_where, eval_id) = overlap[0]
-        raise BadInput(f"data.prompts: {len(overlap)} training prompt(s) ask what a held-out prompt of data.eval_prompts asks "
-                       f"(same text once case, spacing and end punctuation are ignored), the first at {where} (id {prompt_id!r}) "
-                       f"= {eval_where} (id {eval_id!r}); held-out prompts must never be trained on: remove them from one file")
+        raise BadInput(f"data.prompts: {len(overlap)} training prompt(s) ask what a held-out prompt of "
+                       "data.eval_prompts asks (same text once case, spacing and end punctuation are "
+                       f"ignored), the first at {where} (id {prompt_id!r}) = {eval_where} (id {eval_id!r}); "
+                       "held-out prompts must never be trained on: remove them from one file")
     return [p for _, p in train], [p for _, p in held_out]

@@ -130,7 +130,8 @@ def check_sample(
         raise BadSample(f"{where}: hidden_states contain NaN or infinite values")
 
 
-def encode_sample(sample: dict[str, torch.Tensor], storage_dtype: str | StorageDtype = StorageDtype.BFLOAT16) -> dict[str, torch.Tensor]:
+def encode_sample(sample: dict[str, torch.Tensor],
+                  storage_dtype: str | StorageDtype = StorageDtype.BFLOAT16) -> dict[str, torch.Tensor]:
     """The tensors to store: bf16 as speculators' file backend reads them, or hs_connectors' fp8 format."""
     import torch
 
@@ -268,11 +269,13 @@ def check_sample_file(path: Path, input_ids: Sequence[int], num_states: int, hid
         header, offset = read_header(path)
         end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
     except OSError as e:
-        raise BadInput(f"{path}: cannot be read ({e.strerror}); fix its permissions, or delete it and rerun stage 02") from None
+        raise BadInput(f"{path}: cannot be read ({e.strerror}); fix its "
+                       "permissions, or delete it and rerun stage 02") from None
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise BadInput(f"{path}: not a readable safetensors file ({e}); delete it and rerun stage 02") from None
     if path.stat().st_size != offset + end:
-        raise BadInput(f"{path}: truncated ({path.stat().st_size} of {offset + end} bytes); delete it and rerun stage 02")
+        raise BadInput(f"{path}: truncated ({path.stat().st_size} of "
+                       f"{offset + end} bytes); delete it and rerun stage 02")
     shape = header.get("hidden_states", {}).get("shape")
     if shape != [len(input_ids), num_states, hidden_size]:
         raise BadInput(f"{path}: hidden_states shape {shape}, expected {[len(input_ids), num_states, hidden_size]}: "
@@ -281,7 +284,8 @@ def check_sample_file(path: Path, input_ids: Sequence[int], num_states: int, hid
         token_ids = f.get_tensor("token_ids")
         hidden = f.get_tensor("hidden_states") if values else None
     if token_ids.tolist() != list(input_ids):
-        raise BadInput(f"{path}: token ids differ from its dataset row: dataset and hidden-state files are out of step; rerun stage 02")
+        raise BadInput(f"{path}: token ids differ from its dataset row: dataset "
+                       "and hidden-state files are out of step; rerun stage 02")
     if hidden is not None and not torch.isfinite(hidden.float()).all():
         raise BadInput(f"{path}: hidden states contain NaN or infinite values; delete the file and rerun stage 02")
     if hidden is not None:
@@ -323,7 +327,8 @@ class SampleLayout:
         return len(self.layer_ids) + 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"layer_ids": list(self.layer_ids), "num_layers": self.num_layers, "num_hidden_states": self.num_hidden_states,
+        return {"layer_ids": list(self.layer_ids), "num_layers": self.num_layers,
+                "num_hidden_states": self.num_hidden_states,
                 "hidden_size": self.hidden_size, "target_vocab_size": self.target_vocab_size,
                 "storage_dtype": self.storage_dtype.value}
 

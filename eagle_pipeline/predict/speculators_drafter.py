@@ -104,7 +104,8 @@ class SpeculatorsDrafter:
 
     def _unit_norm(self, size: int):
         weight = self.model.norm.weight
-        norm = self.model._model_definitions.norm_class(size, eps=self.model.config.transformer_layer_config.rms_norm_eps)
+        norm = self.model._model_definitions.norm_class(size,
+                                                        eps=self.model.config.transformer_layer_config.rms_norm_eps)
         return norm.to(dtype=weight.dtype, device=weight.device)
 
     def combine_hidden_states(self, aux_states: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ from eagle_pipeline.config import ENGINE_VARIANT_KEYS, RunConfig
 from eagle_pipeline.engine import MODEL_RUNNER_VARIABLE
 
 _INIT = re.compile(r"Initializing a V1 LLM engine \((?P<version>[^)]*)\) with config: (?P<config>.*)$")
-_BACKEND = re.compile(r"Using (?:AttentionBackendEnum\.)?(?P<name>[A-Z][A-Z0-9_]*) (?:attention )?backend(?: out of|\.)")
+_BACKEND = re.compile(r"Using (?:AttentionBackendEnum\.)?(?P<name>[A-Z][A-Z0-9_]*) "
+                      r"(?:attention )?backend(?: out of|\.)")
 _V1_FALLBACK = re.compile(r"(?P<why>Model Runner V2 (?:requires|does not yet support)[^;]*); using the V1 model runner")
 _FIELDS = {
     "quantization": re.compile(r"\bquantization=([^,]+),"),

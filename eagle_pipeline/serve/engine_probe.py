@@ -34,7 +34,8 @@ def variant_config(cfg: RunConfig, variant: Mapping[str, Any]) -> RunConfig:
 
 def describe(variant: Mapping[str, Any]) -> str:
     """A variant as one short phrase: `verifier.attention_backend=TRITON_MLA, env FAULT=off`."""
-    parts = [f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in variant.items() if key != "env"]
+    parts = [f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key,
+             value in variant.items() if key != "env"]
     parts += [f"env {name}={value}" for name, value in (variant.get("env") or {}).items()]
     return ", ".join(parts)
 

@@ -16,7 +16,8 @@ from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.serve.spec_metrics import acceptance_problem
 
 # The fields docs/contracts.md promises in report.json, with the types a reader may rely on.
-REQUIRED_FIELDS = {"num_prompts": int, "num_speculative_tokens": int, "per_position_acceptance": list, "tokens_per_s": dict}
+REQUIRED_FIELDS = {"num_prompts": int, "num_speculative_tokens": int, "per_position_acceptance": list,
+                   "tokens_per_s": dict}
 # Each served mode's measurements in full (`measure.mode_record`: summary, texts, token ids), written as soon as
 # the mode is served: a rerun of the same inputs serves only the modes missing here.
 SERVED_DIR = "served"
@@ -174,8 +175,8 @@ def render_report_md(report: dict) -> str:
         "# Stage 06: speculative decoding with vLLM",
         "",
         f"{report['num_prompts']} prompts, {report['num_speculative_tokens']} speculative tokens, "
-        f"temperature {format_number(report.get('temperature'))}, max_tokens {format_number(report.get('max_tokens'))}, "
-        f"concurrency {format_number(report.get('concurrency'))}.",
+        f"temperature {format_number(report.get('temperature'))}, max_tokens "
+        f"{format_number(report.get('max_tokens'))}, concurrency {format_number(report.get('concurrency'))}.",
         "",
         "## Headline (eagle3)",
         "",
@@ -195,9 +196,10 @@ def render_report_md(report: dict) -> str:
     for name, s in modes.items():
         speedup = 1.0 if name == "none" else report.get("speedup_by_mode", {}).get(name)
         lines.append(
-            f"| {name} | {s['output_tokens']} | {format_number(s['wall_s'])} | {format_number(s['tokens_per_s'])} | {format_speedup(speedup)} "
-            f"| {format_number(s['tpot_ms'])} | {format_number(s['ttft_ms'])} | {format_number(s.get('acceptance_rate'), 3)} "
-            f"| {format_number(s.get('mean_acceptance_length'))} | {format_number(s['server_start_s'], 1)} |"
+            f"| {name} | {s['output_tokens']} | {format_number(s['wall_s'])} | "
+            f"{format_number(s['tokens_per_s'])} | {format_speedup(speedup)} | {format_number(s['tpot_ms'])} "
+            f"| {format_number(s['ttft_ms'])} | {format_number(s.get('acceptance_rate'), 3)} | "
+            f"{format_number(s.get('mean_acceptance_length'))} | {format_number(s['server_start_s'], 1)} |"
         )
     predicted = report.get("predicted_per_position_acceptance")
     served = (modes.get("eagle3") or {}).get("per_position_acceptance")
@@ -210,7 +212,8 @@ def render_report_md(report: dict) -> str:
                   "|---|---|" + "---|" * len(served),
                   f"| predicted | {format_number(report.get('predicted_mean_acceptance_length'))} | "
                   + " | ".join(format_number(v, 3) for v in predicted) + " |",
-                  f"| served | {format_number(report.get('mean_acceptance_length'))} | " + " | ".join(format_number(v, 3) for v in served) + " |"]
+                  f"| served | {format_number(report.get('mean_acceptance_length'))} | "
+                  + " | ".join(format_number(v, 3) for v in served) + " |"]
     engine = report.get("engine") or {}
     if engine.get("summary"):
         lines += ["", "## Engine (eagle3, as vLLM logged it)", "", engine["summary"] + f" (log: {engine.get('log')})."]
@@ -234,24 +237,31 @@ def render_report_md(report: dict) -> str:
             lines += ["", f"Layer convention of the drafter's ids (best fit at ids, ids - 1, ids + 1): {convention}."]
         readings = report.get("prediction_readings") or {}
         if readings:
-            lines += ["", "Every reading replayed (first-draft KL: training's loss at draft position 0 on these answers; "
+            lines += ["",
+                      "Every reading replayed (first-draft KL: training's loss at draft position 0 on these answers; "
                       "the reading the drafter was trained under fits best):", "",
                       "| reading | mean acceptance length | per position | first-draft KL |", "|---|---|---|---|"]
             for name, r in readings.items():
                 per_position = "/".join(format_number(v, 2) for v in r.get("predicted_per_position_acceptance") or [])
-                lines.append(f"| {name} | {format_number(r.get('predicted_mean_acceptance_length'))} | {per_position} | "
-                             f"{format_number(r.get('first_draft_kl'), 4)} |")
+                lines.append(f"| {name} | {format_number(r.get('predicted_mean_acceptance_length'))} "
+                             f"| {per_position} | {format_number(r.get('first_draft_kl'), 4)} |")
     prompts = [row for row in report.get("per_prompt") or [] if row["served_mean_acceptance_length"] is not None]
     if prompts:
         worst = sorted(prompts, key=lambda row: (row["served_mean_acceptance_length"], row["index"]))[:WORST_PROMPTS]
-        lines += ["", f"## Worst prompts (eagle3, served per request beside the replay; {len(worst)} of {len(prompts)})", "",
-                  "Served: vLLM's per-request metrics; predicted: the replay of the same answer, which leaves out its "
-                  "last drafts (fewer than the speculative tokens left to verify). report.json `per_prompt` has every prompt.",
-                  "", "| prompt | served mean acceptance length | drafts | predicted | drafts |", "|---|---|---|---|---|"]
+        lines += ["",
+                  f"## Worst prompts (eagle3, served per request beside the replay; {len(worst)} of {len(prompts)})",
+                  "",
+                  "Served: vLLM's per-request metrics; predicted: the replay of the same "
+                  "answer, which leaves out its last drafts (fewer than the speculative "
+                  "tokens left to verify). report.json `per_prompt` has every prompt.",
+                  "", "| prompt | served mean acceptance length | drafts | predicted | drafts |",
+                  "|---|---|---|---|---|"]
         for row in worst:
-            lines.append(f"| {row['id'] if row['id'] is not None else row['index']} | "
-                         f"{format_number(row['served_mean_acceptance_length'])} | {format_number(row['served_num_drafts'])} | "
-                         f"{format_number(row['predicted_mean_acceptance_length'])} | {format_number(row['predicted_num_drafts'])} |")
+            lines.append(f"| {row['id'] if row['id'] is not None else row['index']} "
+                         f"| {format_number(row['served_mean_acceptance_length'])} "
+                         f"| {format_number(row['served_num_drafts'])} | "
+                         f"{format_number(row['predicted_mean_acceptance_length'])} "
+                         f"| {format_number(row['predicted_num_drafts'])} |")
     spec_modes = [name for name, s in modes.items() if s.get("per_position_acceptance")]
     if spec_modes:
         width = max(len(modes[name]["per_position_acceptance"]) for name in spec_modes)
