@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from eagle_pipeline.predict.simulate import AcceptanceCounts, Drafter, DraftStep, simulate_sequence
-from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, checkpoint_flags, load_drafter
+from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, checkpoint_flags, load_drafter, mla_attention
 from eagle_pipeline.predict.variants import Sample, Variant, serving_inputs, standard_variants
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
@@ -102,7 +102,8 @@ def predict_acceptance(drafter_dir: str | os.PathLike | Any, samples: Iterable[S
 
 
 def _drafter_for(model, variant: Variant, d2t: Any) -> SpeculatorsDrafter:
-    return SpeculatorsDrafter(model, d2t=None if variant.drop_d2t else d2t, norm_flags=dict(variant.norm_flags))
+    return SpeculatorsDrafter(model, d2t=None if variant.drop_d2t else d2t, norm_flags=dict(variant.norm_flags),
+                              attention=dict(variant.attention))
 
 
 def simulate_variants(drafter_dir: str | os.PathLike | Any, samples: Iterable[Sample], num_speculative_tokens: int,
@@ -118,7 +119,8 @@ def simulate_variants(drafter_dir: str | os.PathLike | Any, samples: Iterable[Sa
     if first is None:
         raise ValueError("no samples to simulate")
     if variants is None:
-        variants = standard_variants(first[1].shape[1], checkpoint_flags(model))
+        variants = standard_variants(first[1].shape[1], checkpoint_flags(model),
+                                     mla_attention(model.config.transformer_layer_config))
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"variant names repeat: {names}")
@@ -151,4 +153,5 @@ def simulate_variants(drafter_dir: str | os.PathLike | Any, samples: Iterable[Sa
 def describe(variant: Variant) -> dict[str, Any]:
     return {"name": variant.name, "aux_slots": None if variant.aux_slots is None else list(variant.aux_slots),
             "final_slot_post_norm": variant.final_slot_post_norm, "norm_flags": dict(variant.norm_flags),
-            "drop_d2t": variant.drop_d2t, "own_samples": variant.samples is not None}
+            "drop_d2t": variant.drop_d2t, "attention": dict(variant.attention),
+            "own_samples": variant.samples is not None}

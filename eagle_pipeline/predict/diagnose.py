@@ -4,7 +4,8 @@ The replay (eagle_pipeline.predict) is run once as the engine should feed the dr
 once per alternative reading of the drafter: its aux ids one layer lower or higher (the two numbering
 conventions, docs/layer_ids.md), the target's default ids (what vLLM captures when it reads no ids), each
 norm flag flipped, no `d2t` (vLLM's identity map), the final-layer slot after the final norm instead of
-before. Then:
+before, and for an MLA drafter its RoPE over halves against interleaved pairs (vLLM's DeepSeek layers always
+rotate interleaved pairs) and its softmax scale with against without YaRN's mscale**2. Then:
 
 - served short of the reference beyond the tolerance at some position, and an alternative reproduces the
   served figures within the tolerance at every position: the engine reads the folder's config otherwise
@@ -81,39 +82,59 @@ class Reading:
     norm_flags: Mapping[str, bool] = field(default_factory=dict)
     drop_d2t: bool = False
     final_post_norm: bool = False
+    # An MLA drafter's attention (predict.speculators_drafter.mla_attention); empty for a Llama-shaped one.
+    attention: Mapping[str, bool] = field(default_factory=dict)
+
+
+# The MLA attention readings: how each one misreads the drafter, by the value it was trained with.
+ATTENTION_TEXTS = {
+    ("rope_interleave", False): "RoPE rotated over interleaved pairs (vLLM's DeepSeek layers always do, is_neox_style "
+                                "False) while the drafter was trained rotating halves (rope_interleave false)",
+    ("rope_interleave", True): "RoPE rotated over halves (rope_interleave false, neox style) while the drafter is "
+                               "declared with interleaved pairs, which vLLM's DeepSeek layers rotate",
+    ("softmax_mscale", True): "softmax scale without YaRN's mscale**2 factor while the drafter was trained with it",
+    ("softmax_mscale", False): "softmax scale with YaRN's mscale**2 factor (vLLM's deepseek_v2.py applies it for "
+                               "a YaRN rope) while the drafter was trained without it",
+}
 
 
 def readings(layer_ids: Sequence[int], num_layers: int, flags: Mapping[str, bool], *, has_d2t: bool,
-             reference: str = "as_trained") -> list[Reading]:
-    """The reference reading first, then every alternative this target's depth allows."""
+             reference: str = "as_trained", attention: Mapping[str, bool] | None = None) -> list[Reading]:
+    """The reference reading first, then every alternative this target's depth allows; `attention` (an MLA
+    drafter's, as trained or declared) adds one reading per attention setting read the other way."""
     ids = tuple(int(k) for k in layer_ids)
     flags = dict(flags)
+    attention = dict(attention or {})
     shown = ", ".join(map(str, ids))
-    result = [Reading(reference, f"aux ids ({shown}) as declared", ids, flags)]
+    result = [Reading(reference, f"aux ids ({shown}) as declared", ids, flags, attention=attention)]
     for shift, name, why in ((-1, "ids_minus_one", "one layer lower"), (1, "ids_plus_one", "one layer higher")):
         moved = tuple(k + shift for k in ids)
         if all(0 < k <= num_layers for k in moved):
             result.append(Reading(name, "aux layer ids off by one: the drafter matches ids "
                                         f"({', '.join(map(str, moved))}), {why} than ({shown}) "
                                         "(the other numbering convention, docs/layer_ids.md)",
-                                  moved, flags))
+                                  moved, flags, attention=attention))
     defaults = tuple(default_layer_ids(num_layers))
     if defaults != ids:
         result.append(Reading("ids_default", f"aux ids not read by the engine: it captured the target's default layers "
                                              f"({', '.join(map(str, defaults))}) instead of ({shown})", defaults,
-                              flags))
+                              flags, attention=attention))
     for flag, value in flags.items():
         result.append(Reading(f"{flag}_flipped", f"norm flag {flag} read as {str(not value).lower()} instead of "
-                                                 f"{str(value).lower()}", ids, {**flags, flag: not value}))
+                                                 f"{str(value).lower()}", ids, {**flags, flag: not value},
+                              attention=attention))
+    for key, value in attention.items():
+        result.append(Reading(f"{key}_flipped", ATTENTION_TEXTS[key, value], ids, flags,
+                              attention={**attention, key: not value}))
     if has_d2t:
         result.append(Reading("d2t_dropped", "no d2t applied: draft ids read as target ids (vLLM's identity map)",
-                              ids, flags, drop_d2t=True))
+                              ids, flags, drop_d2t=True, attention=attention))
     for reading in list(result):
         if num_layers in reading.layer_ids:
             result.append(Reading(reading.name + "_final_post_norm", reading.text + ", with the final-layer slot "
                                   "after the target's final norm instead of before", reading.layer_ids,
                                   reading.norm_flags,
-                                  reading.drop_d2t, final_post_norm=True))
+                                  reading.drop_d2t, final_post_norm=True, attention=reading.attention))
     return result
 
 
@@ -128,7 +149,7 @@ def as_variant(reading: Reading, captured_ids: Sequence[int], num_layers: int) -
     slot = {k: i for i, k in enumerate(captured_ids)} | {num_layers: len(captured_ids)}
     return Variant(reading.name, aux_slots=tuple(slot[k] for k in reading.layer_ids),
                    final_slot_post_norm=reading.final_post_norm, norm_flags=dict(reading.norm_flags),
-                   drop_d2t=reading.drop_d2t)
+                   drop_d2t=reading.drop_d2t, attention=dict(reading.attention))
 
 
 def config_findings(config: Mapping[str, Any], *, num_layers: int, target_vocab_size: int, has_d2t: bool) -> list[dict]:
@@ -232,7 +253,9 @@ def diagnose(served: Sequence[float | None], served_drafts: int | None, predicti
         else:
             out.update(status="engine", cause="engine", cause_text=engine_text(engine), reproduced=False)
             line = (f"{gap}, and no reading of the drafter's config reproduces it (ids off by one, default ids, norm "
-                    f"flags, d2t, final-layer norm all replayed"
+                    "flags, d2t, final-layer norm" + (", RoPE interleave, softmax scale" if any(
+                        name.startswith(("rope_interleave", "softmax_mscale")) for name in candidates) else "")
+                    + " all replayed"
                     + ("; served accepts next to nothing, which tells no reading from an engine that computes the "
                        "drafter wrongly" if accepts_nothing else "") + f"): {out['cause_text']}")
     else:

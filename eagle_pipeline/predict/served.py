@@ -50,8 +50,19 @@ def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, fi
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     flags = speculators_norm_flags(config)
     has_d2t = int(config.get("draft_vocab_size") or 0) != int(config["transformer_layer_config"]["vocab_size"])
-    return ReplayPlan(Path(checkpoint), dx.readings(layer_ids, num_layers, flags, has_d2t=has_d2t), "as_trained",
-                      "checkpoint", findings)
+    return ReplayPlan(Path(checkpoint), dx.readings(layer_ids, num_layers, flags, has_d2t=has_d2t,
+                                                    attention=checkpoint_attention(checkpoint)),
+                      "as_trained", "checkpoint", findings)
+
+
+def checkpoint_attention(checkpoint: Path) -> dict[str, bool]:
+    """An MLA drafter's attention as its speculators checkpoint says it was trained (or, converted from a flat
+    folder, as the folder declares it); {} for a Llama-shaped drafter."""
+    import json
+
+    from eagle_pipeline.predict.speculators_drafter import mla_attention
+
+    return mla_attention(json.loads((Path(checkpoint) / "config.json").read_text())["transformer_layer_config"])
 
 
 def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_size: int, device: str,
@@ -69,7 +80,8 @@ def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_si
     checkpoint = write_speculators_checkpoint(drafter_dir, verifier_dir, scratch_dir / "drafter",
                                               speculative_tokens=num_speculative_tokens)
     return ReplayPlan(checkpoint,
-                      dx.readings(read, num_layers, flat_norm_flags(config), has_d2t=has_d2t, reference="as_declared"),
+                      dx.readings(read, num_layers, flat_norm_flags(config), has_d2t=has_d2t, reference="as_declared",
+                                  attention=checkpoint_attention(checkpoint)),
                       "as_declared", "checkpoint" if has_d2t else None, findings)
 
 

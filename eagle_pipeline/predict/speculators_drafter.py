@@ -19,6 +19,9 @@ Knobs that reproduce engine-side mistakes without touching the checkpoint:
 - `norm_flags`: override `norm_before_residual`, `norm_before_fc`, `fc_norm`, `norm_output` as an engine
   would read them from a config. A norm the checkpoint has no weight for gets unit weight, which is what
   vLLM's `RMSNorm` starts with when nothing loads into it.
+- `attention` (MLA drafters only): `rope_interleave`, RoPE over interleaved pairs (what vLLM's DeepSeek layers
+  always rotate, `is_neox_style=False`, deepseek_v2.py) or over halves; `softmax_mscale`, the softmax scale
+  with or without YaRN's mscale**2 factor (deepseek_v2.py's `yarn_get_mscale(factor, mscale_all_dim) ** 2`).
 
 `context_kl` scores the last context pass with the quantity training minimises at draft position 0: the
 KL divergence from the target's distribution over the draft vocabulary (speculators' `verifier_lm_head`
@@ -66,6 +69,36 @@ def checkpoint_flags(model) -> dict[str, bool]:
     return {flag: bool(getattr(model.config, flag, False)) for flag in NORM_FLAGS}
 
 
+def mla_attention(layer_config: Any) -> dict[str, bool]:
+    """How an MLA drafter's attention was trained, from its transformer_layer_config (a dict or a config):
+    {"rope_interleave", "softmax_mscale"}; {} for a Llama-shaped layer. `softmax_mscale` is left out where
+    the rope has no YaRN mscale to apply or drop (the two scales are equal)."""
+    def read(key: str, default: Any = None) -> Any:
+        return layer_config.get(key, default) if isinstance(layer_config, Mapping) else getattr(layer_config, key,
+                                                                                                 default)
+
+    if read("model_type") != "deepseek_v3":
+        return {}
+    # transformers' DeepseekV3Config default is interleaved, as vLLM rotates.
+    result = {"rope_interleave": bool(read("rope_interleave", True))}
+    rope = dict(read("rope_parameters") or read("rope_scaling") or {})
+    if yarn_softmax_factor(rope) != 1.0:
+        # transformers' yarn_apply_mscale applies it only with mscale_all_dim set, as vLLM does.
+        result["softmax_mscale"] = bool(rope.get("mscale_all_dim"))
+    return result
+
+
+def yarn_softmax_factor(rope: Mapping[str, Any]) -> float:
+    """The factor YaRN multiplies an MLA layer's softmax scale by: mscale(factor, mscale_all_dim) ** 2, with
+    mscale_all_dim 1 where the rope leaves it out (what an engine that applies it regardless uses); 1.0 for
+    other ropes or a factor of at most 1."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_get_mscale
+
+    if rope.get("rope_type", rope.get("type")) != "yarn" or not rope.get("factor"):
+        return 1.0
+    return float(yarn_get_mscale(float(rope["factor"]), float(rope.get("mscale_all_dim") or 1.0)) ** 2)
+
+
 def map_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
     """Draft-vocabulary ids as target ids, as vLLM's `compute_logits` places them (None: identity)."""
     return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
@@ -74,12 +107,20 @@ def map_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Te
 class SpeculatorsDrafter:
     """`Drafter` over a speculators Eagle3DraftModel, with vLLM's serving-time inputs; keeps one KV cache."""
 
-    def __init__(self, model, d2t: Any = "checkpoint", norm_flags: Mapping[str, bool] | None = None):
+    def __init__(self, model, d2t: Any = "checkpoint", norm_flags: Mapping[str, bool] | None = None,
+                 attention: Mapping[str, bool] | None = None):
         unknown = set(norm_flags or {}) - set(NORM_FLAGS)
         if unknown:
             raise ValueError(f"unknown norm flags {sorted(unknown)}; known: {list(NORM_FLAGS)}")
+        trained_attention = mla_attention(model.config.transformer_layer_config)
+        unknown = set(attention or {}) - set(trained_attention)
+        if unknown:
+            raise ValueError(f"attention readings {sorted(unknown)} for a drafter that has "
+                             f"{sorted(trained_attention) or 'none (a Llama-shaped layer)'}")
         self.model = model
         self.flags = {**checkpoint_flags(model), **(norm_flags or {})}
+        self.attention = {**trained_attention, **(attention or {})}
+        self._attention_state = self._attention_settings(self.attention) if self.attention else None
         self.d2t = resolve_d2t(model, d2t)
         self.num_aux = model.fc.in_features // model.hidden_size
         self.input_norm = self._norm(self.flags["norm_before_fc"], model.input_norm,
@@ -95,6 +136,26 @@ class SpeculatorsDrafter:
         # was loaded without its verifier's weights.
         self._verifier_loaded = bool(torch.isfinite(model.verifier_norm.weight).all()
                                      and torch.isfinite(model.verifier_lm_head.weight).all())
+
+    def _attention_settings(self, reading: Mapping[str, bool]) -> list[tuple[Any, float, bool]]:
+        """(attention module, softmax scale, rope_interleave) per layer under `reading`."""
+        rope = dict(getattr(self.model.config.transformer_layer_config, "rope_parameters", None) or {})
+        factor = yarn_softmax_factor(rope)
+        settings = []
+        for layer in self.model.layers:
+            attention = layer.self_attn
+            scale = attention.qk_head_dim ** -0.5
+            if reading.get("softmax_mscale", False):
+                scale *= factor
+            settings.append((attention, scale, bool(reading["rope_interleave"])))
+        return settings
+
+    def _swap_attention(self, settings):
+        """Install `settings` in the shared modules and return what was there (the model is shared by readings)."""
+        previous = [(attention, attention.scaling, attention.config.rope_interleave) for attention, _, _ in settings]
+        for attention, scale, interleave in settings:
+            attention.scaling, attention.config.rope_interleave = scale, interleave
+        return previous
 
     @staticmethod
     def _norm(enabled: bool, trained, unit):
@@ -151,12 +212,15 @@ class SpeculatorsDrafter:
         first = model.layers[0]
         trained_flag = first.norm_before_residual
         first.norm_before_residual = self.flags["norm_before_residual"]
+        trained_attention = self._swap_attention(self._attention_state) if self._attention_state else None
         try:
             for layer in model.layers:
                 hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=self._cache,
                                cache_position=cache_position, position_embeddings=position_embeddings)
         finally:
             first.norm_before_residual = trained_flag
+            if trained_attention:
+                self._swap_attention(trained_attention)
         if self.flags["norm_output"]:
             hidden = model.norm(hidden)
             logits = model.lm_head(hidden)

@@ -15,6 +15,8 @@ aux ids. A `Variant` says which slots the engine feeds and how it reads the draf
   `hidden_states[L]` instead of vLLM's id L); it changes the prediction only when that slot is fed.
 - `norm_flags`: the drafter's norm flags as the engine would read them.
 - `drop_d2t`: no draft-to-target map (vLLM's identity when the folder has no `d2t`).
+- `attention`: an MLA drafter's attention as the engine would compute it (`rope_interleave`, `softmax_mscale`;
+  eagle_pipeline.predict.speculators_drafter); empty for a Llama-shaped drafter, which has no such reading.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Variant:
     final_slot_post_norm: bool = False
     norm_flags: Mapping[str, bool] = field(default_factory=dict)
     drop_d2t: bool = False
+    attention: Mapping[str, bool] = field(default_factory=dict)
     # Samples captured at other layer ids (same token ids, same order as the reference samples); None
     # uses the reference samples.
     samples: Iterable[Sample] | None = None
@@ -72,10 +75,12 @@ def flipped(flags: Mapping[str, bool], name: str) -> dict[str, bool]:
     return {name: not flags[name]}
 
 
-def standard_variants(num_slots: int, flags: Mapping[str, bool]) -> list[Variant]:
+def standard_variants(num_slots: int, flags: Mapping[str, bool],
+                      attention: Mapping[str, bool] | None = None) -> list[Variant]:
     """The as-served reference plus the serving mistakes a stage-02 sample alone can reproduce.
 
-    `flags` are the drafter's trained norm flags; each variant flips one. The shifted-slots variants feed
+    `flags` are the drafter's trained norm flags; each variant flips one. `attention`, an MLA drafter's
+    (speculators_drafter.mla_attention), adds a variant flipping each of its readings. The shifted-slots variants feed
     slots 1..n_aux (the last is the final layer, pre-norm as vLLM's id L, or post-norm); they are the
     one-layer-off mistake only for consecutive ids (see the module docstring).
     """
@@ -86,4 +91,5 @@ def standard_variants(num_slots: int, flags: Mapping[str, bool]) -> list[Variant
         Variant("slots_shifted_up_final_post_norm", aux_slots=shifted_slots(num_slots, 1), final_slot_post_norm=True),
     ]
     variants += [Variant(f"{name}_flipped", norm_flags=flipped(flags, name)) for name in flags]
+    variants += [Variant(f"{name}_flipped", attention=flipped(attention, name)) for name in attention or {}]
     return variants
