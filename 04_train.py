@@ -31,8 +31,11 @@ from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.disk_plan import drafter_params, planned_draft_dims, training_bytes, window_bound
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
+from eagle_pipeline.drafter.layouts import MLA
+from eagle_pipeline.drafter.tensors import mla_attention_shapes
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
+from eagle_pipeline.online.memory_plan import trainer_memory_line
 from eagle_pipeline.online.settings import OnlineTraining
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (
@@ -133,11 +136,22 @@ def run(stage: Stage, dry_run: bool) -> None:
         if planning:
             print(not_run_yet_note(cfg, 2 if not is_complete(cfg, 2) else 3))
         print(f"  verifier {verifier.path} ({verifier.architecture}); aux layer ids {layer_ids}")
-        print(f"  drafter: hidden {hidden}, heads {heads}/{kv_heads} kv, head_dim {head_dim}, intermediate {inter}, "
-              f"draft vocab {cfg.vocab.draft_vocab_size}, ~{params / 1e6:.1f}M parameters")
-        print(f"  shapes: fc [{hidden}, {len(layer_ids) * verifier.hidden_size}], q_proj [{heads * head_dim}, "
-              f"{2 * hidden}], k/v_proj [{kv_heads * head_dim}, {2 * hidden}], o_proj [{hidden}, "
-              f"{heads * head_dim}], gate/up [{inter}, {hidden}], lm_head [{cfg.vocab.draft_vocab_size}, {hidden}]")
+        fc = f"fc [{hidden}, {len(layer_ids) * verifier.hidden_size}]"
+        head = f"gate/up [{inter}, {hidden}], lm_head [{cfg.vocab.draft_vocab_size}, {hidden}]"
+        if dims.layer_shape == MLA:  # the target's MLA attention (vLLM's Eagle3DeepseekV2ForCausalLM)
+            print(f"  drafter: MLA layer, hidden {hidden}, heads {heads}, q_lora_rank {dims.q_lora_rank}, "
+                  f"kv_lora_rank {dims.kv_lora_rank}, qk_nope_head_dim {dims.qk_nope_head_dim} + qk_rope_head_dim "
+                  f"{dims.qk_rope_head_dim}, v_head_dim {dims.v_head_dim}, intermediate {inter}, "
+                  f"draft vocab {cfg.vocab.draft_vocab_size}, ~{params / 1e6:.1f}M parameters")
+            attention = ", ".join(f"{name.split('.')[1]} {list(shape)}"
+                                  for name, shape in mla_attention_shapes(dims, 2 * hidden).items() if len(shape) == 2)
+            print(f"  shapes: {fc}, {attention}, {head}")
+        else:
+            print(f"  drafter: hidden {hidden}, heads {heads}/{kv_heads} kv, head_dim {head_dim}, "
+                  f"intermediate {inter}, draft vocab {cfg.vocab.draft_vocab_size}, ~{params / 1e6:.1f}M parameters")
+            print(f"  shapes: {fc}, q_proj [{heads * head_dim}, {2 * hidden}], k/v_proj [{kv_heads * head_dim}, "
+                  f"{2 * hidden}], o_proj [{hidden}, {heads * head_dim}], {head}")
+        print(trainer_memory_line(cfg, verifier, len(layer_ids)))
         init_note = ""
         if t.init_from:
             _, record = released_init(cfg, verifier, layer_ids)

@@ -76,19 +76,26 @@ def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
                      fc_norm=bool(cfg.train.fc_norm))
 
 
-def drafter_params(dims: DraftDims) -> int:
-    """speculators' Eagle3DraftModel as saved: fc, decoder layers (the first reads 2 x hidden), lm_head and
-    embed_tokens."""
+def layer_params(dims: DraftDims, first: bool = True) -> int:
+    """One decoder layer of the drafter (the first reads 2 x hidden: embeddings and fc's output). An MLA layer's
+    attention tensors as the drafter folder counts them and its three norms: every tensor saved; a Llama layer
+    without its norms."""
     hidden, heads, kv_heads = dims.hidden_size, dims.num_attention_heads, dims.num_key_value_heads
     head_dim = dims.head_dim
-    out = heads * head_dim * hidden
+    attn_in = 2 * hidden if first else hidden
     mlp = 3 * hidden * dims.intermediate_size
-    first = 2 * hidden * (heads + 2 * kv_heads) * head_dim + out + mlp
-    later = hidden * (heads + 2 * kv_heads) * head_dim + out + mlp
-    if dims.layer_shape == MLA:  # its attention's tensors as the drafter folder counts them, the layer's three
-        # norms and the final norm: every tensor saved
-        first = sum(math.prod(s) for s in mla_attention_shapes(dims, 2 * hidden).values()) + mlp + 4 * hidden
-    return (dims.num_aux * dims.target_hidden_size * hidden + first + (dims.num_layers - 1) * later
+    if dims.layer_shape == MLA:
+        return sum(math.prod(s) for s in mla_attention_shapes(dims, attn_in).values()) + mlp + 3 * hidden
+    return attn_in * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + mlp
+
+
+def drafter_params(dims: DraftDims) -> int:
+    """speculators' Eagle3DraftModel as saved: fc, decoder layers (the first reads 2 x hidden), lm_head and
+    embed_tokens; the final norm where the layer is MLA (every tensor its checkpoint saves)."""
+    hidden = dims.hidden_size
+    final_norm = hidden if dims.layer_shape == MLA else 0
+    return (dims.num_aux * dims.target_hidden_size * hidden + layer_params(dims)
+            + (dims.num_layers - 1) * layer_params(dims, first=False) + final_norm
             + dims.draft_vocab_size * hidden + dims.vocab_size * hidden)
 
 

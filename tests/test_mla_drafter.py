@@ -387,3 +387,45 @@ def test_the_plan_has_the_dims_and_parameters_of_the_mla_drafter_stage_04_writes
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
         saved = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys() if name not in ("d2t", "t2d"))
     assert drafter_params(planned) == saved
+
+
+
+@pytest.mark.parametrize("q_lora_rank", [Q_LORA, None])
+def test_the_plans_count_every_tensor_and_attention_activation_of_a_built_mla_drafter(q_lora_rank, monkeypatch):
+    """The disk and memory plans' counts against speculators' own Eagle3DraftModel with the MLA layer: parameters
+    tensor by tensor, and the attention's activations per token as its forward makes them (its modules' outputs and
+    the tensors it hands to the attention function)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from eagle_pipeline.disk_plan import drafter_params, layer_params
+    from eagle_pipeline.drafter.tensors import draft_dims
+    from eagle_pipeline.online.memory_plan import DrafterShape, attention_activations
+
+    model = draft_model(q_lora_rank)
+    dims = draft_dims(model.config.to_dict())
+    numel = {name: p.numel() for name, p in model.named_parameters()}
+    verifier_head = numel.pop("verifier_lm_head.weight")
+    numel.pop("verifier_norm.weight")  # the target's, neither saved nor trained
+    assert drafter_params(dims) == sum(numel.values())  # every tensor the checkpoint saves
+    layer = sum(p.numel() for p in model.layers[0].parameters())
+    shape = DrafterShape.from_dims(dims)
+    assert layer_params(dims) == shape.layer_params == layer
+    assert shape.root_params == sum(numel.values()) - layer + verifier_head
+    assert shape.trainable_params + shape.frozen_params == sum(numel.values()) + verifier_head
+
+    n = 5
+    elements = []
+    attention = model.layers[0].self_attn
+    for name, module in attention.named_children():
+        if name != "o_proj":
+            module.register_forward_hook(lambda module, args, out: elements.append(out.numel()))
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def counted(module, query, key, value, *args, **kwargs):
+        out = sdpa(module, query, key, value, *args, **kwargs)
+        elements.extend([query.numel(), key.numel(), out[0].numel()])  # value: a view of kv_b_proj's output
+        return out
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", counted)
+    speculators_first_layer(model, torch.randn(n, HIDDEN), torch.randn(n, HIDDEN), torch.arange(n))
+    assert attention_activations(dims) * n == sum(elements), elements

@@ -39,13 +39,38 @@ CAPTURE_CUDA_GRAPHS_GIB = 0.0
 MARGIN_FRACTION = 0.05
 
 
-def activation_bytes_per_token(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                               draft_vocab: int, vocab: int, ttt_steps: int) -> int:
-    """Activation bytes a training token holds for the backward pass: per TTT step its decoder layer (q/k/v,
-    attention and o_proj outputs, gate/up/act of the MLP, in bf16) and its draft logits (bf16 and a float32
-    log-softmax and its gradient); once, the teacher's logits over the target vocabulary (bf16) and their softmax
-    over the draft vocabulary (float32)."""
-    layer = 2 * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 4 * hidden + 3 * intermediate)
+def attention_activations(dims) -> int:
+    """Activation elements one token holds in one pass of the drafter layer's attention, o_proj's output aside. A
+    Llama layer's: q, k, v and the attention output. An MLA layer's (transformers' DeepseekV3Attention): the query
+    latent and its norm (q_lora_rank each, none without one), the per-head queries (heads x qk, qk = qk_nope +
+    qk_rope: 192 for Kimi-K2.5), the kv latent with the rope key (kv_lora_rank + qk_rope) and the latent's norm, the
+    per-head keys without rope and the values (heads x (qk_nope + v_head_dim)), the queries and keys the attention
+    reads (two new heads x qk tensors: the rotated slice concatenated back) and its output (heads x v_head_dim: 128
+    wide for Kimi-K2.5)."""
+    from eagle_pipeline.drafter.layouts import MLA
+
+    heads = dims.num_attention_heads
+    if dims.layer_shape != MLA:
+        return (heads + 2 * dims.num_key_value_heads) * dims.head_dim + heads * dims.head_dim
+    qk = dims.qk_nope_head_dim + dims.qk_rope_head_dim
+    q_latent = 2 * dims.q_lora_rank if dims.q_lora_rank is not None else 0
+    kv_latent = 2 * dims.kv_lora_rank + dims.qk_rope_head_dim
+    return (q_latent + kv_latent + heads * qk + heads * (dims.qk_nope_head_dim + dims.v_head_dim) + 2 * heads * qk
+            + heads * dims.v_head_dim)
+
+
+def layer_activations(dims) -> int:
+    """Activation elements (bf16 under speculators' autocast) one token holds in one pass of the drafter's decoder
+    layer for the backward pass: its attention's (`attention_activations`), and the norms', o_proj's and the MLP's
+    outputs (4 x hidden + 3 x intermediate)."""
+    return attention_activations(dims) + 4 * dims.hidden_size + 3 * dims.intermediate_size
+
+
+def activation_bytes_per_token(layer_elements: int, draft_vocab: int, vocab: int, ttt_steps: int) -> int:
+    """Activation bytes a training token holds for the backward pass: per TTT step its decoder layer
+    (`layer_activations`, in bf16) and its draft logits (bf16 and a float32 log-softmax and its gradient); once, the
+    teacher's logits over the target vocabulary (bf16) and their softmax over the draft vocabulary (float32)."""
+    layer = 2 * layer_elements
     logits = (2 + 4 + 4) * draft_vocab
     teacher = 2 * vocab + 4 * draft_vocab
     return ttt_steps * (layer + logits) + teacher
@@ -86,11 +111,8 @@ class TargetShape:
 @dataclass(frozen=True)
 class DrafterShape:
     hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
     draft_vocab: int
+    layer_activations: int  # activation elements per token and TTT step of its decoder layer (`layer_activations`)
     trainable_params: int
     frozen_params: int  # the target's embedding and its lm_head's draft-vocabulary rows (verifier_lm_head)
     layer_params: int  # the largest decoder layer: an FSDP unit of its own
@@ -104,19 +126,17 @@ class DrafterShape:
 
     @classmethod
     def from_dims(cls, dims) -> "DrafterShape":
-        """speculators' EAGLE-3 drafter (`Eagle3DraftModel`): one decoder layer, whose first layer reads 2 x hidden."""
-        from eagle_pipeline.disk_plan import drafter_params
+        """speculators' EAGLE-3 drafter (`Eagle3DraftModel`), Llama-shaped or MLA: its first decoder layer reads
+        2 x hidden."""
+        from eagle_pipeline.disk_plan import drafter_params, layer_params
 
-        hidden, heads, kv_heads, head_dim = dims.hidden_size, dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim
-        draft_vocab = dims.draft_vocab_size
+        hidden, draft_vocab = dims.hidden_size, dims.draft_vocab_size
         params = drafter_params(dims)  # with the embedding, not verifier_lm_head
         embedding = dims.vocab_size * hidden
-        layer = (2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-                 + 3 * hidden * dims.intermediate_size)
+        layer = layer_params(dims)
         verifier_head = draft_vocab * hidden
-        return cls(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   intermediate=dims.intermediate_size, draft_vocab=draft_vocab, trainable_params=params - embedding,
-                   frozen_params=embedding + verifier_head, layer_params=layer,
+        return cls(hidden=hidden, draft_vocab=draft_vocab, layer_activations=layer_activations(dims),
+                   trainable_params=params - embedding, frozen_params=embedding + verifier_head, layer_params=layer,
                    root_params=params - layer + verifier_head)
 
 
@@ -201,6 +221,45 @@ class MemoryPlan:
         return out
 
 
+def trainer_memory(drafter: DrafterShape, *, gpus: int, sharded: bool, vocab: int, total_seq_len: int,
+                   ttt_steps: int) -> dict[str, float]:
+    """What one training rank holds on its GPU, by part (bytes), AdamW assumed: sharded with FSDP over `gpus` ranks,
+    or replicated on each (DDP; one process when `gpus` is 1)."""
+    per_token = activation_bytes_per_token(drafter.layer_activations, drafter.draft_vocab, vocab, ttt_steps)
+    # Master weights (fp32) of every parameter, fp32 gradients and AdamW's two fp32 moments of the trainable ones.
+    states = 4 * (drafter.trainable_params + drafter.frozen_params) + 12 * drafter.trainable_params
+    if not sharded:
+        parts = {"weights, gradients and AdamW moments (fp32)": states}
+        if gpus > 1:  # DDP's reduction buckets: a second fp32 copy of the gradients
+            parts["DDP gradient buckets (fp32)"] = 4 * drafter.trainable_params
+        return {**parts, "activations": total_seq_len * per_token, "CUDA context": CUDA_CONTEXT_GIB * GIB}
+    # speculators' FSDP2 (MixedPrecisionPolicy: bf16 parameters, fp32 reduction): the states sharded over the
+    # ranks; the root unit stays gathered in bf16 from its forward to its backward; a unit's gradients leave as bf16
+    # and an fp32 copy of them that is reduce-scattered (its gathered bf16 weights are freed first, so the two are
+    # the peak: 6 bytes a parameter).
+    root = 2 * drafter.root_params
+    gradients = 6 * max(drafter.layer_params, drafter.trainable_params - drafter.layer_params)
+    return {"sharded states": states / gpus, "gathered root (bf16)": root,
+            "gradients in flight (bf16 + fp32)": gradients, "activations": total_seq_len * per_token,
+            "CUDA context": CUDA_CONTEXT_GIB * GIB}
+
+
+def trainer_memory_line(cfg, verifier, n_aux: int) -> str:
+    """Stage 04's dry-run line: the memory one training rank needs (per GPU, or the CPU's for an in-process run),
+    by part, for this run's drafter (Llama-shaped or MLA) and pack length."""
+    t = cfg.train
+    gpus = max(1, t.num_gpus)
+    parts = trainer_memory(DrafterShape.for_run(cfg, verifier, n_aux), gpus=gpus, sharded=t.fsdp_shard,
+                           vocab=verifier.vocab_size, total_seq_len=t.total_seq_len, ttt_steps=t.ttt_steps)
+    if t.num_gpus == 0:
+        parts.pop("CUDA context")
+    where = "per GPU" if t.num_gpus else "on the CPU"
+    how = f"FSDP over {gpus} ranks" if t.fsdp_shard else ("replicated on each rank" if gpus > 1 else "one process")
+    named = " + ".join(f"{name} {value / GIB:.1f}" for name, value in parts.items())
+    return (f"  memory {where} (trainer, {how}, packs of {t.total_seq_len} tokens, estimate): {named} = "
+            f"{sum(parts.values()) / GIB:.1f} GiB")
+
+
 def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: TargetShape, drafter: DrafterShape,
                 num_states: int, longest_sequence: int, total_seq_len: int, ttt_steps: int, window: int) -> MemoryPlan:
     """The co-located plan: what the capture server and one training rank hold on each GPU."""
@@ -212,18 +271,8 @@ def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: Target
         "CUDA context": CUDA_CONTEXT_GIB * GIB,
     }
     vllm = {**fixed, "KV and capture cache": max(0.0, utilization * gpu_bytes - sum(fixed.values()))}
-    # Master weights (fp32) of every parameter, fp32 gradients and AdamW's two fp32 moments of the trainable ones,
-    # sharded over the ranks.
-    states = (4 * (drafter.trainable_params + drafter.frozen_params) + 12 * drafter.trainable_params) / gpus
-    # speculators' FSDP2 (MixedPrecisionPolicy: bf16 parameters, fp32 reduction): the root unit stays gathered in
-    # bf16 from its forward to its backward; a unit's gradients leave as bf16 and an fp32 copy of them that is
-    # reduce-scattered (its gathered bf16 weights are freed first, so the two are the peak: 6 bytes a parameter).
-    root = 2 * drafter.root_params
-    gradients = 6 * max(drafter.layer_params, drafter.trainable_params - drafter.layer_params)
-    per_token = activation_bytes_per_token(drafter.hidden, drafter.heads, drafter.kv_heads, drafter.head_dim,
-                                           drafter.intermediate, drafter.draft_vocab, target.vocab_size, ttt_steps)
-    trainer = {"sharded states": states, "gathered root (bf16)": root, "gradients in flight (bf16 + fp32)": gradients,
-               "activations": total_seq_len * per_token, "CUDA context": CUDA_CONTEXT_GIB * GIB}
+    trainer = trainer_memory(drafter, gpus=gpus, sharded=True, vocab=target.vocab_size, total_seq_len=total_seq_len,
+                             ttt_steps=ttt_steps)
     return MemoryPlan(gpu_bytes=gpu_bytes, gpus=gpus, utilization=utilization, vllm=vllm, trainer=trainer,
                       per_sequence_bytes=(longest_sequence + 1) * (target.kv_bytes_per_token + hidden_state_bytes),
                       concurrent_requests=window * gpus)
