@@ -429,3 +429,27 @@ def test_the_plans_count_every_tensor_and_attention_activation_of_a_built_mla_dr
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", counted)
     speculators_first_layer(model, torch.randn(n, HIDDEN), torch.randn(n, HIDDEN), torch.arange(n))
     assert attention_activations(dims) * n == sum(elements), elements
+
+
+def test_an_mla_init_from_of_another_shape_or_rope_is_refused_naming_what_differs(tmp_path):
+    """check_init_from compares a speculators MLA drafter to fine-tune with the MLA layer this run builds: its MLA
+    dimensions, and the rope vLLM rotates it by (YaRN's factor and mscales, interleaved pairs)."""
+    from eagle_pipeline.train.draft_config import build_mla_draft_config, check_init_from
+
+    model = draft_model()
+    model.save_pretrained(tmp_path / "init")
+    text = {**layer_config().to_dict(), "num_hidden_layers": 4}
+    train = settings(**MLA_TRAIN, init_from=str(tmp_path / "init"))
+    d2t, t2d = write_vocab_map(tmp_path, np.arange(0, VOCAB, 4))
+    run = TrainRun(data_dir=tmp_path, d2t_path=d2t, t2d_path=t2d, verifier_dir=tmp_path, out_dir=tmp_path / "out",
+                   **RUN)
+    # Its shape is this run's: the check goes on to the vocabulary (this full-vocabulary drafter has no d2t).
+    with pytest.raises(BadInput, match=r"has no d2t/t2d"):
+        check_init_from(train, run, build_mla_draft_config(train, text))
+    for changed, named in [({"kv_lora_rank": 2 * KV_LORA}, f"kv_lora_rank {KV_LORA} vs {2 * KV_LORA}"),
+                           ({"v_head_dim": V_DIM + 2}, f"v_head_dim {V_DIM} vs {V_DIM + 2}"),
+                           ({"rope_parameters": {**YARN, "factor": 4.0}}, "yarn {.*'factor': 8.0.*} vs {.*'factor': 4.0"),
+                           ({"rope_interleave": False}, "rope_interleave True vs False")]:
+        ours = {**build_mla_draft_config(train, text), **changed}
+        with pytest.raises(BadInput, match=r"another drafter shape than this run .*" + named):
+            check_init_from(train, run, ours)

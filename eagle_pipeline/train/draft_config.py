@@ -39,7 +39,14 @@ COMPARED_SHAPE_KEYS = (
     "rope_theta",
     "layer_types",
     *MLA_DIM_KEYS,
+    # An MLA layer's rope beyond its theta: what vLLM's MLA drafter rotates by (YaRN factor and mscales, which also
+    # scale its softmax) and how (interleaved pairs); None on both sides for a Llama layer.
+    "rope_interleave",
+    "yarn",
 )
+# The rope parameters an MLA layer is compared by (rope_theta aside): YaRN's, which fix its cos/sin and softmax scale.
+MLA_ROPE_KEYS = ("rope_type", "factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+                 "beta_slow")
 
 
 def _field(text_config: Any, name: str, default: Any = None) -> Any:
@@ -212,7 +219,10 @@ def _shape_of(layer_config: Mapping[str, Any]) -> dict[str, Any]:
 
     config = type(AutoConfig.for_model(layer_config.get("model_type", "llama"))).from_dict(dict(layer_config))
     # The layer shape named as stage 04 names it: speculators' layer config model_type (llama or deepseek_v3).
-    shape = {key: getattr(config, key, None) for key in COMPARED_SHAPE_KEYS if key != "rope_theta"}
+    shape = {key: getattr(config, key, None) for key in COMPARED_SHAPE_KEYS if key not in ("rope_theta", "yarn")}
+    if getattr(config, "kv_lora_rank", None):
+        params = _field(config, "rope_parameters") or {}
+        shape["yarn"] = {key: params.get(key) for key in MLA_ROPE_KEYS if params.get(key) is not None}
     if shape["head_dim"] is None:
         shape["head_dim"] = config.hidden_size // config.num_attention_heads
     if shape["layer_types"] is not None:
