@@ -209,3 +209,22 @@ def test_on_the_gpu_host_the_planned_mla_drafter_takes_cudas_mla_backend(standin
     cfg = kimi_config(standin, "cuda-mla", train=MLA_TRAIN, serve={"drafter_attention_backend": "TRITON_MLA"})
     (done,) = check_engines(cfg, (5,), show=False)
     assert CUDA in done.line() and "drafter MLA -> TRITON_MLA" in done.line(), done.line()
+
+
+def test_the_mla_fine_tune_configs_servers_are_accepted_by_cudas_selector(standin):
+    """configs/kimi-k2.5-10k-finetune-mla.yaml on the stand-in (its settings that the stand-in cannot take fitted as
+    for the other Kimi configs, its drafter planned from the target): every stage 05 and 06 engine, its engine
+    variants included, gets MLA backends CUDA accepts for target and drafter."""
+    from eagle_pipeline.engine_rehearsal import check_engines
+
+    path = standin / "mla-finetune.yaml"
+    path.write_text(yaml.safe_dump({
+        "extends": str(REPO / "configs" / "kimi-k2.5-10k-finetune-mla.yaml"), "run_name": "mla-finetune",
+        "data_root": str(standin / "data"), **STANDIN_FIT, "train": {**MLA_TRAIN, "init_from": None},
+        "vocab": {"draft_vocab_size": 49152}, "verifier": {"path": str(standin / "kimi"), **VERIFIER_FIT}}))
+    done = check_engines(load_config(path, []), (5, 6), show=False)  # a refusal would raise BadInput
+    assert len(done) == 8, [item.line() for item in done]  # load check; none, eagle3, schedule, 3 variants, capture
+    drafted = [item for item in done if len(item.result.layers) == 2]
+    assert len(drafted) == 6 and all(CUDA in item.line() and "target MLA -> TRITON_MLA" in item.line()
+                                     and "drafter MLA -> TRITON_MLA" in item.line() for item in drafted), \
+        [item.line() for item in done]

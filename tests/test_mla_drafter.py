@@ -448,7 +448,8 @@ def test_an_mla_init_from_of_another_shape_or_rope_is_refused_naming_what_differ
         check_init_from(train, run, build_mla_draft_config(train, text))
     for changed, named in [({"kv_lora_rank": 2 * KV_LORA}, f"kv_lora_rank {KV_LORA} vs {2 * KV_LORA}"),
                            ({"v_head_dim": V_DIM + 2}, f"v_head_dim {V_DIM} vs {V_DIM + 2}"),
-                           ({"rope_parameters": {**YARN, "factor": 4.0}}, "yarn {.*'factor': 8.0.*} vs {.*'factor': 4.0"),
+                           ({"rope_parameters": {**YARN, "factor": 4.0}},
+                            "yarn {.*'factor': 8.0.*} vs {.*'factor': 4.0"),
                            ({"rope_interleave": False}, "rope_interleave True vs False")]:
         ours = {**build_mla_draft_config(train, text), **changed}
         with pytest.raises(BadInput, match=r"another drafter shape than this run .*" + named):

@@ -177,7 +177,13 @@ def kimi_target(tmp_path):
     (model / "config.json").write_text(json.dumps({
         "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
         "text_config": {"model_type": "kimi_k2", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
-                        "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432}}))
+                        "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
+                        # Its MLA attention, which an MLA drafter keeps (train.draft_layer: mla).
+                        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                        "v_head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144,
+                        "rope_theta": 50000.0, "rope_scaling": {
+                            "type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}}))
     return model
 
 
@@ -196,7 +202,30 @@ def test_every_kimi_configs_disk_budget_is_its_plan_with_room(path, kimi_target,
     # Whatever the scale: 3 checkpoints of ~8.6 GB (bf16 weights of 2.37B parameters, AdamW's bf16 moments of the
     # 0.96B trained ones: not the target's embedding and lm_head rows) and stage 06's 10 captured layers.
     assert 8.5e9 < plan.stage(4).bytes / 3 < 8.7e9 or cfg.train.init_from or cfg.hidden_states.mode == "online"
-    assert "10 states: layers [1, 2, 3, 29, 30, 31, 57, 58, 59] and the final one" in plan.stage(6).detail
+    # The replay reads each aux layer and its neighbours where the target has them (the diagnosis's readings).
+    readings = {(2, 30, 58): "10 states: layers [1, 2, 3, 29, 30, 31, 57, 58, 59] and the final one",
+                (1, 29, 57): "7 states: layers [1, 2, 29, 30, 57, 58] and the final one"}  # the MLA release's ids
+    assert readings[tuple(cfg.hidden_states.layer_ids)] in plan.stage(6).detail
+
+
+def test_the_mla_fine_tune_configs_stage_04_dry_run_prints_the_mla_drafter_its_parameters_and_memory(kimi_target,
+                                                                                                    tmp_path, capsys):
+    """configs/kimi-k2.5-10k-finetune-mla.yaml on Kimi-K2.5's config (its released drafter's folder is not here:
+    init_from left out; the MLA layer is the target's either way): the MLA shape, the parameters and the memory a
+    training rank needs per GPU, before the GPU check a host without GPUs fails."""
+    config = REPO / "configs" / "kimi-k2.5-10k-finetune-mla.yaml"
+    code, out, err = run_stage_in_process("04_train.py", config, capsys, "--dry-run", "--set",
+                                          f"verifier.path={kimi_target}", "--set", f"data_root={tmp_path / 'data'}",
+                                          "--set", "train.init_from=null")
+    assert "aux layer ids [1, 29, 57]" in out, out + err
+    assert ("drafter: MLA layer, hidden 7168, heads 64, q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128 + "
+            "qk_rope_head_dim 64, v_head_dim 128, intermediate 18432, draft vocab 163840, ~3015.6M parameters") in out
+    assert "q_a_proj [1536, 14336], q_b_proj [12288, 1536], kv_a_proj_with_mqa [576, 14336], kv_b_proj [16384, 512]" \
+        ", o_proj [7168, 8192]" in out, out
+    memory = next(line for line in out.splitlines() if line.startswith("  memory per GPU"))
+    assert "replicated on each rank, packs of 4096 tokens" in memory and memory.endswith(" GiB"), memory
+    assert code == 0 or err.strip().splitlines()[-1].startswith("error: device: cuda, but this host has no GPU"), err
+    assert not (tmp_path / "data").exists()
 
 
 def test_the_budget_is_compared_with_the_plan_before_stage_01_and_in_its_dry_run(kimi_target, tmp_path, capsys):
