@@ -77,10 +77,15 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
 )
 
-from patches.speculators_cpu import check_version, require_unchanged_sources
+from patches.speculators_cpu import _register_kimi_k2_config, check_version, require_unchanged_sources
 
 # speculators' model_classes key, and the transformer_layer_config.model_type of an MLA drafter's checkpoint.
 REGISTRY_KEY = "deepseek_v3"
+# The same layer under Kimi's name. vLLM renames transformers' DeepseekV3Config itself to "kimi_k2" in any
+# process that has read a Kimi config (vllm/transformers_utils/config.py, _register_config_class sets the class
+# attribute), so a DeepseekV3Config serialised after that (stage 05's read-back of its flat folder, the
+# replay of one) says "kimi_k2".
+REGISTRY_KEYS = (REGISTRY_KEY, "kimi_k2")
 # The attention implementations that take dense masks; anything else (flex attention) is replaced by "sdpa".
 DENSE_MASK_ATTENTION = ("sdpa", "eager")
 
@@ -163,7 +168,7 @@ COMPONENTS = ModelComponents(
 
 
 def is_mla_layer_config(layer_config: Any) -> bool:
-    return getattr(layer_config, "model_type", None) == REGISTRY_KEY
+    return getattr(layer_config, "model_type", None) in REGISTRY_KEYS
 
 
 def _get_mscale(scale: float, mscale: float) -> float:
@@ -210,7 +215,10 @@ def apply() -> None:
     from speculators.models.eagle3 import core, model_definitions
 
     # core.py imported this very dict by name, so the key is visible to Eagle3DraftModel.
-    model_definitions.model_classes[REGISTRY_KEY] = COMPONENTS
+    for key in REGISTRY_KEYS:
+        model_definitions.model_classes[key] = COMPONENTS
+    # A checkpoint that says "kimi_k2" loads in a process where vLLM has not registered the name.
+    _register_kimi_k2_config()
     upstream_init = core.Eagle3DraftModel.__init__
 
     @functools.wraps(upstream_init)

@@ -306,6 +306,52 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
     assert not (run_dir / "05_convert" / "logs" / "parity-a.log").exists(), "no parity engine was started"
 
 
+def test_an_mla_drafter_runs_stages_03_to_06_on_kimi_with_cpu_mla_and_serves_as_predicted(kimi, kimi_run, tmp_path):
+    """01 -> 02 (the shared run) -> 03 -> 04 an MLA drafter (train.draft_layer mla: Kimi's own attention, vLLM's
+    Eagle3DeepseekV2ForCausalLM) from scratch -> 05 converted, loaded by vLLM, replay parity -> 06 served with
+    target and drafter both on CPU_MLA, whose KV blocks of 16 they share (the Llama drafter's CPU_ATTN cannot:
+    the fine-tune route test above), and its served acceptance agrees with the replay's prediction on the
+    served answers. That agreement is the parity between the trained drafter (speculators' layer) and vLLM's
+    class on the same inputs; a drafter vLLM computes otherwise (RoPE interleave, softmax scale) is named by
+    the diagnosis (tests/test_mla_readings.py)."""
+    root, _ = kimi
+    run_dir = tmp_path / "data" / "m"
+    for stage in ("01_generate_data", "02_extract_hidden"):
+        shutil.copytree(kimi_run / stage, run_dir / stage)
+    config = write_smoke_config(
+        tmp_path / "m.yaml", data_root=str(tmp_path / "data"), run_name="m",
+        verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS, **ENGINE_KEYS,
+                  "trust_remote_code": True},
+        generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
+        # Long enough on the six answers that the drafter is accepted: served and predicted agreeing is then not
+        # two zeros agreeing (the random stand-in's greedy answers repeat, so it learns them whole).
+        train={"epochs": 20, "draft_layer": "mla"},
+        convert={"parity_prompts": 2},
+        # One load level, one server each (no ngram, no schedule confirmed), few tokens: two engine starts and
+        # the prediction's capture.
+        serve={"ngram_baseline": False, "concurrency": 1, "num_speculative_tokens_per_batch_size": None,
+               "confirm_schedule": False, "max_tokens": 16, "drafter_attention_backend": "CPU_MLA"},
+    )
+    for script in ("03_build_vocab_map.py", "04_train.py", "05_convert.py", "06_serve_test.py"):
+        ok(run_stage(script, config))
+    checkpoint = json.loads((run_dir / "04_train" / "manifest.json").read_text())
+    assert checkpoint["status"] == "complete"
+    flat = json.loads((run_dir / "05_convert" / "vllm" / "config.json").read_text())
+    assert flat["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and flat["kv_lora_rank"] == 512, flat
+    checks = json.loads((run_dir / "05_convert" / "verify.json").read_text())["checks"]
+    assert all(check["ok"] for check in checks.values()), checks
+    report = json.loads((run_dir / "06_serve_test" / "report.json").read_text())
+    served = report["modes"]["eagle3"]
+    assert served["num_drafts"] > 0, served
+    diagnosis = report["diagnosis"]
+    assert diagnosis["status"] == "agrees", diagnosis["line"]
+    # The MLA readings were replayed beside the as-trained one (the rope here is not YaRN: no softmax reading).
+    assert "rope_interleave_flipped" in diagnosis["candidates"] and not any(
+        name.startswith("softmax_mscale") for name in diagnosis["candidates"]), sorted(diagnosis["candidates"])
+    print(f"MLA drafter on CPU_MLA: served {diagnosis['served']}, predicted {diagnosis['predicted']}, "
+          f"mean acceptance length {report.get('mean_acceptance_length')}")
+
+
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
                     reason="EAGLE-3 on an MLA target starts on vLLM's CPU build only with AMX_MLA, on a CPU with AMX tiles")
 # All six stages again on a second stand-in, several engine starts more than the suite can afford: asked for.

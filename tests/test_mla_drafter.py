@@ -331,6 +331,28 @@ def test_the_offline_replay_drives_an_mla_checkpoint_through_its_latent_cache(ml
     assert second.shape == (n,)
 
 
+def test_a_checkpoint_written_where_vllm_renamed_deepseek_v3_to_kimi_k2_loads_back(mla_trained, tmp_path,
+                                                                                    monkeypatch):
+    """vLLM sets `DeepseekV3Config.model_type = "kimi_k2"` in a process that has read a Kimi config
+    (vllm/transformers_utils/config.py, _register_config_class): stage 05's read-back of its flat folder and the
+    replay are written there. Such a checkpoint must load as the MLA drafter it is."""
+    from transformers import DeepseekV3Config
+
+    from eagle_pipeline.predict import load_drafter
+    from eagle_pipeline.predict.speculators_drafter import mla_attention
+
+    checkpoint = mla_trained["out"] / mla_trained["summary"]["last"]["checkpoint"]
+    monkeypatch.setattr(DeepseekV3Config, "model_type", "kimi_k2")  # what vLLM does to the class
+    model = load_drafter(checkpoint)
+    model.save_pretrained(tmp_path / "renamed")
+    written = json.loads((tmp_path / "renamed" / "config.json").read_text())["transformer_layer_config"]
+    assert written["model_type"] == "kimi_k2"
+    monkeypatch.undo()
+    reloaded = load_drafter(tmp_path / "renamed")
+    assert mla_attention(reloaded.config.transformer_layer_config) == mla_attention(model.config.transformer_layer_config)
+    assert type(reloaded.layers[0]) is type(model.layers[0])
+
+
 def test_mla_config_and_shape_refusals(tmp_path):
     with pytest.raises(BadInput, match=r"train\.norm_before_fc: draft_layer mla has no norm before fc"):
         load_section("train", {"draft_layer": "mla", "norm_before_fc": True}, source="t")

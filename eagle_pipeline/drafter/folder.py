@@ -24,6 +24,7 @@ from eagle_pipeline.drafter.layouts import (
     MLA,
     SPECULATORS,
     SPECULATORS_LAYER_TYPES,
+    SPECULATORS_MLA_LAYER_TYPES,
     SPECULATORS_TYPE_KEY,
     config_layout,
     flat_architecture_of,
@@ -209,7 +210,7 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise BadInput(f"{config_path}: transformer_layer_config is missing; the checkpoint is not a speculators drafter")
-    if layer.get("model_type", "llama") not in SPECULATORS_LAYER_TYPES.values():
+    if layer.get("model_type", "llama") not in (*SPECULATORS_LAYER_TYPES.values(), *SPECULATORS_MLA_LAYER_TYPES):
         raise BadInput(
             f"{config_path}: transformer_layer_config.model_type is {layer.get('model_type')!r}; the flat formats "
             f"hold {' or '.join(SPECULATORS_LAYER_TYPES.values())} layers only ("

@@ -36,6 +36,9 @@ FLAT_ARCHITECTURE = FLAT_ARCHITECTURES[LLAMA]
 MLA_ARCHITECTURE_ALIASES = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 # transformer_layer_config.model_type of each shape in a speculators checkpoint (speculators' `model_classes` key).
 SPECULATORS_LAYER_TYPES = {LLAMA: "llama", MLA: "deepseek_v3"}
+# What an MLA layer's model_type may say there: vLLM renames transformers' DeepseekV3Config to kimi_k2 in a process
+# that has read a Kimi config, so a checkpoint written there says kimi_k2 (patches/speculators_mla.py takes both).
+SPECULATORS_MLA_LAYER_TYPES = ("deepseek_v3", "kimi_k2")
 # model_type values vLLM reads as a DeepSeek MLA config (kimi_k2 maps to DeepseekV3Config).
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 # The MLA layer's two input projections, as vLLM fuses them on load and some exports store them: rows

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 
-from eagle_pipeline.drafter.layouts import NORM_FLAGS
+from eagle_pipeline.drafter.layouts import NORM_FLAGS, SPECULATORS_MLA_LAYER_TYPES
 
 
 def load_drafter(drafter_dir: str | os.PathLike, *, load_verifier: bool = True,
@@ -77,7 +77,7 @@ def mla_attention(layer_config: Any) -> dict[str, bool]:
         return layer_config.get(key, default) if isinstance(layer_config, Mapping) else getattr(layer_config, key,
                                                                                                  default)
 
-    if read("model_type") != "deepseek_v3":
+    if read("model_type") not in SPECULATORS_MLA_LAYER_TYPES:
         return {}
     # transformers' DeepseekV3Config default is interleaved, as vLLM rotates.
     result = {"rope_interleave": bool(read("rope_interleave", True))}
