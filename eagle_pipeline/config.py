@@ -827,6 +827,16 @@ class RunConfig(Section):
                                          f"lower it or raise verifier.max_model_len")
         return self
 
+    @model_validator(mode="after")
+    def _parity_vllm_can_serve_the_checkpoint(self):
+        # convert.parity: vllm serves stage 04's speculators checkpoint beside the flat folder; vLLM reads a
+        # speculators config with llama or qwen3 layers only (vllm/transformers_utils/configs/speculators/algos.py).
+        if self.convert.parity == "vllm" and self.train.draft_layer == "mla":
+            raise cross_field("convert.parity", "vllm serves the speculators checkpoint, which vLLM reads for Llama "
+                                                "and Qwen3 layers only, not train.draft_layer mla; use replay (the "
+                                                "default): stage 06 then compares what vLLM serves with it")
+        return self
+
     # -- derived paths -------------------------------------------------------------------------
     def resolve_path(self, value: str) -> Path:
         return resolve_path(value)

@@ -357,6 +357,14 @@ def test_mla_config_and_shape_refusals(tmp_path):
     with pytest.raises(BadInput, match=r"train\.norm_before_fc: draft_layer mla has no norm before fc"):
         load_section("train", {"draft_layer": "mla", "norm_before_fc": True}, source="t")
     assert load_section("train", {"draft_layer": "mla"}, source="t").norm_before_fc is False
+    # vLLM cannot serve an MLA speculators checkpoint, which convert.parity: vllm would ask of it.
+    from conftest import TINY_CONFIG
+
+    from eagle_pipeline.config import load_config
+    with pytest.raises(BadInput, match=r"convert\.parity: vllm serves the speculators checkpoint, which vLLM reads "
+                                       r"for Llama and Qwen3 layers only"):
+        load_config(TINY_CONFIG, ["train.draft_layer=mla", "convert.parity=vllm"])
+    assert load_config(TINY_CONFIG, ["train.draft_layer=mla"]).convert.parity == "replay"
 
     from transformers import LlamaConfig
 

@@ -278,6 +278,9 @@ def test_the_config_check_takes_the_written_mla_folder_and_names_what_vllm_would
     assert any("model_type is 'kimi_k2', expected 'llama'" in p for p in flat_config_problems(broken, target_config))
     assert any("norm_before_fc is true; vLLM's Eagle3DeepseekV2ForCausalLM has no input_norm" in p
                for p in flat_config_problems(config | {"norm_before_fc": True}, target_config))
+    assert any(p.startswith("rope_interleave is false; vLLM's MLA layers rotate interleaved pairs")
+               for p in flat_config_problems(config | {"rope_interleave": False}, target_config))
+    assert flat_config_problems(config | {"rope_interleave": True}, target_config) == []
 
 
 # -- vLLM's own loader -------------------------------------------------------------------------------------------

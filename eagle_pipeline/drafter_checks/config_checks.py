@@ -50,6 +50,10 @@ def flat_config_problems(config: dict[str, Any], target: dict[str, Any], engine:
                             "(vLLM builds the MLA layer from a DeepSeek config)")
         if config.get("norm_before_fc"):
             problems.append("norm_before_fc is true; vLLM's Eagle3DeepseekV2ForCausalLM has no input_norm")
+        if config.get("rope_interleave") is False:
+            # vllm/model_executor/models/deepseek_v2.py builds the MLA rotary embedding with is_neox_style=False.
+            problems.append("rope_interleave is false; vLLM's MLA layers rotate interleaved pairs whatever the config "
+                            "says, so the drafter would be served with another RoPE than it was trained with")
         if engine == "sglang":
             problems.append("an MLA drafter in an SGLang folder; SGLang's llama_eagle3 runs Llama layers only")
     elif config.get("model_type") != "llama":
