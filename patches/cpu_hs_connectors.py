@@ -35,7 +35,8 @@ from patches.upstream import require_version
 TARGET_HS_CONNECTORS_VERSION = "0.9.0"
 TARGET_VLLM_VERSION = "0.32.0"
 
-require_version("patches/cpu_hs_connectors.py", "hs_connectors", hs_connectors.__version__, TARGET_HS_CONNECTORS_VERSION,
+require_version("patches/cpu_hs_connectors.py", "hs_connectors", hs_connectors.__version__,
+                TARGET_HS_CONNECTORS_VERSION,
                 "re-check hs_connectors' FP8 and Mooncake connectors and update the patch")
 require_version("patches/cpu_hs_connectors.py", "vLLM", vllm.__version__, TARGET_VLLM_VERSION,
                 "re-check upstream's ExampleHiddenStatesConnector and update the patch")

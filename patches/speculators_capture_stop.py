@@ -30,16 +30,21 @@ from patches.speculators_cpu import check_version, require_unchanged_sources
 
 UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     # Subclassed: counts an exhausted sample and marks it fatal at the limit, returning it to the dataset.
-    "speculators.train.recovery:GenerationRecoveryGuard._record_exhausted": "0e199301915195ee891320e1196bb5c36669249e39a9fc9232ff5a2c38465e2e",
+    "speculators.train.recovery:GenerationRecoveryGuard._record_exhausted":
+        "0e199301915195ee891320e1196bb5c36669249e39a9fc9232ff5a2c38465e2e",
     # Calls it from its last attempt's except block and returns what it returns.
-    "speculators.train.recovery:GenerationRecoveryGuard.run": "3f27233b6397405853b8de8900dcf5b2155e301c3c0f76641f7d0859594b723c",
+    "speculators.train.recovery:GenerationRecoveryGuard.run":
+        "3f27233b6397405853b8de8900dcf5b2155e301c3c0f76641f7d0859594b723c",
     # Builds its guard from the module-level name `GenerationRecoveryGuard`, which apply() rebinds.
     "speculators.train.data:ArrowDataset.__init__": "7066dd33ae9b5c71bf4571cfd6a6b4e7cd600bd16ffd5946c54962802d28ae62",
     # Spawned DataLoader workers (multiprocessing_context="spawn").
-    "speculators.train.dataloader:_setup_dataloader": "f36f57dcd0db19aff63be92146f057d07030daded42b2a771a1af4a4e591f488",
+    "speculators.train.dataloader:_setup_dataloader":
+        "f36f57dcd0db19aff63be92146f057d07030daded42b2a771a1af4a4e591f488",
     # Where upstream raises instead, and the words it raises with.
-    "speculators.train.recovery:BatchRecoveryCoordinator.synchronize": "e4977d020ed0417e671c53593f0a569069580d7f9d919c09ddc3a563952ede8a",
-    "speculators.train.trainer:_should_sync_recovery": "f63eb1268a6bef72519b274518ffaf793fb9e382144452286172a29ac2b70a5e",
+    "speculators.train.recovery:BatchRecoveryCoordinator.synchronize":
+        "e4977d020ed0417e671c53593f0a569069580d7f9d919c09ddc3a563952ede8a",
+    "speculators.train.trainer:_should_sync_recovery":
+        "f63eb1268a6bef72519b274518ffaf793fb9e382144452286172a29ac2b70a5e",
 }
 
 # The start of upstream's circuit-breaker message, kept so that whoever reads it reads one message.

@@ -22,8 +22,9 @@ One is a speed fix on the CPU:
   - torch's CPU `argmax` over a bfloat16 tensor runs several times slower than over the same values in
     float32, and the drafter's forward (`Eagle3DraftModel.forward`, the draft tokens of each position) and its
     metrics (`compute_metrics`, predicted and target ids) take it on bf16 logits under autocast (its share of
-    a step: docs/measurements.md, "Measured on the 2-core CPU machines"). Those two modules get a `torch` whose `argmax` upcasts a
-    bfloat16 CPU tensor first; float32 holds every bfloat16 value exactly, so the ids are the same.
+    a step: docs/measurements.md, "Measured on the 2-core CPU machines"). Those two modules get a `torch`
+    whose `argmax` upcasts a bfloat16 CPU tensor first; float32 holds every bfloat16 value exactly, so the
+    ids are the same.
 And one is a transformers gap: Kimi-K2 configs (`model_type: kimi_k2` with an `auto_map` to remote
 code) fail in `AutoConfig.from_pretrained` unless `trust_remote_code`, which speculators never passes.
 Kimi-K2's text model is DeepSeek-V3, so registering a `DeepseekV3Config` subclass under `kimi_k2` makes
@@ -69,28 +70,41 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     "speculators.train.trainer:_StepTimer.now": "e47c9a9e6c78ac8c6b55850529f09159418baa06f1589610264f62c8fe476581",
     # Replaced in the checkpointer's namespace; its two users below.
     "speculators.utils.util:get_current_device": "68b44f84e1897e958d90be746d444d5df9096b6b89db5aff7f2642e134571a2e",
-    "speculators.train.checkpointer:SingleGPUCheckpointer.load_model_state_dict": "ee677396facb87fbb732d9dd4de5a2726cf543600fb9f5eb50b75e2eaa0ef1b9",
-    "speculators.train.checkpointer:SingleGPUCheckpointer.load_optimizer_state_dict": "3145716bb1072077e9427b5783437f65ae1b1cd2ecddd1dc174e1fc50310f068",
+    "speculators.train.checkpointer:SingleGPUCheckpointer.load_model_state_dict":
+        "ee677396facb87fbb732d9dd4de5a2726cf543600fb9f5eb50b75e2eaa0ef1b9",
+    "speculators.train.checkpointer:SingleGPUCheckpointer.load_optimizer_state_dict":
+        "3145716bb1072077e9427b5783437f65ae1b1cd2ecddd1dc174e1fc50310f068",
     # Replaced on the CPU (gloo); the CPU branch sets the module state these two define and reset.
-    "speculators.train.distributed:maybe_setup_distributed": "ce8ff9c12a247fe797346cfd7b3fc852c6f2b0632676a01249b02fe9f77acf8c",
-    "speculators.train.distributed:maybe_destroy_distributed": "b8270d7f1d89bb33162d86e6980dc73a75cf425bfebfd73002a341faf25bbb24",
-    "speculators.train.distributed:_init_sp_process_groups": "15dabcf74ef4a1795611394e197ac4daa233e8f0442c7e4e6f0c0b418f339bcc",
+    "speculators.train.distributed:maybe_setup_distributed":
+        "ce8ff9c12a247fe797346cfd7b3fc852c6f2b0632676a01249b02fe9f77acf8c",
+    "speculators.train.distributed:maybe_destroy_distributed":
+        "b8270d7f1d89bb33162d86e6980dc73a75cf425bfebfd73002a341faf25bbb24",
+    "speculators.train.distributed:_init_sp_process_groups":
+        "15dabcf74ef4a1795611394e197ac4daa233e8f0442c7e4e6f0c0b418f339bcc",
     # Wrapped for --max-steps across epochs (and a device consumer, like val_epoch).
     "speculators.train.trainer:Trainer.train_epoch": "a84f3c8000da1b71a9a0eab955b0398ce23b717986df94b65b9f6c71c054ac8c",
-    "speculators.train.trainer:Trainer.run_training": "83e395bd403ee08f5d008fe6fa0695f21db4ba7cba7dc26d5d3fde312c74235c",
+    "speculators.train.trainer:Trainer.run_training":
+        "83e395bd403ee08f5d008fe6fa0695f21db4ba7cba7dc26d5d3fde312c74235c",
     # Wrapped: fp32 master weights for --from-pretrained.
     "speculators.train.cli:build_draft_model": "53a1b6fb54a8bb16ecc19850055716610a5d3e7463e174e53f74aa7f326977e3",
     # Their module's `torch` is swapped for one whose argmax upcasts bf16 on the CPU.
-    "speculators.models.eagle3.core:Eagle3DraftModel.forward": "f682b266d1b18786842b8d031697e9e396acc1d710ed55b343ef6fd5d3a48df0",
-    "speculators.models.eagle3.metrics:compute_metrics": "5dd4345b708ab81a46cdb86b9dba8ec96f949549d48c658293d33799bdf404d9",
+    "speculators.models.eagle3.core:Eagle3DraftModel.forward":
+        "f682b266d1b18786842b8d031697e9e396acc1d710ed55b343ef6fd5d3a48df0",
+    "speculators.models.eagle3.metrics:compute_metrics":
+        "5dd4345b708ab81a46cdb86b9dba8ec96f949549d48c658293d33799bdf404d9",
     # Not patched: eagle_pipeline/train/ relies on the checkpoint layout these write and read
     # (<epoch>/ with model, optimizer, scheduler, then training_state.json last; resume from the highest
     # numbered folder) and on the metric records and logger set-up these emit.
-    "speculators.train.trainer:Trainer.maybe_save_checkpoint": "a47374ee736fb108fe596b1b3474140276790abc77536fac263476cd4f11efce",
-    "speculators.train.trainer:Trainer._save_training_state": "1aacc642607ebb5b21d9e674a29e5a67732ab1e80e5d5989dbd177b6c465cf2e",
-    "speculators.train.trainer:Trainer.setup_trainer": "4d9caeffa2ee477ec73202e3df058b96958451efe35a752318e171d12293e2c7",
-    "speculators.train.checkpointer:BaseCheckpointer._get_previous_epoch": "8b1fbdd5670f8ee181bea943cf688780eb3cb9af903cc7cced4c86d1a7462533",
-    "speculators.train.checkpointer:SingleGPUCheckpointer.save_checkpoint": "31124f3a6065875ccc95860f4da7a892dd12b2f6fe67d08655c142fc76759e79",
+    "speculators.train.trainer:Trainer.maybe_save_checkpoint":
+        "a47374ee736fb108fe596b1b3474140276790abc77536fac263476cd4f11efce",
+    "speculators.train.trainer:Trainer._save_training_state":
+        "1aacc642607ebb5b21d9e674a29e5a67732ab1e80e5d5989dbd177b6c465cf2e",
+    "speculators.train.trainer:Trainer.setup_trainer":
+        "4d9caeffa2ee477ec73202e3df058b96958451efe35a752318e171d12293e2c7",
+    "speculators.train.checkpointer:BaseCheckpointer._get_previous_epoch":
+        "8b1fbdd5670f8ee181bea943cf688780eb3cb9af903cc7cced4c86d1a7462533",
+    "speculators.train.checkpointer:SingleGPUCheckpointer.save_checkpoint":
+        "31124f3a6065875ccc95860f4da7a892dd12b2f6fe67d08655c142fc76759e79",
     "speculators.train.logger:setup_metric_logger": "0ffdbfe98008f0e5851b46f24a8607a833a26d938e4e7165292c385709b2c758",
     "speculators.train.logger:setup_root_logger": "a1aac32239578075a0322d4211b4167f812beb0a0e8c59089ca6b2cfa204d2eb",
 }
@@ -105,7 +119,8 @@ def installed_version() -> str:
 def check_version() -> None:
     """Raise unless the installed speculators is the version these patches were written against."""
     require_version("patches/speculators_cpu.py", "speculators", installed_version(), TARGET_VERSION,
-                    "re-check each patch against the new sources, then update TARGET_VERSION and UPSTREAM_SOURCE_SHA256")
+                    "re-check each patch against the new sources, then update TARGET_VERSION and "
+                    "UPSTREAM_SOURCE_SHA256")
 
 
 def changed_upstream_sources() -> list[str]:

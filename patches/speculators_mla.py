@@ -93,17 +93,22 @@ _TF = "transformers.models.deepseek_v3.modeling_deepseek_v3"
 UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     # The first-layer forward the MLA layer inherits: split [embeds | hidden], input_layernorm / hidden_norm,
     # norm_before_residual, attention, residual, post_attention_layernorm, MLP, residual.
-    "speculators.models.eagle3.model_definitions:Eagle3FirstLayerMixin.forward": "92cde18a7629aecf7bae8f30c2143da408662c83deae2d26b5149262e7e05946",
+    "speculators.models.eagle3.model_definitions:Eagle3FirstLayerMixin.forward":
+        "92cde18a7629aecf7bae8f30c2143da408662c83deae2d26b5149262e7e05946",
     # Wrapped (dense masks for MLA). Builds the layers from model_classes[model_type], the rotary embedding
     # from a copy of the layer config with twice the hidden size, the norms from norm_class.
-    "speculators.models.eagle3.core:Eagle3DraftModel.__init__": "788dcc47a9fce45d0d132653f5668baf185b8c1fede463918a28b240350be25a",
+    "speculators.models.eagle3.core:Eagle3DraftModel.__init__":
+        "788dcc47a9fce45d0d132653f5668baf185b8c1fede463918a28b240350be25a",
     # Calls the layers with the rotary embedding's cos/sin, the cache and the mask; norm_output.
-    "speculators.models.eagle3.core:Eagle3DraftModel.forward": "f682b266d1b18786842b8d031697e9e396acc1d710ed55b343ef6fd5d3a48df0",
-    "speculators.models.utils:flatten_rope_parameters": "6f347a257f105ac790017c4d1bce25dfbdbaaa7601839ff49a66544db96a6771",
+    "speculators.models.eagle3.core:Eagle3DraftModel.forward":
+        "f682b266d1b18786842b8d031697e9e396acc1d710ed55b343ef6fd5d3a48df0",
+    "speculators.models.utils:flatten_rope_parameters":
+        "6f347a257f105ac790017c4d1bce25dfbdbaaa7601839ff49a66544db96a6771",
     # Reads a checkpoint's transformer_layer_config through the config class of its model_type.
     "speculators.models.eagle3.config:Eagle3SpeculatorConfig.validate_transformer_config":
         "c1e994760b8946b51b72766fea73fce3f3b7efb3221ae16c9cf9ea6edd43411b",
-    "speculators.models.base_components:ModelComponents": "faf80f7339ef42d032db8e08dc334b5502aff570eea969d985986867147e98ee",
+    "speculators.models.base_components:ModelComponents":
+        "faf80f7339ef42d032db8e08dc334b5502aff570eea969d985986867147e98ee",
     # transformers' MLA layer, as the list in the docstring describes it.
     f"{_TF}:DeepseekV3Attention.__init__": "3aef62456a38b86cd5e5db228c087d7f7b463ba64c965ca70148d7565d811b3f",
     f"{_TF}:DeepseekV3Attention.forward": "d51be5973c10f50356175dd8822ef97d1c09d17a5da620923d8761098287c66b",
@@ -118,20 +123,28 @@ UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     f"{_TF}:yarn_get_mscale": "1ef61394fdbf2127e24ac2a05377035828f766a01fa3359d8dbced98979a65f6",
     "transformers.models.deepseek_v3.configuration_deepseek_v3:DeepseekV3Config.__post_init__":
         "4c0c6c15d5d4cfd18aa97126758ebafa2c32109a8111ec232c6d72c91af0a141",
-    "transformers.modeling_rope_utils:_compute_yarn_parameters": "19637b57845378007dd8fa9741e565b4fe3669541d046fee5b7d520a0dbf2cf1",
+    "transformers.modeling_rope_utils:_compute_yarn_parameters":
+        "19637b57845378007dd8fa9741e565b4fe3669541d046fee5b7d520a0dbf2cf1",
 }
 
 # The vLLM 0.32.0 code the docstring's correspondences cite (checked by tests/test_mla_drafter.py).
 _VLLM = "vllm.model_executor"
 VLLM_SOURCE_SHA256: dict[str, str] = {
-    f"{_VLLM}.models.deepseek_eagle3:DeepseekV2Eagle3DecoderLayer": "5f60caede30628665a63d3f6a4fd7fdb0d50fffcc88a1bff1acb6cba9cb35821",
-    f"{_VLLM}.models.deepseek_eagle3:DeepseekV2Eagle3Model": "1dc16f1f0016829b28581e24db598bded3e24b2226145629b11dbf5ac5d1538f",
-    f"{_VLLM}.models.deepseek_v2:DeepseekV2MLAAttention.__init__": "68c10ff1a269337342b9637d6f929310dd827851a6ae52adb2b23eb6e3bfe3e5",
+    f"{_VLLM}.models.deepseek_eagle3:DeepseekV2Eagle3DecoderLayer":
+        "5f60caede30628665a63d3f6a4fd7fdb0d50fffcc88a1bff1acb6cba9cb35821",
+    f"{_VLLM}.models.deepseek_eagle3:DeepseekV2Eagle3Model":
+        "1dc16f1f0016829b28581e24db598bded3e24b2226145629b11dbf5ac5d1538f",
+    f"{_VLLM}.models.deepseek_v2:DeepseekV2MLAAttention.__init__":
+        "68c10ff1a269337342b9637d6f929310dd827851a6ae52adb2b23eb6e3bfe3e5",
     f"{_VLLM}.models.deepseek_v2:DeepseekV2MLP": "79e275dd06bcdf7aa6b8b7ec5d5fff688f2abcf315f14fd94395f91c2a756960",
-    f"{_VLLM}.layers.mla:MultiHeadLatentAttentionWrapper.forward": "5d22cac76653845841563782d1e3547205d26b73f1871238845709fe63209b44",
-    f"{_VLLM}.layers.rotary_embedding.deepseek_scaling_rope:DeepseekScalingRotaryEmbedding": "a5b80712d3079ec1eb12aaf16957bfde961fab196337c6f8575566b364ca53f6",
-    f"{_VLLM}.layers.rotary_embedding.common:rotate_gptj": "83449ed2ad21f4dc6537951cc3fbb0af1ad9420157db4114e49d296311715932",
-    f"{_VLLM}.layers.rotary_embedding.common:yarn_find_correction_range": "b251a9918572670df36bedff4742be7480097438bca7db64edb4643980adafd1",
+    f"{_VLLM}.layers.mla:MultiHeadLatentAttentionWrapper.forward":
+        "5d22cac76653845841563782d1e3547205d26b73f1871238845709fe63209b44",
+    f"{_VLLM}.layers.rotary_embedding.deepseek_scaling_rope:DeepseekScalingRotaryEmbedding":
+        "a5b80712d3079ec1eb12aaf16957bfde961fab196337c6f8575566b364ca53f6",
+    f"{_VLLM}.layers.rotary_embedding.common:rotate_gptj":
+        "83449ed2ad21f4dc6537951cc3fbb0af1ad9420157db4114e49d296311715932",
+    f"{_VLLM}.layers.rotary_embedding.common:yarn_find_correction_range":
+        "b251a9918572670df36bedff4742be7480097438bca7db64edb4643980adafd1",
     f"{_VLLM}.layers.rotary_embedding:get_rope": "eae42f62bf00b0e8e14b14da17e7c9b9cc513f107764fd3aa080ee400595f3bb",
 }
 

@@ -26,11 +26,14 @@ from patches.speculators_cpu import check_version, require_unchanged_sources
 
 UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     # Subclassed: returns the sample as {"hidden_states": [seq, n_aux * H], "verifier_last_hidden_states": [seq, H]}.
-    "speculators.train.data:ArrowDataset._get_raw_data": "e2e0e17b1a7a8c0b5745efbc5f00b2ac71181c8467d4d7a2e02a411802794045",
+    "speculators.train.data:ArrowDataset._get_raw_data":
+        "e2e0e17b1a7a8c0b5745efbc5f00b2ac71181c8467d4d7a2e02a411802794045",
     # Builds both datasets from the module-level name `ArrowDataset`, which apply() rebinds.
-    "speculators.train.dataloader:create_train_val_loaders": "87846102b7cbe09d9162eb3cda1d3632625f4f60a7f964976537e038da553371",
+    "speculators.train.dataloader:create_train_val_loaders":
+        "87846102b7cbe09d9162eb3cda1d3632625f4f60a7f964976537e038da553371",
     # Spawned DataLoader workers (multiprocessing_context="spawn"): the dataset is pickled, its class by name.
-    "speculators.train.dataloader:_setup_dataloader": "f36f57dcd0db19aff63be92146f057d07030daded42b2a771a1af4a4e591f488",
+    "speculators.train.dataloader:_setup_dataloader":
+        "f36f57dcd0db19aff63be92146f057d07030daded42b2a771a1af4a4e591f488",
 }
 
 

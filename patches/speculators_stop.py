@@ -25,14 +25,18 @@ from patches.speculators_cpu import check_version, require_unchanged_sources
 
 UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     # Made a no-op; the decorator's except branch is then never entered and its restore() does nothing.
-    "speculators.train.graceful_shutdown:GracefulShutdownHandler.install": "373e351ec739c4a011b416ce04728033c2bf42f713bf64df6bbaf42cc3978ccf",
-    "speculators.train.graceful_shutdown:with_graceful_shutdown": "eedfb16059a4216c31e4a7a07008fa370960f7fb822d4f100b13ef0e916d9d2b",
+    "speculators.train.graceful_shutdown:GracefulShutdownHandler.install":
+        "373e351ec739c4a011b416ce04728033c2bf42f713bf64df6bbaf42cc3978ccf",
+    "speculators.train.graceful_shutdown:with_graceful_shutdown":
+        "eedfb16059a4216c31e4a7a07008fa370960f7fb822d4f100b13ef0e916d9d2b",
     # Calls train_epoch(epoch), then saves the epoch's checkpoint and validates it.
-    "speculators.train.trainer:Trainer.run_training": "83e395bd403ee08f5d008fe6fa0695f21db4ba7cba7dc26d5d3fde312c74235c",
+    "speculators.train.trainer:Trainer.run_training":
+        "83e395bd403ee08f5d008fe6fa0695f21db4ba7cba7dc26d5d3fde312c74235c",
     "speculators.train.trainer:Trainer.train_epoch": "a84f3c8000da1b71a9a0eab955b0398ce23b717986df94b65b9f6c71c054ac8c",
     # Called in each worker; _setup_dataloader passes the module-level name, which apply() rebinds.
     "speculators.train.dataloader:_worker_init_fn": "53219f299df8cdde1324bc9de12bd28f9c766d12af758b0f5982b6a8bc30e741",
-    "speculators.train.dataloader:_setup_dataloader": "f36f57dcd0db19aff63be92146f057d07030daded42b2a771a1af4a4e591f488",
+    "speculators.train.dataloader:_setup_dataloader":
+        "f36f57dcd0db19aff63be92146f057d07030daded42b2a771a1af4a4e591f488",
 }
 
 from speculators.train import dataloader as _dataloader  # noqa: E402

@@ -49,18 +49,24 @@ ATTENTION_NAME = "eagle3_ttt_blocks"
 UPSTREAM_SOURCE_SHA256: dict[str, str] = {
     # Wrapped. Runs the TTT steps: keys and values appended to one DynamicCache, the dense mask extended
     # by one diagonal block per step, every layer's attention called with the layer config's implementation.
-    "speculators.models.eagle3.core:Eagle3DraftModel.forward": "f682b266d1b18786842b8d031697e9e396acc1d710ed55b343ef6fd5d3a48df0",
+    "speculators.models.eagle3.core:Eagle3DraftModel.forward":
+        "f682b266d1b18786842b8d031697e9e396acc1d710ed55b343ef6fd5d3a48df0",
     # Chooses the dense boolean mask (create_mask) for "sdpa"; the layers share the layer config.
-    "speculators.models.eagle3.core:Eagle3DraftModel.__init__": "788dcc47a9fce45d0d132653f5668baf185b8c1fede463918a28b240350be25a",
+    "speculators.models.eagle3.core:Eagle3DraftModel.__init__":
+        "788dcc47a9fce45d0d132653f5668baf185b8c1fede463918a28b240350be25a",
     # The mask's structure: (causal and same document) or the token itself; later blocks diagonal only.
-    "speculators.models.eagle3.attention:create_combined_mask_mod": "79f3165e7b34b605332bcd850448e6e7e927c2c5f4d6e63e6c6a0cc824c9db0d",
-    "speculators.models.eagle3.attention:extend_dense_mask_for_draft_tokens": "704945d4ecea19ae1879ece230b14dad9f3405a1a0e35b21345cec87b0138e0d",
+    "speculators.models.eagle3.attention:create_combined_mask_mod":
+        "79f3165e7b34b605332bcd850448e6e7e927c2c5f4d6e63e6c6a0cc824c9db0d",
+    "speculators.models.eagle3.attention:extend_dense_mask_for_draft_tokens":
+        "704945d4ecea19ae1879ece230b14dad9f3405a1a0e35b21345cec87b0138e0d",
     # transformers' Llama attention (the drafter's layer type): hands the mask and the cached keys to the
     # attention function its config names.
-    "transformers.models.llama.modeling_llama:LlamaAttention.forward": "dc6807936ef6103d2675e82361b9c82359d43356a331140bbb1a974595522bff",
+    "transformers.models.llama.modeling_llama:LlamaAttention.forward":
+        "dc6807936ef6103d2675e82361b9c82359d43356a331140bbb1a974595522bff",
     # transformers' MLA attention (an MLA drafter's layer): expands the cached latent into per-head keys
     # (qk_nope + qk_rope wide) and values (v_head_dim wide) and hands them to the function its config names.
-    "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3Attention.forward": "d51be5973c10f50356175dd8822ef97d1c09d17a5da620923d8761098287c66b",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3:DeepseekV3Attention.forward":
+        "d51be5973c10f50356175dd8822ef97d1c09d17a5da620923d8761098287c66b",
 }
 
 _installed = False

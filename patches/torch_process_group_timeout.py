@@ -24,18 +24,21 @@ from patches.upstream import require_unchanged_sources, require_version
 
 TARGET_TORCH_VERSION = "2.13.0"
 
-require_version("patches/torch_process_group_timeout.py", "torch", torch.__version__.split("+")[0], TARGET_TORCH_VERSION,
+require_version("patches/torch_process_group_timeout.py", "torch", torch.__version__.split("+")[0],
+                TARGET_TORCH_VERSION,
                 "re-check torch.distributed.distributed_c10d._get_default_timeout and update the patch")
 
 # speculators' call that takes the default is fingerprinted by patches/speculators_cpu.py, which wraps it.
 UPSTREAM_SOURCE_SHA256: dict[str, str] = {
-    "torch.distributed.distributed_c10d:_get_default_timeout": "8859a9fb085a121262cb486487d00c39b856ad531401375ce0196874af14a9e9",
+    "torch.distributed.distributed_c10d:_get_default_timeout":
+        "8859a9fb085a121262cb486487d00c39b856ad531401375ce0196874af14a9e9",
 }
 
 
 def apply(seconds: float) -> None:
     """Idempotent; never shortens a default. Raises if the reader is not the one this was written for."""
-    require_unchanged_sources(UPSTREAM_SOURCE_SHA256, "patches/torch_process_group_timeout.py", f"torch {TARGET_TORCH_VERSION}")
+    require_unchanged_sources(UPSTREAM_SOURCE_SHA256, "patches/torch_process_group_timeout.py",
+                              f"torch {TARGET_TORCH_VERSION}")
     from torch.distributed import distributed_c10d
 
     wanted = timedelta(seconds=seconds)
