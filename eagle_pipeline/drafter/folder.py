@@ -209,7 +209,8 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
         )
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
-        raise BadInput(f"{config_path}: transformer_layer_config is missing; the checkpoint is not a speculators drafter")
+        raise BadInput(f"{config_path}: transformer_layer_config is missing; "
+                       "the checkpoint is not a speculators drafter")
     if layer.get("model_type", "llama") not in (*SPECULATORS_LAYER_TYPES.values(), *SPECULATORS_MLA_LAYER_TYPES):
         raise BadInput(
             f"{config_path}: transformer_layer_config.model_type is {layer.get('model_type')!r}; the flat formats "
@@ -295,7 +296,8 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
     specs = {}
     for name, spec in read_tensor_specs(path).items():
         if flat_name(name) in specs:
-            raise drafter.fail(drafter.weights_path, f"{name}: holds layer 0 twice (midlayer.* and layers.0.*); keep one")
+            raise drafter.fail(drafter.weights_path,
+                               f"{name}: holds layer 0 twice (midlayer.* and layers.0.*); keep one")
         specs[flat_name(name)] = spec
     try:  # an MLA layer's fused_qkv_a_proj reads as its two projections
         specs = split_fused_specs(specs, dims)
@@ -306,8 +308,9 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
     if problems:
         raise drafter.fail(drafter.weights_path, problems[0])
     if embed is not None and embed.shape != (drafter.vocab_size, drafter.hidden_size):
-        raise drafter.fail(drafter.weights_path, f"{EMBED_KEY}: shape {list(embed.shape)}, expected "
-                                                 f"[{drafter.vocab_size}, {drafter.hidden_size}] (vocab_size, hidden_size)")
+        raise drafter.fail(drafter.weights_path,
+                           f"{EMBED_KEY}: shape {list(embed.shape)}, expected "
+                           f"[{drafter.vocab_size}, {drafter.hidden_size}] (vocab_size, hidden_size)")
     if "d2t" not in specs:  # a full-vocabulary drafter (shape_problems required d2t for a smaller one)
         return drafter
     problems = safetensors_vocab_map_problems(drafter.tensor_files["d2t"], drafter.tensor_files["t2d"],

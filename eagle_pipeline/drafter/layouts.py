@@ -93,7 +93,8 @@ WEIGHT_NAMES = (
     WeightName("d2t",                      "d2t",               "d2t"),  # vLLM loads it as draft_id_to_target_id
     WeightName("t2d",                      "t2d",               "t2d"),  # both engines skip it on load
     WeightName("input_norm.weight",        "input_norm.weight", None, flag="norm_before_fc"),
-    WeightName("fc_norm.",                 "fc_norm.",          None, flag="fc_norm"),  # fc_norm.<i>.weight per aux layer
+    # fc_norm.<i>.weight per aux layer
+    WeightName("fc_norm.",                 "fc_norm.",          None, flag="fc_norm"),
     # The verifier's tensors: the engines take them from the served target, so flat folders leave them out.
     WeightName(EMBED_KEY,                  None,                None),
     WeightName("verifier_lm_head.weight",  None,                None),

@@ -13,7 +13,8 @@ from eagle_pipeline.drafter_checks.vllm_load import vllm_inspect
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="vLLM-side drafter checks (run by eagle_pipeline.drafter_checks itself)")
+    parser = argparse.ArgumentParser(
+        description="vLLM-side drafter checks (run by eagle_pipeline.drafter_checks itself)")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="vLLM config view + load_weights of a drafter")
     accept = sub.add_parser("acceptance", help="greedy generation with a drafter; spec-decode counters")
@@ -22,11 +23,13 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--drafter", required=True)
         p.add_argument("--engine-kwargs", default="{}")
         p.add_argument("--out", required=True)
-        p.add_argument("--drafter-settings", default="{}", help="speculative_config fields: how vLLM computes the drafter")
+        p.add_argument("--drafter-settings", default="{}",
+                       help="speculative_config fields: how vLLM computes the drafter")
     accept.add_argument("--prompts", required=True)
     accept.add_argument("--num-speculative-tokens", type=int, required=True)
     accept.add_argument("--max-tokens", type=int, required=True)
-    accept.add_argument("--chat-template-kwargs", default="{}", help="the run's chat-template arguments (thinking switch, ...)")
+    accept.add_argument("--chat-template-kwargs", default="{}",
+                        help="the run's chat-template arguments (thinking switch, ...)")
     args = parser.parse_args(argv)
     engine_kwargs = json.loads(args.engine_kwargs)
     if args.command == "inspect":

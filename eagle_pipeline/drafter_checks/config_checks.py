@@ -93,7 +93,8 @@ def target_problems(config: dict[str, Any], target: dict[str, Any], ids: list[in
     if dims.vocab_size != int(target["vocab_size"]):
         problems.append(f"vocab_size {dims.vocab_size} != the target's {target['vocab_size']}")
     if dims.target_hidden_size != int(target["hidden_size"]):
-        problems.append(f"target_hidden_size {dims.target_hidden_size} != the target's hidden_size {target['hidden_size']}")
+        problems.append(f"target_hidden_size {dims.target_hidden_size} "
+                        f"!= the target's hidden_size {target['hidden_size']}")
     if ids and (min(ids) < 0 or max(ids) > int(target["num_hidden_layers"])):
         problems.append(f"aux layer ids {ids} fall outside the target's 0..{target['num_hidden_layers']}")
     return problems
@@ -166,7 +167,8 @@ def vllm_config_problems(config: dict[str, Any], view: dict[str, Any], check_lay
         problems.append(f"vLLM resolves the drafter to {view.get('model_class')}, not {model_class}")
     dims = draft_dims(config)
     if view.get("draft_vocab_size") != dims.draft_vocab_size:
-        problems.append(f"vLLM reads draft_vocab_size {view.get('draft_vocab_size')}, the file says {dims.draft_vocab_size}")
+        problems.append(f"vLLM reads draft_vocab_size {view.get('draft_vocab_size')}, "
+                        f"the file says {dims.draft_vocab_size}")
     if is_speculators_config(config):
         ids = config.get("eagle_aux_hidden_state_layer_ids")
     else:  # the ids a flat folder declares for the engines; vLLM's readings of them are compared below

@@ -92,9 +92,10 @@ def compare_acceptance(run_a: dict[str, Any], run_b: dict[str, Any], tolerance: 
         problems.append(f"position {pos}: acceptance {a['acceptance_rate_per_position'][pos]} vs "
                         f"{b['acceptance_rate_per_position'][pos]} differs by {worst:.4f} > tolerance {tolerance}")
     same_outputs = run_a.get("output_token_ids") == run_b.get("output_token_ids")
-    return {"ok": not problems, "detail": {"method": run_a.get("method", "vllm"), "a": a, "b": b, "tolerance": tolerance,
-                                           "max_rate_difference": round(worst, 6) if diffs else None,
-                                           "same_greedy_outputs": same_outputs, "problems": problems}}
+    return {"ok": not problems,
+            "detail": {"method": run_a.get("method", "vllm"), "a": a, "b": b, "tolerance": tolerance,
+                       "max_rate_difference": round(worst, 6) if diffs else None,
+                       "same_greedy_outputs": same_outputs, "problems": problems}}
 
 
 def replay_run(drafter_dir: str | Path, conversations: list, num_speculative_tokens: int) -> dict[str, Any]:

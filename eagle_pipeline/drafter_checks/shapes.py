@@ -45,7 +45,8 @@ def check_shapes(drafter_dir: str | Path, reference_dir: str | Path | None = Non
     problems = shape_problems(specs, config)
     problems += vocab_map_problems(drafter_dir, specs, config)
     detail: dict[str, Any] = {"format": draft_dims(config).format, "num_tensors": len(specs),
-                              "tensors": {n: {"shape": list(s.shape), "dtype": s.dtype} for n, s in sorted(specs.items())}}
+                              "tensors": {n: {"shape": list(s.shape), "dtype": s.dtype}
+                                          for n, s in sorted(specs.items())}}
     if reference_dir is not None:
         ref, source = reference_specs(Path(reference_dir))
         ref_problems = compare_with_reference(specs, ref)

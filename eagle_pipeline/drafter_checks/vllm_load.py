@@ -157,7 +157,8 @@ def check_vllm(drafter_dir: str | Path, target_dir: str | Path, *, engine_kwargs
     """vLLM's view of the config and its load_weights result, from a fresh subprocess (its output in
     `log_dir`/vllm-load.log when given)."""
     args = ["inspect", "--target", str(target_dir), "--drafter", str(drafter_dir),
-            "--engine-kwargs", json.dumps(engine_kwargs or {}), "--drafter-settings", json.dumps(drafter_settings or {})]
+            "--engine-kwargs", json.dumps(engine_kwargs or {}),
+            "--drafter-settings", json.dumps(drafter_settings or {})]
     log_path = Path(log_dir) / "vllm-load.log" if log_dir is not None else None
     try:
         return run_json_subprocess(args, env, timeout=timeout_s, log_path=log_path)
