@@ -119,7 +119,8 @@ def best_checkpoint(out_dir: Path, select_by: str) -> dict[str, Any] | None:
     if not complete:
         return None
     rule = selection_rule(complete, select_by)
-    epoch = min(complete, key=lambda e: (*selection_key(complete[e]["val_loss"], complete[e][PREDICTED_LENGTH], rule), e))
+    epoch = min(complete,
+                key=lambda e: (*selection_key(complete[e]["val_loss"], complete[e][PREDICTED_LENGTH], rule), e))
     state = complete[epoch]
     return {
         "epoch": epoch,

@@ -54,7 +54,8 @@ class EarlyStopping(logging.Handler):
         # A resumed run continues from the best of the epochs before it (best.json), if chosen by this rule.
         same_rule = best is not None and best.get("selected_by", "val_loss") == self.rule
         self.best_epoch = int(best["epoch"]) if same_rule else None
-        self.best_key = selection_key(float(best["val_loss"]), best.get(PREDICTED_LENGTH), self.rule) if same_rule else None
+        self.best_key = (selection_key(float(best["val_loss"]), best.get(PREDICTED_LENGTH), self.rule)
+                         if same_rule else None)
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.msg

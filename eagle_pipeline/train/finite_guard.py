@@ -41,7 +41,8 @@ class NonFiniteLossGuard(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.msg
-        if record.name != "speculators.metrics" or not isinstance(message, Mapping) or getattr(record, "hparams", False):
+        if (record.name != "speculators.metrics" or not isinstance(message, Mapping)
+                or getattr(record, "hparams", False)):
             return
         if "train" in message:
             loss = message["train"].get("loss")

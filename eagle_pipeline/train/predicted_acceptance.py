@@ -29,7 +29,8 @@ PREDICTED_PER_POSITION = "predicted_per_position_acceptance"
 
 def selection_rule(states: dict[int, dict[str, Any]], select_by: str) -> str:
     """The rule that picks the best of these checkpoints: predicted acceptance only if all were predicted."""
-    if select_by == "predicted_acceptance" and states and all(s.get(PREDICTED_LENGTH) is not None for s in states.values()):
+    if (select_by == "predicted_acceptance" and states
+            and all(s.get(PREDICTED_LENGTH) is not None for s in states.values())):
         return "predicted_acceptance"
     return "val_loss"
 

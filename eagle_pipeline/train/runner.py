@@ -34,7 +34,14 @@ from eagle_pipeline.train.draft_config import DRAFT_CONFIG_FILE, build_draft_con
 from eagle_pipeline.train.early_stop import EarlyStopping, StopTraining
 from eagle_pipeline.train.finite_guard import STOPPED_FILE, NonFiniteLossGuard
 from eagle_pipeline.train.inputs import check_inputs
-from eagle_pipeline.train.metrics import LOSS_PNG, METRICS_CSV, MetricsRecorder, plot_metrics, read_metrics, truncate_metrics
+from eagle_pipeline.train.metrics import (
+    LOSS_PNG,
+    METRICS_CSV,
+    MetricsRecorder,
+    plot_metrics,
+    read_metrics,
+    truncate_metrics,
+)
 from eagle_pipeline.train.predicted_acceptance import CheckpointPredictor
 from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun
 from eagle_pipeline.train.stop import GracefulStop
@@ -208,7 +215,8 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     speculators_stop.apply(graceful)
     # speculators trains on the accelerator whenever there is one.
     if run.device == "cpu" and torch.accelerator.is_available():
-        raise BadInput("train.num_gpus: 0 trains on the CPU but this host has an accelerator; set it to the GPUs to use")
+        raise BadInput("train.num_gpus: 0 trains on the CPU but this host has an accelerator; "
+                       "set it to the GPUs to use")
     if run.device == "cuda" and not torch.accelerator.is_available():
         raise BadInput("train.num_gpus: GPU training was asked for but this host has no accelerator; set it to 0")
 
@@ -223,7 +231,8 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     if train.predict_conversations:
         predictor = CheckpointPredictor(run.data_dir, run.out_dir, run.checkpoint_dir, train.predict_conversations,
                                         train.ttt_steps)
-    recorder = MetricsRecorder(run.out_dir, train.ttt_steps, train.keep_last, train.select_by, predictor) if _rank() == 0 else None
+    recorder = (MetricsRecorder(run.out_dir, train.ttt_steps, train.keep_last, train.select_by, predictor)
+                if _rank() == 0 else None)
     early_stop = None
     if train.early_stop_patience is not None:
         best_file = run.out_dir / BEST_FILE

@@ -68,7 +68,8 @@ class TrainRun:
         return self.out_dir / TENSORBOARD
 
     def to_json(self) -> dict[str, Any]:
-        return {key: str(value) if isinstance(value, (Path, StorageDtype)) else value for key, value in asdict(self).items()}
+        return {key: str(value) if isinstance(value, (Path, StorageDtype)) else value
+                for key, value in asdict(self).items()}
 
 
 def recorded_settings(train: TrainConfig) -> dict[str, Any]:

@@ -50,8 +50,9 @@ def choose_validation_topics(topics: Sequence[str], val_ratio: float, seed: int)
     """Whole topics holding about val_ratio of the rows (at least one topic, never all of them)."""
     counts = Counter(topics)
     if len(counts) < 2:
-        raise BadInput(f"train.val_ratio: the training data has {len(counts)} topic(s) and validation takes whole topics; "
-                       f"generate samples from prompts on at least two topics (the prompts' 'topic' field)")
+        raise BadInput(f"train.val_ratio: the training data has {len(counts)} topic(s) and validation takes "
+                       f"whole topics; generate samples from prompts on at least two topics "
+                       f"(the prompts' 'topic' field)")
     order = sorted(counts)
     # A string seed: the order depends on the run's seed alone, not on other uses of the generator.
     random.Random(f"topic-split:{seed}").shuffle(order)
