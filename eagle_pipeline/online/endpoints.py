@@ -23,7 +23,8 @@ from eagle_pipeline.errors import BadInput
 from eagle_pipeline.online.servers import parse_label
 
 KEY = "hidden_states.capture_endpoints"
-FIX = "start it with this run's config (scripts/remote.sh capture CONFIG, or python -m eagle_pipeline.online.serve_capture)"
+FIX = ("start it with this run's config "
+       "(scripts/remote.sh capture CONFIG, or python -m eagle_pipeline.online.serve_capture)")
 # Label fields, with the config key a mismatch points at.
 LABEL_FIELDS = {"target": "verifier.path", "layers": "hidden_states.layer_ids", "transfer": "hidden_states.transfer",
                 "hidden": "verifier.path", "engine": "verifier.dtype / verifier.engine_args and the engine keys"}

@@ -1,11 +1,11 @@
 """Whether an online run's target and trainer fit on the same GPUs (co-located), from arithmetic a dry run prints.
 
-Co-located: the capture server holds `hidden_states.capture_gpu_memory_utilization` of every GPU (the target's weights, its
-prefill activations, its CUDA context and a KV cache that holds the capture sequences in flight) and the trainer,
-its drafter sharded with FSDP over the same GPUs, lives in the rest. The alternative, time-sliced (vLLM's sleep
-mode parking the target between capture and training chunks), is not what speculators' online dataset does: it
-asks the server for each sample while training runs, so a parked target would stall it. When co-location does
-not fit, the capture belongs on another host (hidden_states.capture_endpoints, docs/online.md).
+Co-located: the capture server holds `hidden_states.capture_gpu_memory_utilization` of every GPU (the target's
+weights, its prefill activations, its CUDA context and a KV cache that holds the capture sequences in flight) and
+the trainer, its drafter sharded with FSDP over the same GPUs, lives in the rest. The alternative, time-sliced
+(vLLM's sleep mode parking the target between capture and training chunks), is not what speculators' online
+dataset does: it asks the server for each sample while training runs, so a parked target would stall it. When
+co-location does not fit, the capture belongs on another host (hidden_states.capture_endpoints, docs/online.md).
 
 Every figure is an estimate whose parts are printed; the constants below are the assumptions, sized for a
 Kimi-K2.5-class target on Blackwell GPUs and meant to be checked against `nvidia-smi` on the first run. What the
@@ -89,7 +89,8 @@ def replicated_params(text_config: dict) -> int:
     if text_config.get("kv_lora_rank"):
         q_rank = int(text_config.get("q_lora_rank") or 0)
         kv_rank = int(text_config["kv_lora_rank"])
-        per_layer += q_rank * hidden + q_rank + (kv_rank + int(text_config.get("qk_rope_head_dim", 0))) * hidden + kv_rank
+        per_layer += (q_rank * hidden + q_rank + (kv_rank + int(text_config.get("qk_rope_head_dim", 0))) * hidden
+                      + kv_rank)
     experts = int(text_config.get("n_routed_experts") or text_config.get("num_experts") or 0)
     moe_layers = max(0, layers - int(text_config.get("first_k_dense_replace") or 0)) if experts else 0
     return layers * per_layer + moe_layers * experts * (hidden + 1) + hidden
@@ -154,8 +155,8 @@ def target_shape(verifier_dir: Path, text_config: dict, tensor_parallel: int, kv
         head_dim = int(text_config.get("head_dim") or text_config["hidden_size"] // text_config["num_attention_heads"])
         per_layer = 2 * max(1, heads // tensor_parallel) * head_dim
     return TargetShape(weights_bytes=weights, layers=layers, hidden_size=int(text_config["hidden_size"]),
-                       vocab_size=int(text_config["vocab_size"]), kv_bytes_per_token=per_layer * layers * kv_dtype_bytes,
-                       replicated_bytes=replicated)
+                       vocab_size=int(text_config["vocab_size"]),
+                       kv_bytes_per_token=per_layer * layers * kv_dtype_bytes, replicated_bytes=replicated)
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,8 @@ class MemoryPlan:
             fitting = self.fitting_utilization()
             fix = (f"set hidden_states.capture_gpu_memory_utilization {fitting:.2f}" if fitting
                    else "lower train.total_seq_len")
-            out.append(f"    to fit: {fix}, or capture on another host (hidden_states.capture_endpoints; docs/online.md)")
+            out.append(f"    to fit: {fix}, or capture on another host "
+                       f"(hidden_states.capture_endpoints; docs/online.md)")
         return out
 
 

@@ -49,7 +49,8 @@ def mooncake_problem() -> str | None:
 def mooncake_refusal() -> str | None:
     """The error line for a host without the Mooncake transfer (mooncake_problem), or None."""
     problem = mooncake_problem()
-    return f"hidden_states.transfer: mooncake, but {problem}; {INSTALL_HINT}, or use transfer: file" if problem else None
+    return (f"hidden_states.transfer: mooncake, but {problem}; {INSTALL_HINT}, or use transfer: file"
+            if problem else None)
 
 
 def require_mooncake() -> None:

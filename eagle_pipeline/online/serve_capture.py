@@ -1,7 +1,7 @@
 """A capture server for trainers elsewhere: `python -m eagle_pipeline.online.serve_capture --config C` starts the
 target's vLLM server with the capture method and the config's transfer (and, for transfer: mooncake without a
-master or with one on this host, a Mooncake master and store beside it), checks nothing about data, and serves until SIGTERM or Ctrl-C,
-started again if it dies. `scripts/remote.sh capture CONFIG` runs it detached on a host.
+master or with one on this host, a Mooncake master and store beside it), checks nothing about data, and serves
+until SIGTERM or Ctrl-C, started again if it dies. `scripts/remote.sh capture CONFIG` runs it detached on a host.
 
 The trainer's host then names it in the same config: `hidden_states.capture_endpoints: [http://HOST:PORT/v1]`
 (and `hidden_states.mooncake.master: HOST:MASTER_PORT`); stage 04 checks that it captures this run's target,
@@ -63,7 +63,8 @@ def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port
             master = hs.mooncake.master
             if master is None or mc.names_this_host(master):
                 host_part, port_part = master.rsplit(":", 1) if master else (address, str(mooncake_port))
-                services = stack.enter_context(mc.MooncakeServices(hs.mooncake, logs, host=host_part, rpc_port=int(port_part)))
+                services = stack.enter_context(mc.MooncakeServices(hs.mooncake, logs, host=host_part,
+                                                                   rpc_port=int(port_part)))
                 master = services.master
                 print(f"Mooncake master {master} and a {hs.mooncake.store_gib:g} GiB store: set "
                       f"hidden_states.mooncake.master: {master} on the trainer's host", flush=True)

@@ -197,7 +197,8 @@ class CaptureServer:
                 server.stop()
                 if self.restarts >= self.max_restarts:
                     self.gave_up = True
-                    log.error("capture server %s died %d times; not starting it again", self.endpoint, self.restarts + 1)
+                    log.error("capture server %s died %d times; not starting it again", self.endpoint,
+                              self.restarts + 1)
                     break
                 self.restarts += 1
                 try:

@@ -43,7 +43,8 @@ SCRATCH_DIR = "capture_scratch"  # where the file and fp8 connectors of local se
 def plan_lines(cfg, num_states: int, hidden_size: int, longest: int) -> list[str]:
     """What a dry run of stage 04 says about the online part."""
     hs = cfg.hidden_states
-    servers = ", ".join(map(redact_url, hs.capture_endpoints)) if hs.capture_endpoints else "one started on this host by stage 04"
+    servers = (", ".join(map(redact_url, hs.capture_endpoints)) if hs.capture_endpoints
+               else "one started on this host by stage 04")
     store = ""
     if hs.transfer == "mooncake":
         store = (f"; Mooncake master {hs.mooncake.master}" if hs.mooncake.master else
@@ -75,8 +76,8 @@ def check_named_endpoints(cfg, verifier, layout, rows: list[dict[str, Any]] | No
     them again, and probes them, once it runs). Without stage 02's rows (a dry run before it), each server must
     take the longest sample the config allows, as one started with this config does."""
     longest = max(r["seq_len"] for r in rows) if rows else cfg.hidden_states.max_seq_len
-    expected = ExpectedCapture(served_model=served_model_name(verifier), label=parse_label(run_label(cfg, verifier, layout)),
-                               longest_sequence=longest)
+    expected = ExpectedCapture(served_model=served_model_name(verifier),
+                               label=parse_label(run_label(cfg, verifier, layout)), longest_sequence=longest)
     for endpoint in cfg.hidden_states.capture_endpoints:
         check_endpoint(endpoint, expected)
 
@@ -191,7 +192,8 @@ class OnlineSession:
             samples.append(CapturedSample(f"row {row} captured by {redact_url(endpoint)}", self.rows[row]["input_ids"],
                                           read_sample(sample_path(self.kept_dir, row))["hidden_states"],
                                           [t for t in range(len(mask) - 1) if mask[t + 1]]))
-        return check_meaning(samples, target_head_for(self.verifier), slot_names(self.layout.layer_ids, self.layout.num_layers),
+        return check_meaning(samples, target_head_for(self.verifier),
+                             slot_names(self.layout.layer_ids, self.layout.num_layers),
                              greedy=self.cfg.generation.temperature == 0,
                              fix="check that the capture server runs this run's target with its engine settings")
 
