@@ -53,8 +53,8 @@ def resolve_layer_ids(ckpt: SpeculatorsCheckpoint, layer_ids: list[int] | tuple[
     stored = ckpt.config.get("eagle_aux_hidden_state_layer_ids")
     if stored and layer_ids is not None and list(stored) != list(layer_ids):
         raise BadInput(
-            f"layer_ids {list(layer_ids)} differ from the checkpoint's eagle_aux_hidden_state_layer_ids {list(stored)}; "
-            "the drafter only works with the ids it was trained on: drop the override or retrain"
+            f"layer_ids {list(layer_ids)} differ from the checkpoint's eagle_aux_hidden_state_layer_ids "
+            f"{list(stored)}; the drafter only works with the ids it was trained on: drop the override or retrain"
         )
     ids = list(stored or layer_ids or [])
     if not ids:
@@ -71,10 +71,12 @@ def rope_fields(layer: dict[str, Any]) -> dict[str, Any]:
     params = dict(layer.get("rope_parameters") or {})
     theta = params.get("rope_theta", layer.get("rope_theta"))
     if theta is None:
-        raise BadInput("transformer_layer_config: no rope_theta / rope_parameters.rope_theta; the draft layer's rope is unknown")
+        raise BadInput("transformer_layer_config: no rope_theta / rope_parameters.rope_theta; "
+                       "the draft layer's rope is unknown")
     params.setdefault("rope_theta", theta)
     params.setdefault("rope_type", "default")
-    legacy_scaling = None if params["rope_type"] == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    legacy_scaling = (None if params["rope_type"] == "default"
+                      else {k: v for k, v in params.items() if k != "rope_theta"})
     return {"rope_theta": theta, "rope_scaling": legacy_scaling, "rope_parameters": params}
 
 
@@ -248,7 +250,8 @@ def write_flat_dir(out_dir: str | Path, config: dict[str, Any], tensors: dict[st
 
 def _convert(ckpt: SpeculatorsCheckpoint, out_dir: str | Path, *, engine: str, vocab_size: int,
              layer_ids: list[int], written_layer_ids: list[int]) -> dict[str, Any]:
-    tensors, dropped = drafter_tensors(ckpt, vocab_size=vocab_size, num_aux=len(layer_ids), layout=ENGINE_LAYOUTS[engine])
+    tensors, dropped = drafter_tensors(ckpt, vocab_size=vocab_size, num_aux=len(layer_ids),
+                                       layout=ENGINE_LAYOUTS[engine])
     config = flat_config(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids,
                          dtype=float_dtype_name(tensors), engine=engine)
     write_flat_dir(out_dir, config, tensors)
@@ -307,7 +310,8 @@ def sglang_refusal(ckpt: SpeculatorsCheckpoint, layer_ids: list[int], target_num
         return (f"{flag} is true in {ckpt.path / 'config.json'} (set: {', '.join(set_flags)}); SGLang's "
                 f"llama_eagle3 has no such norm variant: train with train.{flag}=false or serve with vLLM")
     if ckpt.num_layers != 1:
-        return f"transformer_layer_config.num_hidden_layers is {ckpt.num_layers}; SGLang loads one-layer EAGLE-3 drafters only"
+        return (f"transformer_layer_config.num_hidden_layers is {ckpt.num_layers}; "
+                f"SGLang loads one-layer EAGLE-3 drafters only")
     if len(layer_ids) != 3:
         return f"eagle_aux_hidden_state_layer_ids has {len(layer_ids)} ids; SGLang's fc takes exactly 3 aux layers"
     for bias in ("attention_bias", "mlp_bias"):

@@ -163,8 +163,9 @@ def take_gpu_locks(record: dict[str, Any], held: HeldLocks, lock_dir: Path | Non
     for gpu in gpus:
         name = "".join(c if c.isalnum() or c in "-_" else "_" for c in gpu)
         take(folder / f"gpu-{name}.lock", record, held,
-             busy=f"GPU {gpu} is in use by another pipeline job; wait for it, stop it (scripts/remote.sh stop), or give "
-                  f"this run other GPUs with env: {{CUDA_VISIBLE_DEVICES: ...}} in its config", shared_by_users=True)
+             busy=f"GPU {gpu} is in use by another pipeline job; wait for it, stop it (scripts/remote.sh stop), "
+                  f"or give this run other GPUs with env: {{CUDA_VISIBLE_DEVICES: ...}} in its config",
+             shared_by_users=True)
     return gpus
 
 

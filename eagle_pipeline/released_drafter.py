@@ -86,7 +86,8 @@ def adopted_vocab_map(path: str | Path, field: str, *, hidden_size: int, vocab_s
             raise BadInput(f"{field}: {path / 'config.json'}: {error}") from None
         if ckpt.draft_vocab_size != draft_vocab_size:
             raise BadInput(f"{field}: {path / 'config.json'}: draft_vocab_size {ckpt.draft_vocab_size} but "
-                           f"vocab.draft_vocab_size is {draft_vocab_size}; set vocab.draft_vocab_size: {ckpt.draft_vocab_size}")
+                           f"vocab.draft_vocab_size is {draft_vocab_size}; "
+                           f"set vocab.draft_vocab_size: {ckpt.draft_vocab_size}")
         if "d2t" not in ckpt.tensor_files or "t2d" not in ckpt.tensor_files:
             raise BadInput(f"{field}: {path}: d2t: missing; a drafter without a draft vocabulary has none to adopt")
         files = ckpt.tensor_files
@@ -117,12 +118,14 @@ def layer_id_convention(drafter: FlatDrafter, configured: str | None) -> str:
     nested = (drafter.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if top is not None:
         if nested is not None and list(nested) != list(top):
-            raise drafter.fail(drafter.config_path, f"eagle_aux_hidden_state_layer_ids {list(top)} and "
-                                                    f"eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} differ; "
-                                                    f"keep the ones the drafter was trained on")
+            raise drafter.fail(drafter.config_path,
+                               f"eagle_aux_hidden_state_layer_ids {list(top)} and "
+                               f"eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)} differ; "
+                               f"keep the ones the drafter was trained on")
         if configured == "sglang":
             raise BadInput(f"train.init_from_convention: sglang, but {drafter.config_path} has a top-level "
-                           f"eagle_aux_hidden_state_layer_ids, which only vLLM-convention folders carry; set vllm or leave it out")
+                           f"eagle_aux_hidden_state_layer_ids, which only vLLM-convention folders carry; "
+                           f"set vllm or leave it out")
         return "vllm"
     if nested is None:
         raise drafter.fail(drafter.config_path, "eagle_config.eagle_aux_hidden_state_layer_ids: missing; the "
