@@ -3,10 +3,10 @@
 - Before installing (`python3 -m eagle_pipeline.preflight --before-install`): the Python version, the NVIDIA
   driver against the CUDA version of the pinned wheels (requirements/gpu.txt), the GPUs' compute capability,
   a C compiler, free room on /dev/shm, the GPUs nvidia-smi lists, and, where .venv is still to be made, that
-  this Python can make it (`python3 -m venv` needs ensurepip: Debian's python3-venv) and that its disk has room. This half runs on whatever Python will
-  build .venv, before any package is there: this module imports only the standard library at the top (the
-  config reader and torch are imported inside the after-install half) and keeps to Python 3.7's syntax, so
-  that an old system Python gets an error line instead of a syntax error.
+  this Python can make it (`python3 -m venv` needs ensurepip: Debian's python3-venv) and that its disk has room.
+  This half runs on whatever Python will build .venv, before any package is there: this module imports only the
+  standard library at the top (the config reader and torch are imported inside the after-install half) and keeps
+  to Python 3.7's syntax, so that an old system Python gets an error line instead of a syntax error.
 - After installing (`.venv/bin/python -m eagle_pipeline.preflight [--config FILE]`): the same, then what the
   installed torch sees (CUDA available, its CUDA version against the driver, enough devices for the GPUs the
   config uses, kernels built for these GPUs), then one NCCL all-reduce across those GPUs
@@ -212,7 +212,8 @@ def read_torch_facts() -> TorchFacts:
         warnings.simplefilter("always")
         available = torch.cuda.is_available()
         count = torch.cuda.device_count() if available else 0
-        devices = tuple((torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i))) for i in range(count))
+        devices = tuple((torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
+                        for i in range(count))
         arch_list = tuple(torch.cuda.get_arch_list()) if available else ()
     reason = "; ".join(" ".join(str(w.message).split()) for w in caught)
     return TorchFacts(version=str(torch.__version__), cuda=torch.version.cuda, available=available,
@@ -238,7 +239,8 @@ def _cuda_major(cuda: str) -> int:
 def _gpu_list(gpus: Sequence[Tuple[str, Optional[Capability]]]) -> str:
     """'8x NVIDIA RTX PRO 6000 Blackwell Server Edition (compute 12.0)', one part per model."""
     counts = collections.Counter(gpus)
-    return ", ".join(f"{n}x {name}" + (f" (compute {cap[0]}.{cap[1]})" if cap else "") for (name, cap), n in counts.items())
+    return ", ".join(f"{n}x {name}" + (f" (compute {cap[0]}.{cap[1]})" if cap else "")
+                     for (name, cap), n in counts.items())
 
 
 def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> List[str]:
@@ -248,11 +250,12 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
     if host.python[:2] < req.python:
         have = ".".join(map(str, host.python))
         need = f"{req.python[0]}.{req.python[1]}"
-        fix = (f"rebuild .venv with a newer Python: rm -rf .venv && PYTHON=python{need} scripts/setup_env.sh gpu" if host.in_venv
+        fix = (f"rebuild .venv with a newer Python: rm -rf .venv && PYTHON=python{need} scripts/setup_env.sh gpu"
+               if host.in_venv
                else f"install Python {need} or newer (e.g. apt-get install python{need} python{need}-venv) and run "
                     f"PYTHON=python{need} scripts/setup_env.sh gpu")
-        problems.append(f"Python {have} ({host.python_path}) is older than {need}, which pyproject.toml (requires-python) "
-                        f"and vllm {req.vllm} need: {fix}")
+        problems.append(f"Python {have} ({host.python_path}) is older than {need}, which pyproject.toml "
+                        f"(requires-python) and vllm {req.vllm} need: {fix}")
     if host.nvidia_smi_problem is not None:
         least = MIN_DRIVER.get(_cuda_major(cuda)) if cuda else None
         driver = f"NVIDIA driver (R{least} or newer)" if least else "NVIDIA driver"
@@ -267,28 +270,31 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
         branch, least = _driver_branch(driver), MIN_DRIVER.get(_cuda_major(cuda))
         if branch is not None and least is not None and branch < least:
             problems.append(f"NVIDIA driver {driver} is older than R{least}, which {req.wheels(cuda)} need: update the "
-                            f"driver to R{least} or newer (the distribution's nvidia-driver-{least} package or NVIDIA's "
-                            f"installer), reboot, and check that nvidia-smi reports it")
+                            f"driver to R{least} or newer (the distribution's nvidia-driver-{least} package or "
+                            f"NVIDIA's installer), reboot, and check that nvidia-smi reports it")
         lowest = MIN_COMPUTE.get(_cuda_major(cuda))
-        old = [(gpu.name, gpu.compute) for gpu in host.gpus if gpu.compute is not None and lowest is not None and gpu.compute < lowest]
+        old = [(gpu.name, gpu.compute) for gpu in host.gpus
+               if gpu.compute is not None and lowest is not None and gpu.compute < lowest]
         if old:
-            problems.append(f"{_gpu_list(old)} below compute capability {lowest[0]}.{lowest[1]}, the oldest {req.wheels(cuda)} "
-                            f"support: use GPUs of the Turing generation or newer")
+            problems.append(f"{_gpu_list(old)} below compute capability {lowest[0]}.{lowest[1]}, the oldest "
+                            f"{req.wheels(cuda)} support: use GPUs of the Turing generation or newer")
     if host.compiler is None:
-        named = f"$CC ({os.environ['CC']}) is not on PATH" if os.environ.get("CC") else "neither gcc nor clang is on PATH"
-        problems.append(f"no C compiler: {named}, and Triton and vLLM's FlashInfer sampler compile kernels with one when "
-                        f"an engine starts: install one (Debian/Ubuntu: sudo apt-get install build-essential; RHEL: sudo "
-                        f"dnf install gcc gcc-c++), or set CC to a compiler")
+        named = (f"$CC ({os.environ['CC']}) is not on PATH" if os.environ.get("CC")
+                 else "neither gcc nor clang is on PATH")
+        problems.append(f"no C compiler: {named}, and Triton and vLLM's FlashInfer sampler compile kernels with one "
+                        f"when an engine starts: install one (Debian/Ubuntu: sudo apt-get install build-essential; "
+                        f"RHEL: sudo dnf install gcc gcc-c++), or set CC to a compiler")
     least = _size(MIN_SHM_BYTES)
     if host.shm_free_bytes is None:
-        problems.append(f"{host.shm_path} does not exist; NCCL's shared-memory transport between PCIe GPUs needs it with "
-                        f"at least {least} free: mount a tmpfs there (sudo mount -t tmpfs -o size=16g tmpfs {host.shm_path}), "
-                        f"or in Docker start the container with --shm-size=16g or --ipc=host")
+        problems.append(f"{host.shm_path} does not exist; NCCL's shared-memory transport between PCIe GPUs needs it "
+                        f"with at least {least} free: mount a tmpfs there (sudo mount -t tmpfs -o size=16g tmpfs "
+                        f"{host.shm_path}), or in Docker start the container with --shm-size=16g or --ipc=host")
     elif host.shm_free_bytes < MIN_SHM_BYTES:
-        problems.append(f"{host.shm_path} has {_size(host.shm_free_bytes)} free, below the {least} that NCCL's shared-memory "
-                        f"transport between PCIe GPUs, vLLM's worker queues and the training data loaders need: in Docker "
-                        f"start the container with --shm-size=16g or --ipc=host; on a host remount it larger (sudo mount -o "
-                        f"remount,size=16G {host.shm_path}) or delete stale files of crashed runs from it")
+        problems.append(f"{host.shm_path} has {_size(host.shm_free_bytes)} free, below the {least} that NCCL's "
+                        f"shared-memory transport between PCIe GPUs, vLLM's worker queues and the training data "
+                        f"loaders need: in Docker start the container with --shm-size=16g or --ipc=host; on a host "
+                        f"remount it larger (sudo mount -o remount,size=16G {host.shm_path}) or delete stale files of "
+                        f"crashed runs from it")
     if not host.in_venv:
         problems += venv_problems(host, req)
     return problems
@@ -299,13 +305,14 @@ def venv_problems(host: HostFacts, req: Requirements) -> List[str]:
     problems = []
     if host.venv_problem is not None:
         version = f"{host.python[0]}.{host.python[1]}"
-        problems.append(f"`{Path(host.python_path).name} -m venv` cannot make .venv: {host.venv_problem}: install Python's "
-                        f"venv module (Debian/Ubuntu: sudo apt-get install python{version}-venv) and rerun")
+        problems.append(f"`{Path(host.python_path).name} -m venv` cannot make .venv: {host.venv_problem}: install "
+                        f"Python's venv module (Debian/Ubuntu: sudo apt-get install python{version}-venv) and rerun")
     free = host.venv_disk_free_bytes
     if free is not None and free < MIN_VENV_BYTES:
-        problems.append(f"{host.venv_disk_path} has {_size(free)} free, below the ~{_size(MIN_VENV_BYTES)} that .venv's CUDA "
-                        f"build takes (torch {req.torch} with its CUDA libraries, vllm {req.vllm}, FlashInfer, Triton; "
-                        f"an estimate): free room on that disk, or put the checkout on a larger one")
+        problems.append(f"{host.venv_disk_path} has {_size(free)} free, below the ~{_size(MIN_VENV_BYTES)} that "
+                        f".venv's CUDA build takes (torch {req.torch} with its CUDA libraries, "
+                        f"vllm {req.vllm}, FlashInfer, Triton; an estimate): free room on that disk, "
+                        f"or put the checkout on a larger one")
     return problems
 
 
@@ -324,27 +331,29 @@ def torch_problems(torch: TorchFacts, req: Requirements, gpus_needed: int, neede
     """What the installed torch cannot do here. `gpus_needed` is how many GPUs the config uses (0: no config)."""
     rebuild = "rm -rf .venv && scripts/setup_env.sh gpu"
     if torch.cuda is None:
-        return [f".venv's torch {torch.version} is a CPU build (torch.version.cuda is None), so it cannot use the GPUs: "
-                f"rebuild .venv for this GPU host: {rebuild}"]
+        return [f".venv's torch {torch.version} is a CPU build (torch.version.cuda is None), so it cannot use the "
+                f"GPUs: rebuild .venv for this GPU host: {rebuild}"]
     problems = []
     if not torch.available:
         why = f" ({torch.unavailable_reason})" if torch.unavailable_reason else ""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f"CUDA_VISIBLE_DEVICES is {visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES is unset"
         problems.append(f"torch.cuda.is_available() is False for torch {torch.version} (CUDA {torch.cuda}){why}: check "
-                        f"that nvidia-smi works for this user, that the driver is R{MIN_DRIVER.get(_cuda_major(torch.cuda), '?')} "
-                        f"or newer, and that {shown} names GPUs that exist")
+                        f"that nvidia-smi works for this user, that the driver is "
+                        f"R{MIN_DRIVER.get(_cuda_major(torch.cuda), '?')} or newer, "
+                        f"and that {shown} names GPUs that exist")
         return problems
     if len(torch.devices) < gpus_needed:
         problems.append(f"{needed_by} uses {gpus_needed} GPUs but torch sees {len(torch.devices)}: make more visible "
-                        f"(CUDA_VISIBLE_DEVICES, docker run --gpus all) or free them, or lower verifier.tensor_parallel_size "
-                        f"and train.num_gpus in the config")
+                        f"(CUDA_VISIBLE_DEVICES, docker run --gpus all) or free them, or lower "
+                        f"verifier.tensor_parallel_size and train.num_gpus in the config")
     if torch.arch_list:
-        unsupported = [(name, cap) for name, cap in torch.devices if not any(_code_runs_on(a, cap) for a in torch.arch_list)]
+        unsupported = [(name, cap) for name, cap in torch.devices
+                       if not any(_code_runs_on(a, cap) for a in torch.arch_list)]
         if unsupported:
             problems.append(f"torch {torch.version} has no kernels for {_gpu_list(unsupported)}: it was built for "
-                            f"{' '.join(torch.arch_list)}; install the pinned build of requirements/gpu.txt, whose CUDA "
-                            f"{req.wheel_cuda or torch.cuda} wheels cover it: {rebuild}")
+                            f"{' '.join(torch.arch_list)}; install the pinned build of requirements/gpu.txt, whose "
+                            f"CUDA {req.wheel_cuda or torch.cuda} wheels cover it: {rebuild}")
     return problems
 
 
@@ -363,13 +372,13 @@ def all_reduce_problem(world_size: int, timeout_s: float = ALL_REDUCE_TIMEOUT_S,
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
-        return (f"{what} did not finish in {timeout_s:g} s: NCCL hung while it set up or moved the data; run it alone to "
-                f"see where: {shown}")
+        return (f"{what} did not finish in {timeout_s:g} s: NCCL hung while it set up or moved the data; run it alone "
+                f"to see where: {shown}")
     if process.returncode != 0:
         said = [line.strip() for line in output.splitlines() if line.strip()]
-        return (f"{what} failed (exit {process.returncode}: {said[-1] if said else 'no output'}): run it alone to see why: "
-                f"{shown}; a small /dev/shm, GPUs that another job holds, or NCCL_P2P_DISABLE/NCCL_SHM_DISABLE in the "
-                f"environment are usual causes")
+        return (f"{what} failed (exit {process.returncode}: {said[-1] if said else 'no output'}): run it alone to see "
+                f"why: {shown}; a small /dev/shm, GPUs that another job holds, or NCCL_P2P_DISABLE/NCCL_SHM_DISABLE in "
+                f"the environment are usual causes")
     return None
 
 
@@ -385,7 +394,8 @@ def gpus_used(config: str) -> Tuple[int, str, Dict[str, str]]:
         return 0, f"{config} (device {cfg.device})", dict(cfg.env)
     tp, train = cfg.verifier.tensor_parallel_size, cfg.train.num_gpus
     visible = f", CUDA_VISIBLE_DEVICES {cfg.env['CUDA_VISIBLE_DEVICES']}" if "CUDA_VISIBLE_DEVICES" in cfg.env else ""
-    return max(tp, train), f"{config} (verifier.tensor_parallel_size {tp}, train.num_gpus {train}{visible})", dict(cfg.env)
+    return (max(tp, train), f"{config} (verifier.tensor_parallel_size {tp}, train.num_gpus {train}{visible})",
+            dict(cfg.env))
 
 
 def main(argv: Optional[Sequence[str]] = None, *, read_host: Callable[[], HostFacts] = read_host_facts,
@@ -394,7 +404,8 @@ def main(argv: Optional[Sequence[str]] = None, *, read_host: Callable[[], HostFa
     parser = argparse.ArgumentParser(prog="python -m eagle_pipeline.preflight", description=__doc__.split("\n\n")[0])
     parser.add_argument("--before-install", action="store_true",
                         help="only what needs no installed package (scripts/setup_env.sh runs this before installing)")
-    parser.add_argument("--config", help="a run config: torch must see the GPUs it uses, and the all-reduce runs across them")
+    parser.add_argument("--config",
+                        help="a run config: torch must see the GPUs it uses, and the all-reduce runs across them")
     args = parser.parse_args(argv)
     if args.before_install and args.config:
         parser.error("--config needs the installed packages to read it; drop --before-install")
@@ -441,12 +452,14 @@ def after_install(host: HostFacts, req: Requirements, config: Optional[str], rea
         torch = read_torch()
     except ImportError as e:
         problems += host_problems(host, req, req.wheel_cuda)
-        problems.append(f"torch cannot be imported by {sys.executable} ({e}): build .venv with scripts/setup_env.sh gpu")
+        problems.append(f"torch cannot be imported by {sys.executable} ({e}): "
+                        f"build .venv with scripts/setup_env.sh gpu")
         return problems, None
     except RuntimeError as e:  # CUDA started but a device could not be queried
         problems += host_problems(host, req, req.wheel_cuda)
-        problems.append(f"torch failed while asking the GPUs for their name and capability ({' '.join(str(e).split())}): "
-                        f"check the GPUs with nvidia-smi -q (Xid errors in dmesg, a GPU fallen off the bus) and reboot if needed")
+        problems.append(f"torch failed while asking the GPUs for their name and capability "
+                        f"({' '.join(str(e).split())}): check the GPUs with nvidia-smi -q (Xid errors in dmesg, a GPU "
+                        f"fallen off the bus) and reboot if needed")
         return problems, None
     problems += host_problems(host, req, torch.cuda or req.wheel_cuda)
     problems += torch_problems(torch, req, needed, needed_by)
@@ -460,8 +473,8 @@ def after_install(host: HostFacts, req: Requirements, config: Optional[str], rea
     devices = _gpu_list([(name, cap) for name, cap in torch.devices])
     used = f"; {needed_by} uses {needed}" if config else ""
     reduced = f", NCCL all-reduce across {world} ok" if world else ""
-    return [], (f"preflight ok: driver {host.gpus[0].driver}, CUDA {torch.cuda} (torch {torch.version}), {devices}{used}, "
-                f"{host.shm_path} {_size(host.shm_free_bytes)} free{reduced}")
+    return [], (f"preflight ok: driver {host.gpus[0].driver}, CUDA {torch.cuda} (torch {torch.version}), "
+                f"{devices}{used}, {host.shm_path} {_size(host.shm_free_bytes)} free{reduced}")
 
 
 if __name__ == "__main__":
