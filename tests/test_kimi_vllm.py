@@ -49,7 +49,15 @@ import pytest
 import torch
 from conftest import SMOKE, ok, run_stage, write_smoke_config
 from kimi_standin import SPECIAL_TOKENS, VOCAB, kimi_k25_config, write_preprocessor_config, write_tokenizer
-from released_drafter_standin import KIMI_STANDIN, sglang_ids, write_released_standin
+from released_drafter_standin import (
+    KIMI_MLA_STANDIN,
+    KIMI_STANDIN,
+    mla_standin_config,
+    mla_standin_tensors,
+    sglang_ids,
+    write_mla_standin,
+    write_released_standin,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -306,27 +314,41 @@ def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run
     assert not (run_dir / "05_convert" / "logs" / "parity-a.log").exists(), "no parity engine was started"
 
 
-def test_an_mla_drafter_runs_stages_03_to_06_on_kimi_with_cpu_mla_and_serves_as_predicted(kimi, kimi_run, tmp_path):
-    """01 -> 02 (the shared run) -> 03 -> 04 an MLA drafter (train.draft_layer mla: Kimi's own attention, vLLM's
-    Eagle3DeepseekV2ForCausalLM) from scratch -> 05 converted, loaded by vLLM, replay parity -> 06 served with
-    target and drafter both on CPU_MLA, whose KV blocks of 16 they share (the Llama drafter's CPU_ATTN cannot:
-    the fine-tune route test above), and its served acceptance agrees with the replay's prediction on the
-    served answers. That agreement is the parity between the trained drafter (speculators' layer) and vLLM's
-    class on the same inputs; a drafter vLLM computes otherwise (RoPE interleave, softmax scale) is named by
-    the diagnosis (tests/test_mla_readings.py)."""
-    root, _ = kimi
+def test_the_recipes_mla_drafter_fine_tunes_through_stages_03_to_06_on_kimi_and_serves_as_predicted(kimi, kimi_run,
+                                                                                                    tmp_path):
+    """01 -> 02 (the shared run) -> 03 -> 04 fine-tuned from a stand-in of the Kimi recipe's
+    MLA drafter (vLLM's Eagle3DeepseekV2ForCausalLM, its projections stored fused under `layers.0.`, as
+    configs/kimi-k2.5-10k-finetune-mla.yaml does with the real one) -> 05 converted, loaded by vLLM, replay parity
+    -> 06 served with target and drafter both on CPU_MLA, whose KV blocks of 16 they share (the Llama drafter's
+    CPU_ATTN cannot: the fine-tune route test above), and its served acceptance agrees with the replay's
+    prediction on the served answers: the trained drafter (speculators' layer) and vLLM's class agree on the same
+    inputs. A drafter vLLM computes otherwise (RoPE interleave, softmax scale) is named by the diagnosis
+    (tests/test_mla_readings.py); training from scratch: tests/test_mla_drafter.py."""
+    root, target = kimi
     run_dir = tmp_path / "data" / "m"
     for stage in ("01_generate_data", "02_extract_hidden"):
         shutil.copytree(kimi_run / stage, run_dir / stage)
+    # The stand-in target's shape and rope (no YaRN), Kimi's latent; ids as vLLM reads them, the run's layers.
+    shape = KIMI_MLA_STANDIN.but(intermediate_size=128, max_position_embeddings=2048, hf_layer_ids=tuple(LAYER_IDS))
+    release_config = {k: v for k, v in mla_standin_config(shape).items() if k != "rope_scaling"}
+    # speculators keeps a drafter's lm_head frozen (speculators/model.py) and fine-tuning keeps the release's: a
+    # trained release's head is close to the target's, a random one would never be learnt away from.
+    tensors = mla_standin_tensors(shape, seed=3, naming="layers.0.", fused=True)
+    tensors["lm_head.weight"] = target.lm_head.weight.detach().to(torch.bfloat16).clone()
+    released = write_mla_standin(tmp_path / "kimi-k2.5-eagle3-mla", shape, tensors=tensors, config=release_config)
     config = write_smoke_config(
         tmp_path / "m.yaml", data_root=str(tmp_path / "data"), run_name="m",
         verifier={"path": str(root / "kimi"), "cpu_kvcache_gib": 1, "engine_args": ENGINE_ARGS, **ENGINE_KEYS,
                   "trust_remote_code": True},
         generation={"reasoning": False}, hidden_states={"layer_ids": LAYER_IDS, "batch_size": 3},
+        # The release's full vocabulary mapped to stage 03's 512 tokens (its lm_head rows for them): on six answers
+        # a drafter learns them in 20 epochs over 512 rows, not over all of the vocabulary.
+        vocab={"draft_vocab_size": 512},
         # Long enough on the six answers that the drafter is accepted: served and predicted agreeing is then not
         # two zeros agreeing (the random stand-in's greedy answers repeat, so it learns them whole).
-        train={"epochs": 20, "draft_layer": "mla"},
-        convert={"parity_prompts": 2},
+        train={"epochs": 20, "draft_layer": "mla", "init_from": str(released), "norm_before_residual": False,
+               "fc_norm": False, "norm_output": False},
+        convert={"parity_prompts": 2, "reference_dir": str(released)},
         # One load level, one server each (no ngram, no schedule confirmed), few tokens: two engine starts and
         # the prediction's capture.
         serve={"ngram_baseline": False, "concurrency": 1, "num_speculative_tokens_per_batch_size": None,
@@ -334,15 +356,15 @@ def test_an_mla_drafter_runs_stages_03_to_06_on_kimi_with_cpu_mla_and_serves_as_
     )
     for script in ("03_build_vocab_map.py", "04_train.py", "05_convert.py", "06_serve_test.py"):
         ok(run_stage(script, config))
-    checkpoint = json.loads((run_dir / "04_train" / "manifest.json").read_text())
-    assert checkpoint["status"] == "complete"
     flat = json.loads((run_dir / "05_convert" / "vllm" / "config.json").read_text())
     assert flat["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and flat["kv_lora_rank"] == 512, flat
+    assert (flat["draft_vocab_size"], flat["vocab_size"]) == (512, VOCAB), flat
     checks = json.loads((run_dir / "05_convert" / "verify.json").read_text())["checks"]
     assert all(check["ok"] for check in checks.values()), checks
+    # Every tensor has the release's shape (its fused projection compared as its two parts).
+    assert checks["shapes"]["detail"]["reference"]["source"] == "weights", checks["shapes"]
     report = json.loads((run_dir / "06_serve_test" / "report.json").read_text())
-    served = report["modes"]["eagle3"]
-    assert served["num_drafts"] > 0, served
+    assert report["mean_acceptance_length"] > 1.1, report["per_position_acceptance"]
     diagnosis = report["diagnosis"]
     assert diagnosis["status"] == "agrees", diagnosis["line"]
     # The MLA readings were replayed beside the as-trained one (the rope here is not YaRN: no softmax reading).

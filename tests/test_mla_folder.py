@@ -309,3 +309,39 @@ def test_vllms_loader_takes_the_written_folder_and_the_fused_release_as_its_mla_
             assert problems == [], problems
         else:  # the release has no top-level ids: vLLM's V2 runner (the GPU default) would capture its defaults
             assert len(problems) == 1 and "model_runner_v2 would capture aux layers default" in problems[0], problems
+
+
+# -- a full-vocabulary release, kept whole or mapped -----------------------------------------------------------
+
+def test_a_release_mapped_to_a_smaller_draft_vocabulary_still_has_the_releases_shapes():
+    from eagle_pipeline.drafter.tensors import TensorSpec, compare_with_reference
+
+    release = {"fc.weight": TensorSpec((64, 192), "BF16"), "lm_head.weight": TensorSpec((49152, 64), "BF16")}
+    mapped = {"fc.weight": TensorSpec((64, 192), "BF16"), "lm_head.weight": TensorSpec((512, 64), "BF16"),
+              "d2t": TensorSpec((512,), "I64"), "t2d": TensorSpec((49152,), "BOOL")}
+    assert compare_with_reference(mapped, release) == []
+    narrower = mapped | {"lm_head.weight": TensorSpec((512, 32), "BF16")}
+    assert compare_with_reference(narrower, release) == [
+        "lm_head.weight: shape [512, 32] but the reference has [49152, 64]"]
+    # A release with a map of its own is compared tensor by tensor, as before.
+    assert compare_with_reference(release, mapped) == [
+        "d2t: in the reference [512] but missing here", "lm_head.weight: shape [49152, 64] but the reference has "
+        "[512, 64]", "t2d: in the reference [49152] but missing here"]
+
+
+def test_a_full_vocabulary_release_kept_whole_matches_stage_03s_full_vocabulary(tmp_path):
+    """vocab.draft_vocab_size = the target's vocabulary (configs/kimi-k2.5-10k-finetune-mla.yaml): stage 03's map is
+    the identity and the release has none; a smaller stage 03 vocabulary with a release kept whole is refused."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from eagle_pipeline.train.draft_config import check_same_vocab_map
+
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    np.save(tmp_path / "d2t.npy", np.zeros(8, dtype=np.int64))
+    np.save(tmp_path / "t2d.npy", np.ones(8, dtype=bool))
+    check_same_vocab_map(tmp_path / "model.safetensors", tmp_path / "d2t.npy", tmp_path / "t2d.npy")
+    np.save(tmp_path / "d2t.npy", np.array([0, 0, 1, 1], dtype=np.int64))
+    np.save(tmp_path / "t2d.npy", np.array([1, 1, 0, 1, 0, 1, 0, 0], dtype=bool))
+    with pytest.raises(BadInput, match="has no d2t/t2d \\(a full-vocabulary drafter\\) but this run uses a 4-token"):
+        check_same_vocab_map(tmp_path / "model.safetensors", tmp_path / "d2t.npy", tmp_path / "t2d.npy")
