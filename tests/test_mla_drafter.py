@@ -68,14 +68,16 @@ def layer_config(q_lora_rank: int | None = Q_LORA, rope: dict | None = None):
         tie_word_embeddings=False)
 
 
-def draft_model(q_lora_rank: int | None = Q_LORA, attn: str | None = "sdpa", norm_before_residual: bool = False):
-    """speculators' Eagle3DraftModel with the MLA layer, random weights (norms included)."""
+def draft_model(q_lora_rank: int | None = Q_LORA, attn: str | None = "sdpa", norm_before_residual: bool = False,
+                rope: dict | None = None, rope_interleave: bool = True):
+    """speculators' Eagle3DraftModel with the MLA layer, seeded random weights (norms included)."""
     from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     speculators_mla.apply()
-    layer = layer_config(q_lora_rank)
+    layer = layer_config(q_lora_rank, rope)
+    layer.rope_interleave = rope_interleave
     layer._attn_implementation = attn
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=VOCAB, norm_before_residual=norm_before_residual,

@@ -12,14 +12,13 @@ import math
 
 import pytest
 import torch
-from test_mla_drafter import HIDDEN, YARN, layer_config
+from test_mla_drafter import HIDDEN, YARN, draft_model, layer_config
 from test_training import VOCAB
 
 from eagle_pipeline.predict import diagnose as dx
 from eagle_pipeline.predict import simulate_variants
 from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, checkpoint_flags, mla_attention
 from eagle_pipeline.predict.variants import Variant, standard_variants
-from patches import speculators_mla
 
 LAYER_IDS, NUM_LAYERS, K = (1, 2, 3), 4, 3
 # Kimi-K2's YaRN factor and mscale_all_dim: a softmax factor of 2.0, the difference vLLM's scale makes.
@@ -28,28 +27,7 @@ KIMI_ROPE = {**YARN, "factor": 64.0, "mscale_all_dim": 1.0}
 
 def mla_drafter(rope: dict, rope_interleave: bool = True):
     """speculators' Eagle3DraftModel with the MLA layer (patches/speculators_mla.py), seeded random weights."""
-    from speculators import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-
-    speculators_mla.apply()
-    layer = layer_config(rope=rope)
-    layer.rope_interleave = rope_interleave
-    layer._attn_implementation = "sdpa"
-    config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=VOCAB, norm_before_residual=False,
-        eagle_aux_hidden_state_layer_ids=list(LAYER_IDS),
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=K)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path="verifier", architectures=["DeepseekV3ForCausalLM"])))
-    torch.manual_seed(0)
-    model = Eagle3DraftModel(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            noise = torch.randn_like(parameter)
-            parameter.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)
-    return model
+    return draft_model(norm_before_residual=False, rope=rope, rope_interleave=rope_interleave)
 
 
 def own_conversations(model, count: int = 4, length: int = 40, prompt: int = 8) -> list:
