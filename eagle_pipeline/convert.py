@@ -101,6 +101,14 @@ def flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_i
         **rope_fields(layer),
         "attention_bias": bool(layer.get("attention_bias", False)),
         "mlp_bias": bool(layer.get("mlp_bias", False)),
+    } | eagle3_fields(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids, dtype=dtype, engine=engine)
+    return config
+
+
+def eagle3_fields(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_ids: list[int], dtype: str,
+                  engine: str) -> dict[str, Any]:
+    """The fields every flat drafter config carries beside its decoder layer's, whatever the layer's shape."""
+    config: dict[str, Any] = {
         "num_hidden_layers": ckpt.num_layers,
         "vocab_size": vocab_size,
         "draft_vocab_size": ckpt.draft_vocab_size,
@@ -162,18 +170,7 @@ def mla_flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_lay
         "max_position_embeddings": int(layer.get("max_position_embeddings", 4096)),
         **rope_fields(layer),
         "rope_interleave": bool(layer.get("rope_interleave", True)),
-        "num_hidden_layers": ckpt.num_layers,
-        "vocab_size": vocab_size,
-        "draft_vocab_size": ckpt.draft_vocab_size,
-        "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": written_layer_ids, "use_aux_hidden_state": True},
-        # vLLM's V2 model runner reads only the top-level ids (flat_config).
-        "eagle_aux_hidden_state_layer_ids": written_layer_ids,
-        "num_aux_hidden_states": len(written_layer_ids),
-        "target_hidden_size": ckpt.target_hidden_size,
-        **{name: ckpt.flags[name] for name in NORM_FLAGS},
-        "torch_dtype": dtype,
-    }
+    } | eagle3_fields(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids, dtype=dtype, engine="vllm")
     return config
 
 
