@@ -3,11 +3,13 @@
 speculators saves its own nested format (`layers.0.*`, `embed_tokens`, verifier tensors). vLLM's
 `LlamaForCausalLMEagle3` wants a flat folder: `midlayer.*`, `fc`, `norm`, `lm_head`, embedded `d2t` (int64)
 and `t2d` (bool), no `embed_tokens`, every norm flag explicit (docs/formats.md, "The flat drafter folder").
-Then four checks, written to verify.json and printed as a table:
+Then five checks, written to verify.json and printed as a table:
   1. shapes   every tensor against the config (and a reference drafter, e.g. a released Kimi one)
   2. config   parses with transformers.AutoConfig and vLLM's own config loader
-  3. vllm_load vLLM's real Eagle3LlamaForCausalLM.load_weights accepts every key
-  4. parity   the converted folder and the speculators checkpoint accept the same drafts per position:
+  3. vllm_load vLLM's real drafter class (Eagle3LlamaForCausalLM, ...).load_weights accepts every key
+  4. vllm_logits an MLA drafter: vLLM's Eagle3DeepseekV2ForCausalLM, run on the CPU with the folder's weights,
+              computes the checkpoint's logits on held-out rows (docs/formats.md, "What vLLM computes")
+  5. parity   the converted folder and the speculators checkpoint accept the same drafts per position:
               replayed offline on held-out conversations and the states stage 02 captured (no engine),
               or with convert.parity: vllm, served greedily by vLLM on eval prompts (two engine starts)
 
@@ -61,7 +63,7 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"target vocab {verifier.vocab_size}, draft vocab {cfg.vocab.draft_vocab_size}")
         print(not_run_yet_note(cfg, 4))
         print(f"  verify shapes{' against ' + c.reference_dir if c.reference_dir else ''}, config, vLLM load_weights, "
-              f"{parity_plan(cfg)}")
+              f"vLLM's logits (MLA drafters), {parity_plan(cfg)}")
         return
     trained = require_complete(cfg, 4)
     vocab = require_complete(cfg, 3)
@@ -84,7 +86,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"stage 05: convert {checkpoint} for vLLM{' and SGLang' if c.sglang else ''}; aux layer ids {layer_ids}, "
               f"target vocab {verifier.vocab_size}, draft vocab {cfg.vocab.draft_vocab_size}")
         print(f"  verify shapes{' against ' + str(reference) if reference else ''}, config, vLLM load_weights, "
-              f"{parity_plan(cfg)}")
+              f"vLLM's logits (MLA drafters), {parity_plan(cfg)}")
         return
 
     inputs = {
@@ -155,11 +157,11 @@ def run(stage: Stage, dry_run: bool) -> None:
         sys.exit(1)
 
     counts = {"checkpoint": str(checkpoint.relative_to(cfg.run_dir)),
-              "checks": {k: v["ok"] for k, v in result["checks"].items()},
+              "checks": {k: "skipped" if v.get("skipped") else v["ok"] for k, v in result["checks"].items()},
               "tensors": summary.get("tensors"), "sglang": c.sglang}
     stage.finish(counts, output_fingerprint=file_fingerprint(vllm_dir / "model.safetensors"))
-    print(f"stage 05 done: {vllm_dir} verified (shapes, config, vLLM "
-          f"load_weights, parity) -> {stage.dir / 'verify.json'}")
+    passed = [name for name, check in result["checks"].items() if check["ok"]]
+    print(f"stage 05 done: {vllm_dir} verified ({', '.join(passed)}) -> {stage.dir / 'verify.json'}")
 
 
 if __name__ == "__main__":

@@ -318,12 +318,12 @@ def test_the_recipes_mla_drafter_fine_tunes_through_stages_03_to_06_on_kimi_and_
                                                                                                     tmp_path):
     """01 -> 02 (the shared run) -> 03 -> 04 fine-tuned from a stand-in of the Kimi recipe's
     MLA drafter (vLLM's Eagle3DeepseekV2ForCausalLM, its projections stored fused under `layers.0.`, as
-    configs/kimi-k2.5-10k-finetune-mla.yaml does with the real one) -> 05 converted, loaded by vLLM, replay parity
-    -> 06 served with target and drafter both on CPU_MLA, whose KV blocks of 16 they share (the Llama drafter's
-    CPU_ATTN cannot: the fine-tune route test above), and its served acceptance agrees with the replay's
-    prediction on the served answers: the trained drafter (speculators' layer) and vLLM's class agree on the same
-    inputs. A drafter vLLM computes otherwise (RoPE interleave, softmax scale) is named by the diagnosis
-    (tests/test_mla_readings.py); training from scratch: tests/test_mla_drafter.py."""
+    configs/kimi-k2.5-10k-finetune-mla.yaml does with the real one) -> 05 converted, loaded by vLLM, its
+    logits computed by vLLM's own class held to the checkpoint's, replay parity -> 06 served with target and
+    drafter both on CPU_MLA, whose KV blocks of 16 they share (the Llama drafter's CPU_ATTN cannot: the fine-tune
+    route test above), and its served acceptance agrees with the replay's prediction on the served answers: the
+    trained drafter (speculators' layer) and vLLM's class agree on the same inputs. A drafter vLLM computes
+    otherwise (RoPE interleave, softmax scale) is named by the diagnosis (tests/test_mla_readings.py); training from scratch: tests/test_mla_drafter.py."""
     root, target = kimi
     run_dir = tmp_path / "data" / "m"
     for stage in ("01_generate_data", "02_extract_hidden"):
@@ -361,6 +361,7 @@ def test_the_recipes_mla_drafter_fine_tunes_through_stages_03_to_06_on_kimi_and_
     assert (flat["draft_vocab_size"], flat["vocab_size"]) == (512, VOCAB), flat
     checks = json.loads((run_dir / "05_convert" / "verify.json").read_text())["checks"]
     assert all(check["ok"] for check in checks.values()), checks
+    assert checks["vllm_logits"]["detail"]["attention_backend"] == "CPU_MLA", checks["vllm_logits"]
     # Every tensor has the release's shape (its fused projection compared as its two parts).
     assert checks["shapes"]["detail"]["reference"]["source"] == "weights", checks["shapes"]
     report = json.loads((run_dir / "06_serve_test" / "report.json").read_text())

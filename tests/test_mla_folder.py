@@ -311,6 +311,51 @@ def test_vllms_loader_takes_the_written_folder_and_the_fused_release_as_its_mla_
             assert len(problems) == 1 and "model_runner_v2 would capture aux layers default" in problems[0], problems
 
 
+@pytest.mark.vllm
+def test_vllms_mla_class_computes_the_checkpoints_logits_and_a_wrong_rope_or_softmax_scale_is_named(tmp_path,
+                                                                                                     monkeypatch):
+    """The vllm_logits check of stage 05: vLLM's Eagle3DeepseekV2ForCausalLM, run outside an engine on CPU_MLA with
+    the flat folder's weights, gives the speculators checkpoint's logits on the same rows, for the context pass (a
+    prefill) and a draft step (a decode from the latent cache). The checkpoint computed with RoPE over halves, or
+    without YaRN's softmax mscale, is named."""
+    import functools
+
+    from test_kimi_vllm import ENGINE_ARGS, ENGINE_KEYS, make_kimi_k25
+
+    from eagle_pipeline.drafter_checks import vllm_logits
+    from eagle_pipeline.drafter_checks.vllm_load import check_vllm
+    from eagle_pipeline.predict import speculators_drafter
+
+    make_kimi_k25(tmp_path / "kimi")
+    drafter = read_flat_drafter(released(tmp_path), FIELD)
+    generator = torch.Generator().manual_seed(0)
+    vocab, hidden = KIMI_MLA_STANDIN.vocab_size, KIMI_MLA_STANDIN.hidden_size
+    write_speculators_folder(tmp_path / "speculators", drafter.config, read_drafter_tensors(drafter),
+                             embedding=torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
+                             verifier_dir=tmp_path / "kimi", layer_ids=hf_layer_ids(drafter, "vllm"),
+                             flags=drafter.flags, speculative_tokens=3)
+    convert_for_vllm(tmp_path / "speculators", tmp_path / "flat")
+    rows = 30
+    conversation = (torch.randint(0, vocab, (rows,), generator=generator), torch.randn(rows, 4, hidden,
+                                                                                     generator=generator), 8)
+    inputs, out = tmp_path / "inputs.safetensors", tmp_path / "vllm.safetensors"
+    trained = vllm_logits.speculators_side(tmp_path / "speculators", conversation, inputs)
+    side = check_vllm(tmp_path / "flat", tmp_path / "kimi", engine_kwargs={**ENGINE_ARGS, **ENGINE_KEYS,
+                                                                           "trust_remote_code": True},
+                      drafter_settings={"attention_backend": "CPU_MLA"}, logits_files=(inputs, out))["logits"]
+    result = vllm_logits.compare(trained, side, out)
+    assert result["ok"] and side["attention_backend"] == "CPU_MLA" and side["rows"] == rows - 1, result
+    assert all(result["detail"][part]["relative_difference"] < vllm_logits.TOLERANCE / 10 for part in ("context",
+                                                                                                       "step"))
+    for reading in ({"rope_interleave": False}, {"softmax_mscale": False}):
+        monkeypatch.setattr(speculators_drafter, "SpeculatorsDrafter",
+                            functools.partial(speculators_drafter.SpeculatorsDrafter, attention=reading))
+        planted = vllm_logits.speculators_side(tmp_path / "speculators", conversation, tmp_path / "unused")
+        result = vllm_logits.compare(planted, side, out)
+        assert not result["ok"] and result["detail"]["context"]["relative_difference"] > 10 * vllm_logits.TOLERANCE
+        assert "vLLM's Eagle3DeepseekV2ForCausalLM differs from the checkpoint" in result["detail"]["problems"][0]
+
+
 # -- a full-vocabulary release, kept whole or mapped -----------------------------------------------------------
 
 def test_a_release_mapped_to_a_smaller_draft_vocabulary_still_has_the_releases_shapes():

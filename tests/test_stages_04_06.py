@@ -38,11 +38,12 @@ def test_training_wrote_checkpoints_metrics_and_plots(finished):
     assert counts["best"]["checkpoint"].startswith("checkpoints/")
 
 
-def test_converted_drafter_passes_all_four_checks(finished):
+def test_converted_drafter_passes_its_checks_and_the_mla_only_one_is_skipped(finished):
     _, run_dir = finished
     result = read(run_dir / "05_convert" / "verify.json")
-    assert {name: check["ok"] for name, check in result["checks"].items()} == {
-        "shapes": True, "config": True, "vllm_load": True, "parity": True}
+    assert {name: check.get("skipped") or check["ok"] for name, check in result["checks"].items()} == {
+        "shapes": True, "config": True, "vllm_load": True, "vllm_logits": True, "parity": True}
+    assert result["ok"] and "a Llama-shaped drafter" in result["checks"]["vllm_logits"]["detail"]
     config = read(run_dir / "05_convert" / "vllm" / "config.json")
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]

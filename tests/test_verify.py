@@ -296,13 +296,17 @@ def test_table_lists_every_check_with_its_result():
         "config": {"ok": True, "detail": {"problems": []}},
         "vllm_load": {"ok": True, "detail": {"ok": True, "model_class": "Eagle3LlamaForCausalLM",
                                              "unloaded_parameters": []}},
+        "vllm_logits": {"ok": True, "detail": {
+            "model_class": "Eagle3DeepseekV2ForCausalLM", "tolerance": 1e-4, "problems": [],
+            "context": {"relative_difference": 3e-7}, "step": {"relative_difference": 2e-6}}},
         "parity": {"ok": False, "skipped": True, "detail": "not run"},
     }}
     lines = format_table(result).splitlines()
     assert lines[2].split()[:2] == ["shapes", "FAIL"] and "d2t: missing (+1 more)" in lines[2]
     assert lines[3].split()[:2] == ["config", "PASS"]
     assert lines[4].split()[:2] == ["vllm_load", "PASS"]
-    assert lines[5].split()[:2] == ["parity", "SKIP"]
+    assert lines[5].split()[:2] == ["vllm_logits", "PASS"] and "differs by 2e-06 of the largest" in lines[5]
+    assert lines[6].split()[:2] == ["parity", "SKIP"]
 
 
 # ----------------------------------------------------------------------------------------------

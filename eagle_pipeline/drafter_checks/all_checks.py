@@ -1,10 +1,14 @@
-"""Runs the four drafter checks in order and gathers their results into stage 05's verify.json."""
+"""Runs the five drafter checks in order and gathers their results into stage 05's verify.json."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from eagle_pipeline.drafter.folder import describe
+from eagle_pipeline.drafter.layouts import MLA
+from eagle_pipeline.drafter_checks import vllm_logits
 from eagle_pipeline.drafter_checks.config_checks import check_config
 from eagle_pipeline.drafter_checks.parity import acceptance_parity, replay_parity
 from eagle_pipeline.drafter_checks.shapes import check_shapes
@@ -12,7 +16,7 @@ from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S
 from eagle_pipeline.drafter_checks.vllm_load import check_vllm
 from eagle_pipeline.errors import BadInput
 
-CHECK_NAMES = ("shapes", "config", "vllm_load", "parity")
+CHECK_NAMES = ("shapes", "config", "vllm_load", "vllm_logits", "parity")
 
 
 def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference_dir: str | Path | None = None,
@@ -23,7 +27,7 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
                    timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None,
                    drafter_settings: dict[str, Any] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                    parity_conversations: list | None = None) -> dict[str, Any]:
-    """Run all four checks on a drafter folder; `expected` maps (dotted) config keys to required values.
+    """Run all five checks on a drafter folder; `expected` maps (dotted) config keys to required values.
     The vLLM jobs' whole output is kept in `log_dir` when given (vllm-load.log, parity-a.log, parity-b.log).
 
     `engine` is the engine the folder was written for ("vllm" or "sglang"). Parity runs only for a
@@ -31,6 +35,8 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
     (replayed offline, no engine) or `parity_prompts` (vLLM, one engine per folder); otherwise it is reported
     as skipped (ok false, skipped true) and left out of the overall `ok`. An SGLang
     folder still goes through vLLM's loader (the same weight names) but its layer ids are SGLang's.
+    vllm_logits runs for an MLA drafter with `parity_source_dir` and `parity_conversations` (the first one),
+    where vLLM's platform is the CPU; otherwise it is reported as skipped.
     """
     if engine not in ("vllm", "sglang"):
         raise BadInput(f"engine {engine!r}: expected 'vllm' or 'sglang'")
@@ -46,11 +52,25 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         checks["shapes"] = check_shapes(drafter_dir, reference_dir)
     except BadInput as problem:
         checks["shapes"] = {"ok": False, "detail": {"problems": [str(problem)]}}
-    vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, drafter_settings=drafter_settings, env=env,
-                      timeout_s=timeout_s, log_dir=log_dir)
-    checks["config"] = check_config(drafter_dir, target_dir, expected, vllm["config"], engine)
-    load = vllm["load"]
-    checks["vllm_load"] = {"ok": bool(load.get("ok")), "detail": load}
+    with tempfile.TemporaryDirectory(prefix="eagle-logits-") as tmp:
+        why_not = logits_skip_reason(drafter_dir, engine, parity_source_dir, parity_conversations)
+        checkpoint_logits, logits_files = None, None
+        if why_not is None:
+            logits_files = (Path(tmp) / "inputs.safetensors", Path(tmp) / "vllm.safetensors")
+            checkpoint_logits = vllm_logits.speculators_side(parity_source_dir, parity_conversations[0],
+                                                             logits_files[0])
+        vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, drafter_settings=drafter_settings,
+                          env=env, timeout_s=timeout_s, log_dir=log_dir, logits_files=logits_files)
+        checks["config"] = check_config(drafter_dir, target_dir, expected, vllm["config"], engine)
+        load = vllm["load"]
+        checks["vllm_load"] = {"ok": bool(load.get("ok")), "detail": load}
+        side = vllm.get("logits") or {}
+        if why_not is not None or "skipped" in side:
+            checks["vllm_logits"] = {"ok": False, "skipped": True, "detail": f"not run: {why_not or side['skipped']}"}
+        elif "error" in side:
+            checks["vllm_logits"] = {"ok": False, "detail": {"problems": [f"vLLM's side: {side['error']}"]}}
+        else:
+            checks["vllm_logits"] = vllm_logits.compare(checkpoint_logits, side, logits_files[1])
     if engine == "sglang":
         checks["parity"] = {"ok": False, "skipped": True,
                             "detail": "not run: vLLM would read an SGLang folder's layer ids one layer off"}
@@ -68,3 +88,16 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
                             "detail": "not run: no parity_source_dir and parity_prompts given"}
     ran = [c for c in checks.values() if not c.get("skipped")]
     return {"ok": all(c["ok"] for c in ran), "checks": checks}
+
+
+def logits_skip_reason(drafter_dir: Path, engine: str, parity_source_dir, parity_conversations) -> str | None:
+    """Why the vllm_logits check does not run for this folder (None: it runs)."""
+    if engine != "vllm":
+        return "an SGLang folder"
+    if parity_source_dir is None or not parity_conversations:
+        return "no speculators checkpoint and held-out conversation given (convert.parity: replay gives them)"
+    folder = describe(drafter_dir)
+    if folder is None or folder.layer_shape != MLA:
+        return ("a Llama-shaped drafter: vLLM's Eagle3LlamaForCausalLM is held to the checkpoint by stage 06's "
+                "served-against-predicted acceptance")
+    return None

@@ -1,6 +1,6 @@
 """Command line of the vLLM jobs that `subprocess_json.run_json_subprocess` starts: `inspect` (vLLM's
-config view and load_weights result) and `acceptance` (greedy generation with spec-decode counters).
-Each writes its result as JSON to --out."""
+config view and load_weights result, and vLLM's side of the vllm_logits check) and `acceptance` (greedy
+generation with spec-decode counters). Each writes its result as JSON to --out."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from eagle_pipeline.drafter_checks.parity import acceptance_run
 from eagle_pipeline.drafter_checks.vllm_load import vllm_inspect
+from eagle_pipeline.drafter_checks.vllm_logits import vllm_side
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--out", required=True)
         p.add_argument("--drafter-settings", default="{}",
                        help="speculative_config fields: how vLLM computes the drafter")
+    inspect.add_argument("--logits-inputs", help="inputs of the vllm_logits check (vllm_logits.speculators_side)")
+    inspect.add_argument("--logits-out", help="where vLLM's logits of the vllm_logits check go")
     accept.add_argument("--prompts", required=True)
     accept.add_argument("--num-speculative-tokens", type=int, required=True)
     accept.add_argument("--max-tokens", type=int, required=True)
@@ -33,7 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     engine_kwargs = json.loads(args.engine_kwargs)
     if args.command == "inspect":
-        result = vllm_inspect(args.target, args.drafter, engine_kwargs, json.loads(args.drafter_settings))
+        drafter_settings = json.loads(args.drafter_settings)
+        result = vllm_inspect(args.target, args.drafter, engine_kwargs, drafter_settings)
+        if args.logits_inputs and not result["load"]["ok"]:
+            result["logits"] = {"error": "not attempted: vLLM's loader did not take the folder"}
+        elif args.logits_inputs:
+            result["logits"] = vllm_side(args.target, args.drafter, engine_kwargs, drafter_settings,
+                                         args.logits_inputs, args.logits_out)
     else:
         prompts = json.loads(Path(args.prompts).read_text())
         result = acceptance_run(args.target, args.drafter, prompts, args.num_speculative_tokens,

@@ -75,45 +75,63 @@ def vllm_config_view(vllm_config) -> dict[str, Any]:
     }
 
 
-def vllm_load_weights(vllm_config, drafter_dir: str) -> dict[str, Any]:
-    """Build vLLM's drafter class and feed its real load_weights every tensor of the checkpoint.
-
-    Every parameter starts at a sentinel (NaN; -1 for the integer d2t buffer, whose offsets are never
-    negative); a parameter that still holds it, wholly or in part (one shard of a fused q/k/v), was
-    not loaded.
-    """
+def build_drafter(vllm_config, *, sentinel: bool = False):
+    """vLLM's drafter class built on the CPU under the settings vLLM builds it with (its own attention backend and
+    KV-cache dtype, not the target's: on CUDA an MLA target's backend refuses a Llama drafter's layers), from
+    `drafter_build_config`'s config and under `set_current_vllm_config` of it. With `sentinel`, every parameter
+    starts at NaN (-1 for the integer d2t buffer, whose offsets are never negative)."""
     import torch
-    from safetensors import safe_open
-    from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    from eagle_pipeline.vllm_config_check import draft_vllm_config, model_runner
-
-    spec = vllm_config.speculative_config
-    # The drafter is built under the settings vLLM builds it with (its own attention backend and KV-cache dtype),
-    # not the target's: on CUDA an MLA target's backend refuses a Llama drafter's layers.
-    draft_config = draft_vllm_config(vllm_config, model_runner(vllm_config, simulated=False))
-    with set_current_vllm_config(draft_config):
+    if not model_parallel_is_initialized():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{find_free_port()}")
         ensure_model_parallel_initialized(1, 1)
-        model_class, _ = get_model_architecture(spec.draft_model_config)
-        with torch.device("cpu"):
-            model = model_class(vllm_config=draft_config)
+    model_class, _ = get_model_architecture(vllm_config.speculative_config.draft_model_config)
+    with torch.device("cpu"):
+        model = model_class(vllm_config=vllm_config)
+    if sentinel:
         with torch.no_grad():
             for param in model.parameters():
                 param.fill_(float("nan") if param.is_floating_point() else -1)
+    return model
 
-        def tensors():
-            for name, path in sorted(weight_files(Path(drafter_dir)).items()):
-                with safe_open(path, framework="pt") as f:
-                    yield name, f.get_tensor(name)
 
+def drafter_tensors(drafter_dir: str | Path):
+    """(name, tensor) for every tensor of a drafter folder, in name order: what vLLM's loader is fed."""
+    from safetensors import safe_open
+
+    for name, path in sorted(weight_files(Path(drafter_dir)).items()):
+        with safe_open(path, framework="pt") as f:
+            yield name, f.get_tensor(name)
+
+
+def drafter_build_config(vllm_config):
+    """The config vLLM builds the drafter under (`vllm_config_check.draft_vllm_config`)."""
+    from eagle_pipeline.vllm_config_check import draft_vllm_config, model_runner
+
+    return draft_vllm_config(vllm_config, model_runner(vllm_config, simulated=False))
+
+
+def vllm_load_weights(vllm_config, drafter_dir: str) -> dict[str, Any]:
+    """Build vLLM's drafter class and feed its real load_weights every tensor of the checkpoint.
+
+    Every parameter starts at a sentinel; a parameter that still holds it, wholly or in part (one shard of a
+    fused q/k/v), was not loaded.
+    """
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    spec = vllm_config.speculative_config
+    draft_config = drafter_build_config(vllm_config)
+    with set_current_vllm_config(draft_config):
+        model = build_drafter(draft_config, sentinel=True)
         try:
-            model.load_weights(tensors())
+            model.load_weights(drafter_tensors(drafter_dir))
         except Exception as error:  # vLLM's refusal is the finding
-            return {"ok": False, "model_class": model_class.__name__,
+            return {"ok": False, "model_class": type(model).__name__,
                     "error": f"{type(error).__name__}: {error}"}
 
     shared = set(SHARED_FROM_TARGET)
@@ -127,7 +145,7 @@ def vllm_load_weights(vllm_config, drafter_dir: str) -> dict[str, Any]:
         if bool(untouched.any()):
             part = "" if bool(untouched.all()) else f" ({int(untouched.sum())} of {param.numel()} values)"
             unloaded.append(name + part)
-    return {"ok": not unloaded, "model_class": model_class.__name__, "unloaded_parameters": unloaded,
+    return {"ok": not unloaded, "model_class": type(model).__name__, "unloaded_parameters": unloaded,
             "has_own_lm_head": bool(getattr(model, "has_own_lm_head", False)),
             "has_own_embed_tokens": bool(getattr(model, "has_own_embed_tokens", False))}
 
@@ -153,15 +171,19 @@ def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any
 
 def check_vllm(drafter_dir: str | Path, target_dir: str | Path, *, engine_kwargs: dict[str, Any] | None = None,
                drafter_settings: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-               timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None) -> dict[str, Any]:
+               timeout_s: float = SUBPROCESS_TIMEOUT_S, log_dir: str | Path | None = None,
+               logits_files: tuple[Path, Path] | None = None) -> dict[str, Any]:
     """vLLM's view of the config and its load_weights result, from a fresh subprocess (its output in
-    `log_dir`/vllm-load.log when given)."""
+    `log_dir`/vllm-load.log when given); with `logits_files`, vLLM's side of the vllm_logits check too."""
     args = ["inspect", "--target", str(target_dir), "--drafter", str(drafter_dir),
             "--engine-kwargs", json.dumps(engine_kwargs or {}),
             "--drafter-settings", json.dumps(drafter_settings or {})]
+    if logits_files is not None:
+        args += ["--logits-inputs", str(logits_files[0]), "--logits-out", str(logits_files[1])]
     log_path = Path(log_dir) / "vllm-load.log" if log_dir is not None else None
     try:
         return run_json_subprocess(args, env, timeout=timeout_s, log_path=log_path)
     except RuntimeError as error:
         message = str(error)
-        return {"config": {"error": message}, "load": {"ok": False, "error": message}}
+        return {"config": {"error": message}, "load": {"ok": False, "error": message},
+                "logits": {"error": message}}

@@ -132,6 +132,7 @@ class SpeculatorsDrafter:
         self._context_len = 0
         self._step = 0
         self._context_logits = None
+        self.step_logits = None
         # The target's head over the draft vocabulary, which context_kl scores against; NaN where the model
         # was loaded without its verifier's weights.
         self._verifier_loaded = bool(torch.isfinite(model.verifier_norm.weight).all()
@@ -226,6 +227,7 @@ class SpeculatorsDrafter:
             logits = model.lm_head(hidden)
         else:
             logits = model.lm_head(model.norm(hidden))
+        self.step_logits = logits[0]  # [n, draft vocabulary], what stage 05 holds vLLM's class against
         if self._step == 0:
             self._context_logits = logits[0]
         draft_ids = map_to_target(logits[0].argmax(dim=-1), self.d2t)
