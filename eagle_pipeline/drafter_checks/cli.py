@@ -37,12 +37,16 @@ def main(argv: list[str] | None = None) -> None:
     engine_kwargs = json.loads(args.engine_kwargs)
     if args.command == "inspect":
         drafter_settings = json.loads(args.drafter_settings)
+        logits = None
+        if args.logits_inputs:
+            # First: vLLM keeps the rotary modules it builds (get_rope's cache), and the logits need the ones built
+            # under their own settings (vllm_logits).
+            logits = vllm_side(args.target, args.drafter, engine_kwargs, drafter_settings, args.logits_inputs,
+                               args.logits_out)
         result = vllm_inspect(args.target, args.drafter, engine_kwargs, drafter_settings)
-        if args.logits_inputs and not result["load"]["ok"]:
-            result["logits"] = {"error": "not attempted: vLLM's loader did not take the folder"}
-        elif args.logits_inputs:
-            result["logits"] = vllm_side(args.target, args.drafter, engine_kwargs, drafter_settings,
-                                         args.logits_inputs, args.logits_out)
+        if logits is not None:
+            result["logits"] = (logits if result["load"]["ok"] else
+                                {"error": "not compared: vLLM's loader did not take the folder"})
     else:
         prompts = json.loads(Path(args.prompts).read_text())
         result = acceptance_run(args.target, args.drafter, prompts, args.num_speculative_tokens,

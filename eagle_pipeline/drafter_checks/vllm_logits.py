@@ -85,8 +85,14 @@ def _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_
 
     if not current_platform.is_cpu():
         return {"skipped": f"vLLM's platform here is {current_platform.device_name}, not the CPU"}
-    vllm_config = vllm_load.build_vllm_config(target_dir, drafter_dir, {**(engine_kwargs or {}), "dtype": "float32"},
-                                    drafter_settings)
+    engine_kwargs = dict(engine_kwargs or {})
+    compilation = dict(engine_kwargs.pop("compilation_config", None) or {})
+    # vLLM's own switch to its native rotary formula: the CPU build's kernel rotates a strided multi-head query
+    # (an MLA layer's q_pe slice) otherwise than the formula, which vLLM's GPU kernels compute.
+    compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]
+    vllm_config = vllm_load.build_vllm_config(target_dir, drafter_dir, {**engine_kwargs, "dtype": "float32",
+                                                                        "compilation_config": compilation},
+                                              drafter_settings)
     spec = vllm_config.speculative_config
     draft_config = vllm_load.drafter_build_config(vllm_config)
     inputs = load_file(str(inputs_path))
