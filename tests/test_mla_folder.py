@@ -3,9 +3,9 @@ second layer shape of the one drafter folder home, eagle_pipeline/drafter/.
 
 The released layout (`lightseekorg/kimi-k2.5-eagle3-mla`) comes from tests/released_drafter_standin.py in both
 namings (`midlayer.`, `layers.0.`) and with q_a_proj / kv_a_proj_with_mqa stored fused or apart. Its
-speculators checkpoints are written from tensors by drafter/to_speculators.py (no speculators model is built),
-so nothing here needs speculators' MLA layer. The one vLLM test builds vLLM's own MLA drafter class on the Kimi
-stand-in target (tests/test_kimi_vllm.py) and loads a folder into it; nothing else starts vLLM.
+speculators checkpoints are written from tensors by drafter/to_speculators.py (no speculators model is built).
+The one vLLM test builds vLLM's own MLA drafter class on the Kimi stand-in target (tests/test_kimi_vllm.py), loads
+folders into it and runs stage 05's vllm_logits check against speculators' MLA layer; nothing else starts vLLM.
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ def released(tmp_path: Path, naming: str = "midlayer.", fused: bool = False, **c
 
 def to_speculators(source: Path, out: Path, target: Path) -> Path:
     """A flat folder in speculators' layout, as fine-tuning writes it (released_drafter.write_speculators_folder,
-    with a stand-in embedding instead of the target's weights)."""
+    with a seeded random embedding instead of the target's weights)."""
     drafter = read_flat_drafter(source, FIELD)
-    write_speculators_folder(out, drafter.config, read_drafter_tensors(drafter),
-                             embedding=torch.zeros(KIMI_MLA_STANDIN.vocab_size, KIMI_MLA_STANDIN.hidden_size),
+    embedding = torch.randn(KIMI_MLA_STANDIN.vocab_size, KIMI_MLA_STANDIN.hidden_size,
+                            generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    write_speculators_folder(out, drafter.config, read_drafter_tensors(drafter), embedding=embedding,
                              verifier_dir=target, layer_ids=hf_layer_ids(drafter, "vllm"), flags=drafter.flags,
                              speculative_tokens=3)
     return out
@@ -286,74 +287,62 @@ def test_the_config_check_takes_the_written_mla_folder_and_names_what_vllm_would
 # -- vLLM's own loader -------------------------------------------------------------------------------------------
 
 @pytest.mark.vllm
-def test_vllms_loader_takes_the_written_folder_and_the_fused_release_as_its_mla_drafter(tmp_path):
+def test_vllms_loader_takes_the_written_folder_and_the_fused_release_and_computes_the_checkpoints_logits(tmp_path,
+                                                                                                       monkeypatch):
     """vLLM's config path resolves both folders to Eagle3DeepseekV2ForCausalLM on the Kimi stand-in target and its
     load_weights fills every parameter: the folder stage 05 writes (`midlayer.`, projections apart) and the release
     in its other form (`layers.0.`, fused_qkv_a_proj). CPU_MLA is named for target and drafter (docs/engines.md,
-    "The CPU MLA limit")."""
-    from test_kimi_vllm import ENGINE_ARGS, ENGINE_KEYS, make_kimi_k25
+    "The CPU MLA limit").
 
-    from eagle_pipeline.drafter_checks.config_checks import vllm_config_problems
-    from eagle_pipeline.drafter_checks.vllm_load import check_vllm
-
-    make_kimi_k25(tmp_path / "kimi")
-    convert_for_vllm(to_speculators(released(tmp_path), tmp_path / "speculators", tmp_path / "kimi"), tmp_path / "flat")
-    engine = {**ENGINE_ARGS, **ENGINE_KEYS, "trust_remote_code": True}
-    for folder in (tmp_path / "flat", released(tmp_path, "layers.0.", fused=True)):
-        result = check_vllm(folder, tmp_path / "kimi", engine_kwargs=engine,
-                            drafter_settings={"attention_backend": "CPU_MLA"}, log_dir=tmp_path)
-        assert result["load"]["ok"] and result["load"]["model_class"] == "Eagle3DeepseekV2ForCausalLM", result
-        config = json.loads((folder / "config.json").read_text())
-        problems = vllm_config_problems(config, result["config"])
-        if folder.name == "flat":
-            assert problems == [], problems
-        else:  # the release has no top-level ids: vLLM's V2 runner (the GPU default) would capture its defaults
-            assert len(problems) == 1 and "model_runner_v2 would capture aux layers default" in problems[0], problems
-
-
-@pytest.mark.vllm
-def test_vllms_mla_class_computes_the_checkpoints_logits_and_a_wrong_rope_or_softmax_scale_is_named(tmp_path,
-                                                                                                     monkeypatch):
-    """The vllm_logits check of stage 05: vLLM's Eagle3DeepseekV2ForCausalLM, run outside an engine on CPU_MLA with
-    the flat folder's weights, gives the speculators checkpoint's logits on the same rows, for the context pass (a
-    prefill) and a draft step (a decode from the latent cache). The checkpoint computed with RoPE over halves, or
-    without YaRN's softmax mscale, is named."""
+    The same job runs stage 05's vllm_logits check on the written folder: vLLM's class, outside an engine on
+    CPU_MLA, gives the speculators checkpoint's logits on the same rows, for the context pass (a prefill) and a
+    draft step (a decode from the latent cache). The checkpoint computed with RoPE over halves, or without YaRN's
+    softmax mscale, is named."""
     import functools
 
     from test_kimi_vllm import ENGINE_ARGS, ENGINE_KEYS, make_kimi_k25
 
     from eagle_pipeline.drafter_checks import vllm_logits
+    from eagle_pipeline.drafter_checks.config_checks import vllm_config_problems
     from eagle_pipeline.drafter_checks.vllm_load import check_vllm
     from eagle_pipeline.predict import speculators_drafter
 
     make_kimi_k25(tmp_path / "kimi")
-    drafter = read_flat_drafter(released(tmp_path), FIELD)
-    generator = torch.Generator().manual_seed(0)
-    vocab, hidden = KIMI_MLA_STANDIN.vocab_size, KIMI_MLA_STANDIN.hidden_size
-    write_speculators_folder(tmp_path / "speculators", drafter.config, read_drafter_tensors(drafter),
-                             embedding=torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
-                             verifier_dir=tmp_path / "kimi", layer_ids=hf_layer_ids(drafter, "vllm"),
-                             flags=drafter.flags, speculative_tokens=3)
-    convert_for_vllm(tmp_path / "speculators", tmp_path / "flat")
+    speculators = to_speculators(released(tmp_path), tmp_path / "speculators", tmp_path / "kimi")
+    convert_for_vllm(speculators, tmp_path / "flat")
+    generator = torch.Generator().manual_seed(1)
     rows = 30
-    conversation = (torch.randint(0, vocab, (rows,), generator=generator), torch.randn(rows, 4, hidden,
-                                                                                     generator=generator), 8)
+    conversation = (torch.randint(0, KIMI_MLA_STANDIN.vocab_size, (rows,), generator=generator),
+                    torch.randn(rows, 4, KIMI_MLA_STANDIN.hidden_size, generator=generator), 8)
     inputs, out = tmp_path / "inputs.safetensors", tmp_path / "vllm.safetensors"
-    trained = vllm_logits.speculators_side(tmp_path / "speculators", conversation, inputs)
-    side = check_vllm(tmp_path / "flat", tmp_path / "kimi", engine_kwargs={**ENGINE_ARGS, **ENGINE_KEYS,
-                                                                           "trust_remote_code": True},
-                      drafter_settings={"attention_backend": "CPU_MLA"}, logits_files=(inputs, out))["logits"]
-    result = vllm_logits.compare(trained, side, out)
-    assert result["ok"] and side["attention_backend"] == "CPU_MLA" and side["rows"] == rows - 1, result
-    assert all(result["detail"][part]["relative_difference"] < vllm_logits.TOLERANCE / 10 for part in ("context",
-                                                                                                       "step"))
+    trained = vllm_logits.speculators_side(speculators, conversation, inputs)
+    engine = {**ENGINE_ARGS, **ENGINE_KEYS, "trust_remote_code": True}
+    for folder in (tmp_path / "flat", released(tmp_path, "layers.0.", fused=True)):
+        written = folder.name == "flat"
+        result = check_vllm(folder, tmp_path / "kimi", engine_kwargs=engine,
+                            drafter_settings={"attention_backend": "CPU_MLA"}, log_dir=tmp_path,
+                            logits_files=(inputs, out) if written else None)
+        assert result["load"]["ok"] and result["load"]["model_class"] == "Eagle3DeepseekV2ForCausalLM", result
+        config = json.loads((folder / "config.json").read_text())
+        problems = vllm_config_problems(config, result["config"])
+        if written:
+            assert problems == [], problems
+            side = result["logits"]
+        else:  # the release has no top-level ids: vLLM's V2 runner (the GPU default) would capture its defaults
+            assert len(problems) == 1 and "model_runner_v2 would capture aux layers default" in problems[0], problems
+            assert "logits" not in result
+
+    check = vllm_logits.compare(trained, side, out)
+    assert check["ok"] and side["attention_backend"] == "CPU_MLA" and side["rows"] == rows - 1, check
+    assert all(check["detail"][part]["relative_difference"] < vllm_logits.TOLERANCE / 10 for part in ("context",
+                                                                                                      "step"))
     for reading in ({"rope_interleave": False}, {"softmax_mscale": False}):
         monkeypatch.setattr(speculators_drafter, "SpeculatorsDrafter",
                             functools.partial(speculators_drafter.SpeculatorsDrafter, attention=reading))
-        planted = vllm_logits.speculators_side(tmp_path / "speculators", conversation, tmp_path / "unused")
-        result = vllm_logits.compare(planted, side, out)
-        assert not result["ok"] and result["detail"]["context"]["relative_difference"] > 10 * vllm_logits.TOLERANCE
-        assert "vLLM's Eagle3DeepseekV2ForCausalLM differs from the checkpoint" in result["detail"]["problems"][0]
+        planted = vllm_logits.compare(vllm_logits.speculators_side(speculators, conversation, tmp_path / "unused"),
+                                      side, out)
+        assert not planted["ok"] and planted["detail"]["context"]["relative_difference"] > 10 * vllm_logits.TOLERANCE
+        assert "vLLM's Eagle3DeepseekV2ForCausalLM differs from the checkpoint" in planted["detail"]["problems"][0]
 
 
 # -- a full-vocabulary release, kept whole or mapped -----------------------------------------------------------
