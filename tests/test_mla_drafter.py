@@ -444,6 +444,9 @@ def test_the_plans_count_every_tensor_and_attention_activation_of_a_built_mla_dr
     assert layer_params(dims) == shape.layer_params == layer
     assert shape.root_params == sum(numel.values()) - layer + verifier_head
     assert shape.trainable_params + shape.frozen_params == sum(numel.values()) + verifier_head
+    # What speculators' optimizer steps: not the embedding, nor either lm_head (speculators/model.py freezes them).
+    assert shape.trainable_params == sum(p.numel() for name, p in model.named_parameters()
+                                         if p.requires_grad and name != "verifier_norm.weight")
 
     n = 5
     elements = []

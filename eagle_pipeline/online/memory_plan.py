@@ -115,7 +115,7 @@ class DrafterShape:
     draft_vocab: int
     layer_activations: int  # activation elements per token and TTT step of its decoder layer (`layer_activations`)
     trainable_params: int
-    frozen_params: int  # the target's embedding and its lm_head's draft-vocabulary rows (verifier_lm_head)
+    frozen_params: int  # the target's embedding, the drafter's lm_head and the target's draft-vocabulary rows
     layer_params: int  # the largest decoder layer: an FSDP unit of its own
     root_params: int  # everything outside the decoder layers (embedding, fc, lm_head, verifier_lm_head): the root unit
 
@@ -135,10 +135,12 @@ class DrafterShape:
         params = drafter_params(dims)  # with the embedding, not verifier_lm_head
         embedding = dims.vocab_size * hidden
         layer = layer_params(dims)
-        verifier_head = draft_vocab * hidden
+        # speculators 0.9 trains neither the embedding nor the drafter's lm_head (speculators/model.py sets both
+        # requires_grad False: the head keeps the verifier's draft-vocabulary rows, or a release's).
+        head = verifier_head = draft_vocab * hidden
         return cls(hidden=hidden, draft_vocab=draft_vocab, layer_activations=layer_activations(dims),
-                   trainable_params=params - embedding, frozen_params=embedding + verifier_head, layer_params=layer,
-                   root_params=params - layer + verifier_head)
+                   trainable_params=params - embedding - head, frozen_params=embedding + head + verifier_head,
+                   layer_params=layer, root_params=params - layer + verifier_head)
 
 
 def target_shape(verifier_dir: Path, text_config: dict, tensor_parallel: int, kv_dtype_bytes: int = 2) -> TargetShape:
