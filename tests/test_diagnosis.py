@@ -432,6 +432,9 @@ def test_served_sabotage_is_named(strong_drafter, tmp_path, faults, cause, notes
 ENGINE_FAULT = {"PYTHONPATH": str(Path(__file__).parent / "engine_fault"), "EAGLE_TEST_ENGINE_FAULT": "fc_noise"}
 
 
+# The rule that names the engine, and the probe that finds the variant, are shown on given figures in the suite
+# (test_short_served_acceptance_that_no_reading_reproduces_names_the_engine, test_the_engine_probe_names_...).
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_fault_in_the_engine_alone_is_named_as_the_engine_and_the_variant_without_it_is_found(strong_drafter, tmp_path):

@@ -33,6 +33,9 @@ def run(tmp_path):
     return fresh_run(tmp_path)
 
 
+# The resume rules it proves through real servers are also shown with stand-in servers, in the suite:
+# tests/test_serve_records.py (a failed start keeps what was served; a rerun past serving only predicts).
+@pytest.mark.heavy
 def test_stage_06_killed_before_and_after_serving_reruns_to_the_reference_report(finished_small_run, run, tmp_path):
     """Killed while its server loads and while it serves, stage 06 serves again on its rerun; killed once the
     served measurements are written, its rerun only predicts. A finished stage 06 whose report.json is lost

@@ -100,6 +100,9 @@ def manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / "04_train" / "manifest.json").read_text())
 
 
+# Online training through a real capture server is shown in the suite by the test below; this one adds the
+# Mooncake transfer and a server restart.
+@pytest.mark.heavy
 def test_mooncake_online_training_survives_a_capture_server_restart(small_run, tmp_path):
     problem = mooncake_problem()
     if problem:

@@ -351,6 +351,8 @@ def test_vllm_silently_keeps_a_missing_d2t_and_the_load_check_catches_it(convert
     assert load["ok"] is False and load["unloaded_parameters"] == ["draft_id_to_target_id"]
 
 
+# convert.parity: vllm, the opt-in way; the default (replay) is shown in the suite by the shared smoke run's stage 05.
+@pytest.mark.heavy
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_acceptance_parity_between_speculators_and_converted_formats(tmp_path):
