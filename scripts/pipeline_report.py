@@ -41,9 +41,12 @@ def key_figures(stage: str, counts: dict, stage_dir: Path) -> str:
                 f"{format_number(best.get('predicted_acceptance_length'))}), last validation accuracy {_per_position(accuracy)}, "
                 f"{format_number(c.get('train_tokens_per_s'), 0)} train tok/s, peak RSS {format_number((c.get('peak_rss_mb') or 0) / 1e3, 1)} GB")
     if stage == STAGES[5]:
-        checks = c.get("checks") or {}
+        checks = c.get("checks") or {}  # name -> true, false or "skipped"
         failed = [name for name, ok in checks.items() if not ok]
-        return f"{c.get('checkpoint')} converted; checks {'FAILED: ' + ', '.join(failed) if failed else 'all ok'} ({', '.join(checks)})"
+        passed = [name for name, ok in checks.items() if ok is True]
+        skipped = [name for name, ok in checks.items() if ok == "skipped"]
+        return (f"{c.get('checkpoint')} converted; checks {'FAILED: ' + ', '.join(failed) if failed else 'all ok'} "
+                f"({', '.join(passed)}{'; skipped: ' + ', '.join(skipped) if skipped else ''})")
     if stage == STAGES[6]:
         diagnosis = (c.get("diagnosis") or {}).get("status", "-")
         try:

@@ -152,7 +152,7 @@ def test_the_run_summary_has_a_row_per_stage_with_its_key_figures(finished):
                           "06_serve_test", "total"]
     report = read(run_dir / "06_serve_test" / "report.json")
     assert "6 conversations" in rows["01_generate_data"] and "layers [2, 15, 27] + final" in rows["02_extract_hidden"]
-    assert "checks all ok" in rows["05_convert"]
+    assert "checks all ok" in rows["05_convert"] and "; skipped: vllm_logits)" in rows["05_convert"]
     # The target's cold starts, per stage and in all: the answering engine, the capture engine, none in stage 05
     # (its parity replays offline), and stage 06's three servers, the one confirming its schedule and its
     # prediction's capture engine.
