@@ -124,10 +124,9 @@ class _AttentionCache:
         self.vllm_config = vllm_config
         context = vllm_config.compilation_config.static_forward_context
         self.layers = {name: layer for name, layer in context.items() if hasattr(layer, "get_kv_cache_spec")}
-        self.builders, self.block_size = {}, None
+        self.builders = {}
         for name, layer in self.layers.items():
             spec = layer.get_kv_cache_spec(vllm_config)
-            self.block_size = spec.block_size
             self.num_blocks = -(-rows // spec.block_size)
             # [blocks, 1, block, latent]: the layout MLAAttention.bind_kv_cache takes
             layer.bind_kv_cache(torch.zeros(self.num_blocks, 1, spec.block_size, spec.head_size, dtype=spec.dtype))
