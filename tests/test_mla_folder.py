@@ -306,6 +306,7 @@ def test_vllms_loader_takes_the_written_folder_and_the_fused_release_and_compute
     from eagle_pipeline.drafter_checks.config_checks import vllm_config_problems
     from eagle_pipeline.drafter_checks.vllm_load import check_vllm
     from eagle_pipeline.predict import speculators_drafter
+    from eagle_pipeline.predict.speculators_drafter import load_drafter
 
     make_kimi_k25(tmp_path / "kimi")
     speculators = to_speculators(released(tmp_path), tmp_path / "speculators", tmp_path / "kimi")
@@ -315,7 +316,8 @@ def test_vllms_loader_takes_the_written_folder_and_the_fused_release_and_compute
     conversation = (torch.randint(0, KIMI_MLA_STANDIN.vocab_size, (rows,), generator=generator),
                     torch.randn(rows, 4, KIMI_MLA_STANDIN.hidden_size, generator=generator), 8)
     inputs, out = tmp_path / "inputs.safetensors", tmp_path / "vllm.safetensors"
-    trained = vllm_logits.speculators_side(speculators, conversation, inputs)
+    model = load_drafter(speculators)
+    trained = vllm_logits.speculators_side(model, conversation, inputs)
     engine = {**ENGINE_ARGS, **ENGINE_KEYS, "trust_remote_code": True}
     for folder in (tmp_path / "flat", released(tmp_path, "layers.0.", fused=True)):
         written = folder.name == "flat"
@@ -339,8 +341,8 @@ def test_vllms_loader_takes_the_written_folder_and_the_fused_release_and_compute
     for reading in ({"rope_interleave": False}, {"softmax_mscale": False}):
         monkeypatch.setattr(speculators_drafter, "SpeculatorsDrafter",
                             functools.partial(speculators_drafter.SpeculatorsDrafter, attention=reading))
-        planted = vllm_logits.compare(vllm_logits.speculators_side(speculators, conversation, tmp_path / "unused"),
-                                      side, out)
+        planted = vllm_logits.compare(vllm_logits.speculators_side(model, conversation, tmp_path / "unused"), side,
+                                      out)
         assert not planted["ok"] and planted["detail"]["context"]["relative_difference"] > 10 * vllm_logits.TOLERANCE
         assert "vLLM's Eagle3DeepseekV2ForCausalLM differs from the checkpoint" in planted["detail"]["problems"][0]
 

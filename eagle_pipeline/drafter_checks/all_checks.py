@@ -54,11 +54,14 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         checks["shapes"] = {"ok": False, "detail": {"problems": [str(problem)]}}
     with tempfile.TemporaryDirectory(prefix="eagle-logits-") as tmp:
         why_not = logits_skip_reason(drafter_dir, engine, parity_source_dir, parity_conversations)
-        checkpoint_logits, logits_files = None, None
+        # The speculators checkpoint, loaded once for this check and the replay parity.
+        checkpoint, checkpoint_logits, logits_files = None, None, None
         if why_not is None:
+            from eagle_pipeline.predict.speculators_drafter import load_drafter
+
+            checkpoint = load_drafter(parity_source_dir)
             logits_files = (Path(tmp) / "inputs.safetensors", Path(tmp) / "vllm.safetensors")
-            checkpoint_logits = vllm_logits.speculators_side(parity_source_dir, parity_conversations[0],
-                                                             logits_files[0])
+            checkpoint_logits = vllm_logits.speculators_side(checkpoint, parity_conversations[0], logits_files[0])
         vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, drafter_settings=drafter_settings,
                           env=env, timeout_s=timeout_s, log_dir=log_dir, logits_files=logits_files)
         checks["config"] = check_config(drafter_dir, target_dir, expected, vllm["config"], engine)
@@ -76,7 +79,7 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
                             "detail": "not run: vLLM would read an SGLang folder's layer ids one layer off"}
     elif parity_source_dir is not None and parity_conversations is not None:
         checks["parity"] = replay_parity(parity_source_dir, drafter_dir, target_dir, parity_conversations,
-                                         num_speculative_tokens, tolerance)
+                                         num_speculative_tokens, tolerance, checkpoint)
     elif parity_source_dir is not None and parity_prompts:
         checks["parity"] = acceptance_parity(target_dir, parity_source_dir, drafter_dir, parity_prompts,
                                              num_speculative_tokens, max_tokens, tolerance,

@@ -98,11 +98,13 @@ def compare_acceptance(run_a: dict[str, Any], run_b: dict[str, Any], tolerance: 
                        "same_greedy_outputs": same_outputs, "problems": problems}}
 
 
-def replay_run(drafter_dir: str | Path, conversations: list, num_speculative_tokens: int) -> dict[str, Any]:
-    """`acceptance_run`'s counters from the offline replay of a speculators drafter folder."""
+def replay_run(drafter_dir: str | Path, conversations: list, num_speculative_tokens: int,
+               model: Any = None) -> dict[str, Any]:
+    """`acceptance_run`'s counters from the offline replay of a speculators drafter folder (`model`: that folder
+    already loaded by `predict.speculators_drafter.load_drafter`)."""
     from eagle_pipeline.predict import predict_acceptance
 
-    result = predict_acceptance(drafter_dir, conversations, num_speculative_tokens)
+    result = predict_acceptance(drafter_dir if model is None else model, conversations, num_speculative_tokens)
     drafts = int(result["num_drafts"])
     per_position = [round(float(rate) * drafts) for rate in result["predicted_per_position_acceptance"]]
     return {"method": "replay", "drafter": str(drafter_dir), "num_drafts": drafts,
@@ -111,9 +113,10 @@ def replay_run(drafter_dir: str | Path, conversations: list, num_speculative_tok
 
 
 def replay_parity(speculators_dir: str | Path, flat_dir: str | Path, verifier_dir: str | Path, conversations: list,
-                  num_speculative_tokens: int, tolerance: float) -> dict[str, Any]:
+                  num_speculative_tokens: int, tolerance: float, checkpoint: Any = None) -> dict[str, Any]:
     """The speculators checkpoint and the flat folder (read back into speculators' layout, as stage 06's replay
-    reads it) replayed on the same conversations: (token ids, hidden states, prompt length) tuples."""
+    reads it) replayed on the same conversations: (token ids, hidden states, prompt length) tuples.
+    `checkpoint`: the checkpoint already loaded, when the caller has it."""
     from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
 
     if not conversations:
@@ -122,7 +125,8 @@ def replay_parity(speculators_dir: str | Path, flat_dir: str | Path, verifier_di
     with tempfile.TemporaryDirectory(prefix="eagle-parity-") as tmp:
         read_back = write_speculators_checkpoint(flat_dir, verifier_dir, Path(tmp) / "from-flat",
                                                  speculative_tokens=num_speculative_tokens)
-        runs = [replay_run(folder, conversations, num_speculative_tokens) for folder in (speculators_dir, read_back)]
+        runs = [replay_run(speculators_dir, conversations, num_speculative_tokens, checkpoint),
+                replay_run(read_back, conversations, num_speculative_tokens)]
     runs[1]["drafter"] = str(flat_dir)
     return compare_acceptance(runs[0], runs[1], tolerance)
 

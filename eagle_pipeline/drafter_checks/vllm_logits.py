@@ -33,20 +33,20 @@ TOLERANCE = 1e-4
 ROWS = 48
 
 
-def speculators_side(speculators_dir: str | Path, conversation, inputs_path: Path) -> dict[str, Any]:
-    """Run the checkpoint on the conversation's first rows; write the vLLM side's inputs to `inputs_path` and
-    return the logits to hold vLLM's against: {"context": [n, V], "step": [1, V]}."""
+def speculators_side(model, conversation, inputs_path: Path) -> dict[str, Any]:
+    """Run the checkpoint (loaded by `predict.speculators_drafter.load_drafter`) on the conversation's first rows;
+    write the vLLM side's inputs to `inputs_path` and return the logits to hold vLLM's against:
+    {"context": [n, V], "step": [1, V]}."""
     import torch
     from safetensors.torch import save_file
 
-    from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, load_drafter
+    from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter
     from eagle_pipeline.predict.variants import serving_inputs
 
     token_ids, hidden_states, _ = conversation
     aux = serving_inputs(torch.as_tensor(hidden_states))[: ROWS + 1]
     token_ids = torch.as_tensor(token_ids, dtype=torch.long)[: aux.shape[0]]
     n = aux.shape[0] - 1
-    model = load_drafter(speculators_dir)
     drafter = SpeculatorsDrafter(model)
     rows = torch.arange(n)
     with torch.no_grad():
