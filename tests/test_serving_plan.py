@@ -26,6 +26,7 @@ from eagle_pipeline.serve.plan import (
     serve_command,
     served_by,
     stuck_requests,
+    withdraw_slower,
 )
 
 PER_POSITION = [0.8, 0.6, 0.4]  # L(k) = 1, 1.8, 2.4, 2.8
@@ -263,6 +264,51 @@ def test_no_speculation_everywhere_is_said_and_served_without_a_drafter(tmp_path
     assert plan["speculative_config"] is None and "--speculative-config" not in plan["argv"]
     md = (stage / "report.md").read_text()
     assert "k = 0 at every level measured" in md and md.rstrip().endswith("```")
+
+
+def test_a_level_its_confirming_run_served_slower_goes_back_to_no_speculation():
+    plan = plan_serving(modes_with({1: 1.1, 4: 2.2, 16: 2.2}), [1, 4, 16], 3)
+    assert [row["k"] for row in plan["estimate"]] == [3, 2, 2] and plan["schedule"] == [[1, 2, 3], [3, 16, 2]]
+    confirmed = [{"concurrency": 1, "speedup": 2.1}, {"concurrency": 4, "speedup": 1.0},
+                 {"concurrency": 16, "speedup": 0.9}]
+    revised = withdraw_slower(plan, confirmed)
+    # 16 served slower than none: k = 0 there; 4 served even with none and keeps its k.
+    assert [row["k"] for row in revised["estimate"]] == [3, 2, 0]
+    assert revised["schedule"] == [[1, 2, 3], [3, 8, 2], [9, 16, 0]] and revised["kind"] == "schedule"
+    assert revised["estimate"][2]["withdrawn_k"] == 2 and revised["estimate"][2]["withdrawn_speedup"] == 0.9
+    spec = plan_speculative_config(revised, {"method": "eagle3", "model": "d", "num_speculative_tokens": 3})
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 2, 3], [3, 8, 2], [9, 16, 0]]
+    assert withdraw_slower(plan, [{**row, "speedup": 1.2} for row in confirmed]) is plan
+    configured = plan_serving(modes_with({1: 1.1, 4: 2.2, 16: 2.2}), [1, 4, 16], 3, [[1, 16, 2]])
+    assert withdraw_slower(configured, confirmed) is configured  # the config's schedule is served as configured
+
+
+def test_a_schedule_its_confirming_run_served_slower_is_not_the_command(tmp_path, monkeypatch, capsys):
+    servers = FakeServers(monkeypatch)
+    servers.tpot_ms = {("none", 1): 10.0, ("none", 4): 10.0, ("eagle3", 1): 11.5 / 1.875, ("eagle3", 4): 30.0 / 1.875,
+                       ("schedule", 1): 7.0, ("schedule", 4): 9.0}
+    servers.tokens_per_s["schedule"] = 15.0  # none serves 20 tokens/s: the schedule is slower at every level
+    config, stage = drafter_run(tmp_path, concurrency=[1, 4])
+    code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
+    assert code == 0, err
+    assert servers.started == ["none", "eagle3", "schedule"]
+    plan = json.loads((stage / "report.json").read_text())["serving_plan"]
+    assert [row["k"] for row in plan["estimate"]] == [0, 0] and plan["estimate"][0]["withdrawn_k"] == 3
+    assert plan["chosen_schedule"] == plan["schedule"] == [[1, 4, 0]] and plan["speculation_off_everywhere"]
+    assert plan["speculative_config"] is None and "--speculative-config" not in plan["argv"]
+    assert plan["confirmed"]["by"] == "schedule" and plan["confirmed"]["levels"][0]["speedup"] == pytest.approx(0.75)
+    md = (stage / "report.md").read_text()
+    assert "| 0 (k = 3 served slower) |" in md
+    assert "The confirming run served k = 3 at concurrency 1 at 0.75x of no speculation's tokens/s" in md
+    served = json.loads((stage / "served" / "schedule.json").read_text())
+    assert served["inputs"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 3], [3, 4, 0]]
+
+    # A rerun withdraws the same levels from the kept confirming run, with no server.
+    (stage / "manifest.json").unlink()
+    servers.started = []
+    code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
+    assert code == 0, err
+    assert servers.started == [] and json.loads((stage / "report.json").read_text())["serving_plan"] == plan
 
 
 @pytest.fixture(scope="module")

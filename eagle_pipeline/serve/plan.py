@@ -19,6 +19,9 @@ The levels' choices become vLLM's `num_speculative_tokens_per_batch_size` (`vllm
 batch ranges split at the geometric middle between levels, the last carried by vLLM past the highest level.
 That schedule is served once to confirm it, unless it is a setting already served (k_max at every level: the
 drafter's own run; k = 0 at every level: the run without speculation, and the command serves without a drafter).
+What was served outranks the estimate: a level whose chosen k served slower than no speculation goes back to k = 0
+and the schedule is rebuilt (`withdraw_slower`). The rebuilt schedule needs no other server: at each level it
+serves either what the confirming run served there or what the run without speculation did.
 """
 
 from __future__ import annotations
@@ -131,17 +134,22 @@ def plan_serving(modes: Mapping[str, Mapping[str, Any]], levels: Sequence[int], 
     {"estimate": rows, "schedule", "chosen_schedule", "source", "kind"} where kind is "none" (k = 0 everywhere),
     "static" (one k everywhere: `k`), "schedule" (k changes with batch size) or None (nothing to choose from)."""
     none, drafter = mode_levels(modes.get("none"), levels), mode_levels(modes.get("eagle3"), levels)
-    rows, chosen = [], []
+    rows = []
     for level in levels:
         speedups = estimate_speedups(none.get(level), drafter.get(level), k_max)
         k = choose_k(speedups)
         rows.append({"concurrency": level, "estimated_speedup_by_k": speedups, "k": k,
                      "estimated_speedup": None if k is None or speedups is None else speedups[k]})
-        if k is not None:
-            chosen.append((level, k))
+    return scheduled(rows, configured)
+
+
+def scheduled(rows: Sequence[Mapping[str, Any]], configured: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+    """The plan of the levels' rows (each with its chosen `k`): their schedule, or the configured one, and its
+    kind (`plan_serving`)."""
+    chosen = [(row["concurrency"], row["k"]) for row in rows if row["k"] is not None]
     chosen_schedule = batch_ranges(chosen) if chosen else None
     schedule = [list(entry) for entry in configured] if configured else chosen_schedule
-    plan: dict[str, Any] = {"estimate": rows, "chosen_schedule": chosen_schedule, "schedule": schedule,
+    plan: dict[str, Any] = {"estimate": list(rows), "chosen_schedule": chosen_schedule, "schedule": schedule,
                             "source": "configured" if configured else "estimated", "kind": None, "k": None}
     if schedule:
         ks = {k for _, _, k in schedule}
@@ -152,6 +160,22 @@ def plan_serving(modes: Mapping[str, Mapping[str, Any]], levels: Sequence[int], 
         else:
             plan["kind"], plan["k"] = "schedule", max(ks)
     return plan
+
+
+def withdraw_slower(plan: Mapping[str, Any], confirmed: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The plan after its confirming run (`confirmed_levels`): each level whose chosen k > 0 served slower than no
+    speculation goes back to k = 0 (its row keeps the k as `withdrawn_k`) and the schedule is rebuilt. The plan
+    itself where no level served slower, or where the schedule is the config's (served as configured; the report
+    shows how it measured)."""
+    measured = {row["concurrency"]: row.get("speedup") for row in confirmed}
+    slower = {row["concurrency"] for row in plan["estimate"]
+              if row.get("k") and measured.get(row["concurrency"]) is not None and measured[row["concurrency"]] < 1.0}
+    if not slower or plan.get("source") != "estimated":
+        return plan
+    rows = [{**row, "k": 0, "withdrawn_k": row["k"], "estimated_speedup": row["estimated_speedup_by_k"][0],
+             "withdrawn_speedup": measured[row["concurrency"]]} if row["concurrency"] in slower else row
+            for row in plan["estimate"]]
+    return scheduled(rows)
 
 
 def plan_speculative_config(plan: Mapping[str, Any], drafter_config: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -279,7 +303,9 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
     """report.json's `serving_plan`: the estimate and the schedule (`plan_serving`), the `speculative_config` that
     serves it, what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served
     the same setting; None when not confirmed) with its figures per level beside no speculation's, speed-up and
-    per-request acceptance against concurrency, the collapse findings, and the `vllm serve` command."""
+    per-request acceptance against concurrency, the collapse findings, and the `vllm serve` command. Levels the
+    confirming run served slower than no speculation are back at k = 0 (`withdraw_slower`), in the schedule,
+    `speculative_config` and command alike."""
     from eagle_pipeline.serve.server import VllmServer
 
     s = cfg.serve
@@ -289,6 +315,9 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
     confirmed_rows, mismatches = None, None
     if confirmed is not None and confirmed.get("summary"):
         confirmed_rows = confirmed_levels(none, mode_levels(confirmed["summary"], levels))
+        revised = withdraw_slower(plan, confirmed_rows) if confirmed_by == SCHEDULE_MODE else plan
+        if revised is not plan:
+            plan, spec = revised, plan_speculative_config(revised, modes["eagle3"]["speculative_config"])
         reference = (report.get("texts") or {}).get("none")
         if s.temperature == 0 and reference is not None and confirmed.get("texts") is not None:
             mismatches = greedy_mismatches(reference, confirmed["texts"])
@@ -314,6 +343,16 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
 
 def plan_note(plan: Mapping[str, Any], k_max: int, confirmed: bool, confirm: bool) -> str:
     """What the plan says, in one or two sentences (report.md's text above the command)."""
+    withdrawn = [row for row in plan.get("estimate") or [] if row.get("withdrawn_k")]
+    slower = "" if not withdrawn else (
+        " The confirming run served " + "; ".join(f"k = {row['withdrawn_k']} at concurrency {row['concurrency']} at "
+                                                  f"{row['withdrawn_speedup']:.2f}x" for row in withdrawn)
+        + " of no speculation's tokens/s, slower, so the schedule serves k = 0 there.")
+    return plan_sentence(plan, k_max, confirmed, confirm) + slower
+
+
+def plan_sentence(plan: Mapping[str, Any], k_max: int, confirmed: bool, confirm: bool) -> str:
+    """What the schedule serves and what stands behind it: the estimate, the config, a confirming run."""
     kind = plan.get("kind")
     if kind is None:
         return ("No level had both runs' time per output token to estimate from; the command serves the drafter as "

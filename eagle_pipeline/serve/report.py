@@ -323,7 +323,9 @@ def render_plan_md(plan: dict) -> list[str]:
         lines.append(f"| {level} | " + " | ".join(format_speedup(speedups[name][i]) for name in names)
                      + f" | {format_number(row.get('mean_acceptance_length'))} "
                        f"| {_spread(row.get('per_request') or [])} "
-                       f"| {format_number(est.get('k'))} | {format_speedup(est.get('estimated_speedup'))} "
+                       f"| {format_number(est.get('k'))}"
+                       + (f" (k = {est['withdrawn_k']} served slower)" if est.get("withdrawn_k") else "")
+                       + f" | {format_speedup(est.get('estimated_speedup'))} "
                        f"| {format_speedup(conf.get('speedup'))} "
                        f"| {format_number(conf.get('draft_tokens_per_draft'))} |")
     findings = plan.get("findings") or []
