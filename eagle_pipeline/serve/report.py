@@ -401,7 +401,7 @@ def _plot_load(plan: dict, speed, acceptance) -> None:
     speed.axhline(1.0, color="tab:gray", linestyle=":", label="none")
     styles = {"ngram": ("tab:green", "-", "n-gram"),
               "eagle3": ("tab:blue", "-", f"eagle3 k={plan['num_speculative_tokens']}"),
-              "schedule": ("tab:red", "-", "schedule (confirmed)")}
+              "schedule": ("tab:red", "-", "schedule (its confirming run)")}
     for name, (color, style, label) in styles.items():
         points = [(c, v) for c, v in zip(levels, speedups.get(name) or []) if v is not None]
         if points:
