@@ -167,10 +167,12 @@ def withdraw_slower(plan: Mapping[str, Any], confirmed: Sequence[Mapping[str, An
     speculation goes back to k = 0 (its row keeps the k as `withdrawn_k`) and the schedule is rebuilt. The plan
     itself where no level served slower, or where the schedule is the config's (served as configured; the report
     shows how it measured)."""
+    if plan.get("source") != "estimated":
+        return plan
     measured = {row["concurrency"]: row.get("speedup") for row in confirmed}
     slower = {row["concurrency"] for row in plan["estimate"]
               if row.get("k") and measured.get(row["concurrency"]) is not None and measured[row["concurrency"]] < 1.0}
-    if not slower or plan.get("source") != "estimated":
+    if not slower:
         return plan
     rows = [{**row, "k": 0, "withdrawn_k": row["k"], "estimated_speedup": row["estimated_speedup_by_k"][0],
              "withdrawn_speedup": measured[row["concurrency"]]} if row["concurrency"] in slower else row
