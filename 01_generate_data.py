@@ -215,7 +215,7 @@ def run(stage: Stage, dry_run: bool) -> None:
 
         from eagle_pipeline.answering import answer_in_flight
         from eagle_pipeline.engine import apply_engine_env, llm_kwargs, offline_engine
-        from eagle_pipeline.engine_rehearsal import before_first_load
+        from eagle_pipeline.plan.rehearsal import before_first_load
 
         before_first_load(cfg, stage.number)
         apply_engine_env(cfg)

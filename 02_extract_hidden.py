@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 from eagle_pipeline import atomic, plots
-from eagle_pipeline.disk_plan import amount, later_stages_bytes, plan_run, same_disk
 from eagle_pipeline.engine import target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.plan.disk import amount, later_stages_bytes, plan_run, same_disk
 from eagle_pipeline.samples import (
     SAMPLES_DIR,
     estimate_bytes,
@@ -234,7 +234,7 @@ def run(stage: Stage, dry_run: bool) -> None:
 
         from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
         from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
-        from eagle_pipeline.engine_rehearsal import before_first_load
+        from eagle_pipeline.plan.rehearsal import before_first_load
         from eagle_pipeline.samples import write_sample
 
         before_first_load(cfg, stage.number)

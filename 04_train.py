@@ -29,14 +29,14 @@ from pathlib import Path
 from eagle_pipeline import released_drafter
 from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
-from eagle_pipeline.disk_plan import drafter_params, planned_draft_dims, training_bytes, window_bound
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
 from eagle_pipeline.drafter.layouts import MLA
 from eagle_pipeline.drafter.tensors import mla_attention_shapes
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
-from eagle_pipeline.online.memory_plan import trainer_memory_line
 from eagle_pipeline.online.settings import OnlineTraining
+from eagle_pipeline.plan.disk import drafter_params, planned_draft_dims, training_bytes, window_bound
+from eagle_pipeline.plan.memory import trainer_memory_line
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (
     Stage,
@@ -160,8 +160,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  init_from {t.init_from or '(scratch)'}{init_note}; "
               f"checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
         if online:
-            from eagle_pipeline.online.memory_plan import run_plan_lines
             from eagle_pipeline.online.session import plan_lines
+            from eagle_pipeline.plan.memory import run_plan_lines
 
             print("\n".join(plan_lines(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
                             + run_plan_lines(cfg, verifier, layout)))
@@ -214,7 +214,7 @@ def run(stage: Stage, dry_run: bool) -> None:
 
             check_named_endpoints(cfg, verifier, layout, dataset_rows(train_run.data_dir))
         else:  # the capture server this stage starts, configured by vLLM's own code before it loads the target
-            from eagle_pipeline.engine_rehearsal import before_first_load
+            from eagle_pipeline.plan.rehearsal import before_first_load
 
             before_first_load(cfg, stage.number)
         check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest

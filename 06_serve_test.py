@@ -33,7 +33,7 @@ from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.drafter.folder import check_weights_whole
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
-from eagle_pipeline.preconditions import speculation_warnings
+from eagle_pipeline.plan.preconditions import speculation_warnings
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.serve.baseline import (
     BASELINE_DIR,

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from eagle_pipeline import atomic, engine_starts
-from eagle_pipeline.disk_plan import ENGINE_DTYPE_BYTES
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids
+from eagle_pipeline.plan.disk import ENGINE_DTYPE_BYTES
 from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
 
 CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"

@@ -39,8 +39,8 @@ from eagle_pipeline.config_file import Origins, read_config_file
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.layer_ids import order_problem
+from eagle_pipeline.plan.vllm_config import check_attention_backend, check_kv_cache_dtype, vllm_engine_arg_names
 from eagle_pipeline.samples import StorageDtype
-from eagle_pipeline.vllm_config_check import check_attention_backend, check_kv_cache_dtype, vllm_engine_arg_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The one list of the stages: folder `<run>/<name>/` (RunConfig.stage_dir), script `<name>.py`. scripts/launch.sh
@@ -233,7 +233,7 @@ class Section(BaseModel):
         return value
 
 
-# vLLM's names, checked against the installed vLLM when the config loads (eagle_pipeline/vllm_config_check.py).
+# vLLM's names, checked against the installed vLLM when the config loads (eagle_pipeline/plan/vllm_config.py).
 AttentionBackend = Annotated[str, AfterValidator(lambda name: check_attention_backend(name))]
 KvCacheDtype = Annotated[str, AfterValidator(lambda dtype: check_kv_cache_dtype(dtype))]
 
@@ -453,7 +453,7 @@ class HiddenStatesConfig(Section):
                                                                       "while its server does not answer (a restart); "
                                                                       "then training stops naming the server")
     # A capture server stage 04 starts on GPUs the trainer also uses takes only its share of them; stage 04's dry run
-    # prints the memory plan that says whether the two fit (eagle_pipeline/online/memory_plan.py).
+    # prints the memory plan that says whether the two fit (eagle_pipeline/plan/memory.py).
     capture_gpu_memory_utilization: Optional[float] = Field(
         None, gt=0, le=1, description="online, cuda: the share of each GPU a capture server started by stage 04 takes "
                                       "(the trainer uses the rest); None: verifier.gpu_memory_utilization")
@@ -776,7 +776,7 @@ class RunConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     disk_budget_gb: Optional[float] = Field(None, gt=0, le=1e7, description="the most the run folder may hold; "
                                                                             "every stage refuses to go beyond it "
-                                                                            "(eagle_pipeline/preconditions.py)")
+                                                                            "(eagle_pipeline/plan/preconditions.py)")
     # Extra environment for every process the run starts: vLLM engines and servers, the training launcher
     # and its ranks, the detached runner (NCCL settings, CUDA_VISIBLE_DEVICES, VLLM_* switches).
     env: dict[str, str] = Field(default_factory=dict, description="environment variables for "

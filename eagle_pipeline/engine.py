@@ -213,7 +213,7 @@ def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any],
         flags += ["--max-num-batched-tokens", str(max_model_len)]
     # vLLM's default (256 or more sequences) sizes its sampler's profiling and its CUDA graphs for batches the
     # ranks never send; a capture is one prefill per request, which CUDA graphs (decode batches) never serve, so
-    # they would only hold memory the co-located trainer needs (eagle_pipeline/online/memory_plan.py).
+    # they would only hold memory the co-located trainer needs (eagle_pipeline/plan/memory.py).
     if "max_num_seqs" not in cfg.verifier.engine_args:
         flags += ["--max-num-seqs", str(requests_in_flight(cfg))]
     if not cfg.verifier.enforce_eager:  # server_args already passes it when the config sets it

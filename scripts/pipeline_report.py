@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from eagle_pipeline.config import load_config
-from eagle_pipeline.disk_plan import plan_table
 from eagle_pipeline.engine_starts import planned_target_starts, probe_starts
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.preconditions import check_host
+from eagle_pipeline.plan.disk import plan_table
+from eagle_pipeline.plan.preconditions import check_host
 from eagle_pipeline.serve.report import format_number, format_speedup, read_report
 from eagle_pipeline.stage import STAGES, read_stage_records
 

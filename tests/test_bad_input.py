@@ -324,7 +324,7 @@ CASES = [
                                         "data": {"num_samples": 2}},
      _prompts('{"id": "a", "prompt": "Name a colour."}\n{"id": "b", "prompt": "' + "many words " * 200 + '"}\n'),
      "01_generate_data.py", [], "data.num_samples: 2 conversations wanted but only 1 of the 2 prompts"),
-    # folders the config names, the target's heads, the disk budget (eagle_pipeline/preconditions.py)
+    # folders the config names, the target's heads, the disk budget (eagle_pipeline/plan/preconditions.py)
     *[(f"{key}-missing", {}, _set(f"{key}=/nonexistent/folder"), "01_generate_data.py", ["--dry-run"],
        f"{key}: /nonexistent/folder does not exist")
       for key in ("vocab.from_drafter", "train.init_from", "convert.reference_dir", "serve.drafter", "serve.baseline")],
@@ -375,7 +375,7 @@ CASES = [
 
 
 # A folder the config names is refused when missing by every stage's dry run, not only by the stage that reads it
-# (eagle_pipeline/preconditions.py): stage 01 is tried with each above; here each other stage with one of them.
+# (eagle_pipeline/plan/preconditions.py): stage 01 is tried with each above; here each other stage with one of them.
 REFERENCED_FOLDERS = ("vocab.from_drafter", "train.init_from", "convert.reference_dir", "serve.drafter", "serve.baseline")
 LATER_STAGES = ("02_extract_hidden.py", "03_build_vocab_map.py", "04_train.py", "05_convert.py", "06_serve_test.py")
 CASES += [(f"{key}-missing-for-{script[:2]}", {}, _set(f"{key}=/nonexistent/{key}"), script, ["--dry-run"],

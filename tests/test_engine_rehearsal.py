@@ -1,4 +1,4 @@
-"""The engine rehearsal (eagle_pipeline/engine_rehearsal.py): every engine a stage starts, configured by vLLM's own
+"""The engine rehearsal (eagle_pipeline/plan/rehearsal.py): every engine a stage starts, configured by vLLM's own
 code without loading a model, with the attention backend vLLM's selector returns for each kind of layer.
 
 The Kimi-K2.5 config (`configs/kimi-k2.5-10.yaml`, device cuda) is checked on this CPU machine against a tiny
@@ -51,7 +51,7 @@ def kimi_config(root: Path, name: str = "k", **sections):
 
 
 def test_every_engine_of_the_kimi_config_is_configured_by_cudas_selector(standin, capsys):
-    from eagle_pipeline.engine_rehearsal import before_first_load
+    from eagle_pipeline.plan.rehearsal import before_first_load
 
     before_first_load(kimi_config(standin), 1)  # stage 01 on the GPU host: every stage's engines
     out = capsys.readouterr().out
@@ -80,7 +80,7 @@ def test_stage_05_built_the_drafter_under_the_targets_mla_backend_which_cuda_ref
     as stage 06 serves it, CUDA accepts it."""
     from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
     from eagle_pipeline.engine import drafter_engine_settings, llm_kwargs
-    from eagle_pipeline.vllm_config_check import check_engine
+    from eagle_pipeline.plan.vllm_config import check_engine
 
     cfg = kimi_config(standin)
     drafter = write_released_standin(standin / "drafter", KIMI_STANDIN)
@@ -99,7 +99,7 @@ def test_stage_05_built_the_drafter_under_the_targets_mla_backend_which_cuda_ref
 
 
 def test_an_unset_drafter_backend_inherits_the_targets_on_runner_v2_and_is_refused(standin):
-    from eagle_pipeline.engine_rehearsal import check_engines
+    from eagle_pipeline.plan.rehearsal import check_engines
 
     cfg = kimi_config(standin, "unset", serve={"drafter_attention_backend": None})
     with pytest.raises(BadInput) as refusal:
@@ -114,7 +114,7 @@ def test_an_unset_drafter_backend_inherits_the_targets_on_runner_v2_and_is_refus
 
 
 def test_a_backend_this_machine_cannot_import_is_named_not_refused(standin):
-    from eagle_pipeline.engine_rehearsal import check_engines
+    from eagle_pipeline.plan.rehearsal import check_engines
 
     cfg = kimi_config(standin, "fi", verifier={"attention_backend": "FLASHINFER_MLA", "kv_cache_dtype": "fp8"})
     (done,) = check_engines(cfg, (1,), show=False)
@@ -125,7 +125,7 @@ def test_a_backend_this_machine_cannot_import_is_named_not_refused(standin):
 def test_the_cpu_mla_block_size_conflict_is_found_before_any_engine_starts(standin):
     """On the CPU, CPU_MLA takes KV blocks of 16 and the Llama drafter's CPU_ATTN multiples of 32: the EAGLE-3
     server cannot start (docs/engines.md, "The CPU MLA limit"); the rehearsal says so without starting it."""
-    from eagle_pipeline.engine_rehearsal import check_engines
+    from eagle_pipeline.plan.rehearsal import check_engines
 
     cfg = kimi_config(standin, "cpu").model_copy(update={"device": "cpu"})
     cfg = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"attention_backend": "CPU_MLA"}),
@@ -153,7 +153,7 @@ def test_an_mla_drafter_takes_cpu_mla_blocks_of_16_with_its_target(standin, tmp_
     the rehearsal accepts the EAGLE-3 server (docs/engines.md, "The CPU MLA limit")."""
     from released_drafter_standin import write_mla_standin
 
-    from eagle_pipeline.engine_rehearsal import check_engines
+    from eagle_pipeline.plan.rehearsal import check_engines
 
     drafter = write_mla_standin(tmp_path / "mla-drafter")
     cfg = kimi_config(standin, "cpu-mla", serve={"drafter": str(drafter)}).model_copy(update={"device": "cpu"})
@@ -175,7 +175,7 @@ def test_before_stage_05_the_rehearsal_plans_the_mla_drafter_train_draft_layer_a
     """Stage 05 has not run: the rehearsal plans the drafter stage 04 will train, so with train.draft_layer mla an
     Eagle3DeepseekV2ForCausalLM whose layers take CPU_MLA beside the CPU_MLA target (blocks of 16), where the
     Llama-shaped drafter the same settings would plan is refused for the block-size conflict."""
-    from eagle_pipeline.engine_rehearsal import check_engines
+    from eagle_pipeline.plan.rehearsal import check_engines
 
     def cpu(name: str, **train):
         cfg = kimi_config(standin, name, train=train, serve={"drafter_attention_backend": "CPU_MLA"})
@@ -201,7 +201,7 @@ def test_before_stage_05_the_rehearsal_plans_the_mla_drafter_train_draft_layer_a
 def test_on_the_gpu_host_the_planned_mla_drafter_takes_cudas_mla_backend(standin):
     """The same plan under CUDA's selector at the GPU host's sm_120: the MLA drafter's layers ask for an MLA
     backend, so the Kimi config's TRITON_ATTN (for its Llama-shaped drafter) is refused and TRITON_MLA taken."""
-    from eagle_pipeline.engine_rehearsal import check_engines
+    from eagle_pipeline.plan.rehearsal import check_engines
 
     with pytest.raises(BadInput) as refusal:
         check_engines(kimi_config(standin, "cuda-mla-attn", train=MLA_TRAIN), (5,), show=False)
@@ -215,7 +215,7 @@ def test_the_mla_fine_tune_configs_servers_are_accepted_by_cudas_selector(standi
     """configs/kimi-k2.5-10k-finetune-mla.yaml on the stand-in (its settings that the stand-in cannot take fitted as
     for the other Kimi configs, its drafter planned from the target): every stage 05 and 06 engine, its engine
     variants included, gets MLA backends CUDA accepts for target and drafter."""
-    from eagle_pipeline.engine_rehearsal import check_engines
+    from eagle_pipeline.plan.rehearsal import check_engines
 
     path = standin / "mla-finetune.yaml"
     path.write_text(yaml.safe_dump({

@@ -19,13 +19,14 @@ from conftest import write_config
 
 from eagle_pipeline.capture import kv_transfer_config
 from eagle_pipeline.config import load_config
-from eagle_pipeline.disk_plan import sample_bytes, window_bound
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.online import failure, kept, memory_plan, settings
+from eagle_pipeline.online import failure, kept, settings
 from eagle_pipeline.online.disk import PeakWatch
 from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
 from eagle_pipeline.online.servers import capture_label, parse_label
 from eagle_pipeline.online.session import plan_lines
+from eagle_pipeline.plan import memory as memory_plan
+from eagle_pipeline.plan.disk import sample_bytes, window_bound
 from eagle_pipeline.samples import sample_path, write_sample
 from patches import speculators_capture_stop
 from patches.upstream import source_sha256

@@ -1,4 +1,4 @@
-"""What every stage checks first (eagle_pipeline/preconditions.py): tensor parallelism against the target's heads,
+"""What every stage checks first (eagle_pipeline/plan/preconditions.py): tensor parallelism against the target's heads,
 the GPUs the host has, the folders the config names, the disk budget. The refusals through the stage scripts,
 with nothing written, are cases of tests/test_bad_input.py; these test each rule and how GPUs are counted."""
 
@@ -12,10 +12,11 @@ from unittest import mock
 import pytest
 from conftest import REPO, run_stage, run_stage_in_process, write_config
 
-from eagle_pipeline import disk_plan, preconditions
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.preconditions import check_gpu_count, check_parallel_split, parallel_split_problem
+from eagle_pipeline.plan import disk as disk_plan
+from eagle_pipeline.plan import preconditions
+from eagle_pipeline.plan.preconditions import check_gpu_count, check_parallel_split, parallel_split_problem
 from eagle_pipeline.stage import STAGES
 
 
@@ -193,7 +194,7 @@ def kimi_config(path, target, tmp_path, *overrides):
 
 @pytest.mark.parametrize("path", KIMI_CONFIGS, ids=lambda p: p.name)
 def test_every_kimi_configs_disk_budget_is_its_plan_with_room(path, kimi_target, tmp_path):
-    """disk_budget_gb of each Kimi config covers what eagle_pipeline/disk_plan.py plans for it, with at most 10%
+    """disk_budget_gb of each Kimi config covers what eagle_pipeline/plan/disk.py plans for it, with at most 10%
     room: a change to the plan or the config that leaves the budget behind (or far above) fails here."""
     cfg = kimi_config(path, kimi_target, tmp_path)
     plan = disk_plan.plan_for_config(cfg)

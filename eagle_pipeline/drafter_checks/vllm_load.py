@@ -110,7 +110,7 @@ def drafter_tensors(drafter_dir: str | Path):
 
 def drafter_build_config(vllm_config):
     """The config vLLM builds the drafter under (`vllm_config_check.draft_vllm_config`)."""
-    from eagle_pipeline.vllm_config_check import draft_vllm_config, model_runner
+    from eagle_pipeline.plan.vllm_config import draft_vllm_config, model_runner
 
     return draft_vllm_config(vllm_config, model_runner(vllm_config, simulated=False))
 

@@ -31,7 +31,7 @@ def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | No
     less free now. vLLM refuses to start when a GPU's free memory, after its own CUDA context, is below the share
     it is asked for (vllm/v1/worker/utils.py, request_memory), so that context is left aside, and the share is
     rounded down to hundredths."""
-    from eagle_pipeline.online.memory_plan import CUDA_CONTEXT_GIB, GIB
+    from eagle_pipeline.plan.memory import CUDA_CONTEXT_GIB, GIB
 
     if not free_bytes or not total_bytes:
         return planned
@@ -41,9 +41,9 @@ def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | No
 
 def free_share_reader(cfg) -> Callable[[], float] | None:
     """What `CaptureServer` asks before a restart on GPUs (None elsewhere): `share_free_now` of the run's share
-    over the GPUs this process may use, read with nvidia-smi (eagle_pipeline/online/memory_plan.py)."""
+    over the GPUs this process may use, read with nvidia-smi (eagle_pipeline/plan/memory.py)."""
     from eagle_pipeline.gpus import visible_gpus
-    from eagle_pipeline.online.memory_plan import capture_share, gpu_memory_bytes
+    from eagle_pipeline.plan.memory import capture_share, gpu_memory_bytes
 
     planned = capture_share(cfg)
     if planned is None:

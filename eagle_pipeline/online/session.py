@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.config import redact_url
-from eagle_pipeline.disk_plan import FILE_OVERHEAD_BYTES, sample_bytes, window_bound
 from eagle_pipeline.online import mooncake as mc
 from eagle_pipeline.online.client import CaptureClient, transfer_for
 from eagle_pipeline.online.disk import PeakWatch
@@ -35,7 +34,8 @@ from eagle_pipeline.online.servers import (
     server_kwargs_for,
 )
 from eagle_pipeline.online.settings import OnlineTraining, training_ranks
-from eagle_pipeline.preconditions import folder_bytes
+from eagle_pipeline.plan.disk import FILE_OVERHEAD_BYTES, sample_bytes, window_bound
+from eagle_pipeline.plan.preconditions import folder_bytes
 
 SCRATCH_DIR = "capture_scratch"  # where the file and fp8 connectors of local servers write the states in flight
 

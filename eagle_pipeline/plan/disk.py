@@ -1,5 +1,5 @@
 """How much disk a run needs, stage by stage: the one owner of the figures that dry runs print, that the budget
-check (eagle_pipeline.preconditions, `disk_budget_gb`) holds the run to, and that stages check against the free
+check (eagle_pipeline.plan.preconditions, `disk_budget_gb`) holds the run to, and that stages check against the free
 space before they write (eagle_pipeline.stage.check_disk).
 
 - stage 01: the conversations (token ids and text, CONVERSATION_BYTES_PER_TOKEN);

@@ -11,7 +11,7 @@ on the GPU (the reason CUDA refuses a named backend that the CPU platform silent
 
 It also holds the names the installed vLLM accepts (engine arguments, attention backends, KV-cache dtypes), which
 every config load checks (eagle_pipeline/config.py): read from vLLM's source files, not imported, since importing
-vLLM takes seconds. Everything else imports vLLM inside its functions; eagle_pipeline.engine_rehearsal calls them.
+vLLM takes seconds. Everything else imports vLLM inside its functions; eagle_pipeline.plan.rehearsal calls them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ each engine a stage starts (the answering engine, the hidden-state capture, the 
 servers of stage 06 and its capture, the capture servers of online training) is built here from exactly the
 arguments the stage will use, and handed to vLLM: `create_engine_config()`, then the backend vLLM's selector
 returns for each kind of layer in it (the target's, the drafter's) and the KV-cache block size they must share
-(eagle_pipeline/vllm_config_check.py). On the GPU host that is the real platform; on a machine without CUDA a
+(eagle_pipeline/plan/vllm_config.py). On the GPU host that is the real platform; on a machine without CUDA a
 config for CUDA is checked by CUDA's own selector at the host's compute capability.
 
 It runs in every dry run (the stage's engines) and again before the stage loads its first model; on the GPU
@@ -115,8 +115,8 @@ def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
         return converted
     from eagle_pipeline import atomic
     from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
-    from eagle_pipeline.disk_plan import planned_draft_dims
     from eagle_pipeline.drafter.layouts import MLA, NORM_FLAGS, SPECULATORS_TYPE_KEY
+    from eagle_pipeline.plan.disk import planned_draft_dims
 
     text = verifier.text_config()
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
@@ -257,7 +257,7 @@ class Rehearsed:
 
 def rehearse(cfg: RunConfig, stages: tuple[int, ...] | list[int]) -> list[Rehearsed]:
     """Every engine of `stages`, configured by vLLM (it imports vLLM; no model is loaded)."""
-    from eagle_pipeline.vllm_config_check import check_engine
+    from eagle_pipeline.plan.vllm_config import check_engine
 
     done = []
     with tempfile.TemporaryDirectory(prefix="engine-rehearsal-") as tmp:

@@ -12,7 +12,7 @@ model, the host and the folders it names.
   one, not only the stage that reads it, so that a mistyped path is found before hours of earlier stages;
 - stage 04 of an online run with `hidden_states.transfer: mooncake` finds the Mooncake package and programs;
 - the run folder stays within `disk_budget_gb`: refused when it already holds more, and when what this stage and
-  the later ones plan to write (eagle_pipeline.disk_plan: hidden states from stage 01's token counts, or before
+  the later ones plan to write (eagle_pipeline.plan.disk: hidden states from stage 01's token counts, or before
   stage 01 from data.num_samples x the expected tokens of a sample; checkpoints, converted folders, stage 06's
   captured states) would take it above. Dry run included, and before stage 01 starts.
 
@@ -230,7 +230,7 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
     if held > budget * GB:
         raise BadInput(f"disk_budget_gb: the run folder {run_dir} already holds {_amount(held)}, above disk_budget_gb "
                        f"({budget:g} GB); raise disk_budget_gb if the run needs more, or free space in it")
-    from eagle_pipeline.disk_plan import plan_for_config
+    from eagle_pipeline.plan.disk import plan_for_config
 
     try:
         plan = plan_for_config(cfg)

@@ -121,7 +121,7 @@ class DrafterShape:
 
     @classmethod
     def for_run(cls, cfg, verifier, n_aux: int) -> "DrafterShape":
-        from eagle_pipeline.disk_plan import planned_draft_dims
+        from eagle_pipeline.plan.disk import planned_draft_dims
 
         return cls.from_dims(planned_draft_dims(cfg, verifier, n_aux))
 
@@ -129,7 +129,7 @@ class DrafterShape:
     def from_dims(cls, dims) -> "DrafterShape":
         """speculators' EAGLE-3 drafter (`Eagle3DraftModel`), Llama-shaped or MLA: its first decoder layer reads
         2 x hidden."""
-        from eagle_pipeline.disk_plan import drafter_params, layer_params
+        from eagle_pipeline.plan.disk import drafter_params, layer_params
 
         hidden, draft_vocab = dims.hidden_size, dims.draft_vocab_size
         params = drafter_params(dims)  # with the embedding, not verifier_lm_head
