@@ -37,12 +37,14 @@ import time
 from pathlib import Path
 
 from eagle_pipeline import atomic, engine_starts, plots
+from eagle_pipeline.answering import answer_in_flight
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.embedded import EMBEDDED_PREFIX
-from eagle_pipeline.engine import target_engine_fingerprint
+from eagle_pipeline.engine import apply_engine_env, llm_kwargs, offline_engine, target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
+from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.prompt_filter import PromptFilter
 from eagle_pipeline.prompt_fit import (
     DROPPED_FILE,
@@ -213,10 +215,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         from tqdm import tqdm
         from vllm import SamplingParams
 
-        from eagle_pipeline.answering import answer_in_flight
-        from eagle_pipeline.engine import apply_engine_env, llm_kwargs, offline_engine
-        from eagle_pipeline.plan.rehearsal import before_first_load
-
         before_first_load(cfg, stage.number)
         apply_engine_env(cfg)
         with engine_starts.timed("answering engine"):
@@ -319,4 +317,4 @@ def run(stage: Stage, dry_run: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(1, __doc__, run)
+    main(1, __doc__, run, rehearsal=dry_run_lines)

@@ -28,10 +28,12 @@ import time
 from pathlib import Path
 
 from eagle_pipeline import atomic, plots
-from eagle_pipeline.engine import target_engine_fingerprint
+from eagle_pipeline.capture import HiddenStateCapture, capture_memory_line, capture_sizing
+from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs, target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.plan.disk import amount, later_stages_bytes, plan_run, same_disk
+from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.samples import (
     SAMPLES_DIR,
     estimate_bytes,
@@ -39,6 +41,7 @@ from eagle_pipeline.samples import (
     sample_files,
     sample_matches,
     sample_path,
+    write_sample,
 )
 from eagle_pipeline.sequences import training_sequence
 from eagle_pipeline.stage import (
@@ -121,7 +124,6 @@ def plan_without_conversations(stage: Stage) -> None:
     print(f"  disk: ~{amount(expected.bytes)} of hidden states {expected.detail} ({need / max_tokens / 1e3:.1f} "
           f"KB/token), at most ~{need / 1e9:.1f} GB (every conversation at hidden_states.max_seq_len "
           f"{cfg.hidden_states.max_seq_len}), under {stage.dir}; stage 02 also reserves {what}")
-    from eagle_pipeline.capture import capture_memory_line
 
     print(capture_memory_line(cfg, layout.num_hidden_states, layout.hidden_size,
                               cfg.hidden_states.max_seq_len) + " (at most)")
@@ -169,7 +171,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         later, what = later_stages_bytes(cfg, verifier, layout)
         print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} "
               f"KB/token) under {stage.dir}, plus {what} reserved")
-        from eagle_pipeline.capture import capture_memory_line
 
         print(capture_memory_line(cfg, num_states, hidden_size, max((r["seq_len"] for r in rows), default=1)))
         return
@@ -231,11 +232,6 @@ def run(stage: Stage, dry_run: bool) -> None:
     capture_seconds = 0.0
     if todo:
         from tqdm import tqdm
-
-        from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
-        from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
-        from eagle_pipeline.plan.rehearsal import before_first_load
-        from eagle_pipeline.samples import write_sample
 
         before_first_load(cfg, stage.number)
         apply_engine_env(cfg)
@@ -327,4 +323,4 @@ def finish_online(stage: Stage, rows: list[dict], verifier: Verifier, layout) ->
 
 
 if __name__ == "__main__":
-    main(2, __doc__, run)
+    main(2, __doc__, run, rehearsal=dry_run_lines)

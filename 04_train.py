@@ -34,9 +34,13 @@ from eagle_pipeline.drafter.layouts import MLA
 from eagle_pipeline.drafter.tensors import mla_attention_shapes
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
+from eagle_pipeline.online.disk import window_bound
+from eagle_pipeline.online.failure import CaptureUnavailable, capture_failure
+from eagle_pipeline.online.session import OnlineSession, check_named_endpoints, dataset_rows, plan_lines
 from eagle_pipeline.online.settings import OnlineTraining
-from eagle_pipeline.plan.disk import drafter_params, planned_draft_dims, training_bytes, window_bound
-from eagle_pipeline.plan.memory import trainer_memory_line
+from eagle_pipeline.plan.disk import drafter_params, planned_draft_dims, training_bytes
+from eagle_pipeline.plan.memory import run_plan_lines, trainer_memory_line
+from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (
     Stage,
@@ -50,11 +54,13 @@ from eagle_pipeline.stage import (
     require_sample_layout,
     upstream_fingerprint,
 )
+from eagle_pipeline.train import launch, runner
 from eagle_pipeline.train.checkpoints import stopped_early
 from eagle_pipeline.train.draft_config import check_draft_shape, check_same_vocab_map
 from eagle_pipeline.train.finite_guard import stopped_reason
 from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
+from eagle_pipeline.train.topic_split import dataset_topics, split_by_topic
 from eagle_pipeline.verifier import Verifier
 
 INIT_FROM_DIR = "init_from"  # a flat train.init_from in speculators' layout
@@ -93,9 +99,6 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[FlatDr
 def online_session(cfg, stage: Stage, train_run: TrainRun, verifier: Verifier, layout):
     """Stage 04's online part around training (eagle_pipeline/online/session.py), for the rows and validation
     split this run trains on."""
-    from eagle_pipeline.online.session import OnlineSession, dataset_rows
-    from eagle_pipeline.train.topic_split import dataset_topics, split_by_topic
-
     rows = dataset_rows(train_run.data_dir)
     # as runner.prepare splits
     split = split_by_topic(dataset_topics(train_run.data_dir), cfg.train.val_ratio, cfg.seed)
@@ -160,13 +163,9 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  init_from {t.init_from or '(scratch)'}{init_note}; "
               f"checkpoints ~{need / 1e9:.2f} GB under {stage.dir}")
         if online:
-            from eagle_pipeline.online.session import plan_lines
-            from eagle_pipeline.plan.memory import run_plan_lines
-
             print("\n".join(plan_lines(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
                             + run_plan_lines(cfg, verifier, layout)))
             if cfg.hidden_states.capture_endpoints:  # asked now, as the run asks them before it writes anything
-                from eagle_pipeline.online.session import check_named_endpoints, dataset_rows
 
                 rows = None if planning else dataset_rows(cfg.stage_dir("02_extract_hidden") / "data")
                 check_named_endpoints(cfg, verifier, layout, rows)
@@ -210,11 +209,9 @@ def run(stage: Stage, dry_run: bool) -> None:
             check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states,
                                 layout.hidden_size, cfg.seed)
         elif cfg.hidden_states.capture_endpoints:  # servers elsewhere: the target, layer ids and connector each serves
-            from eagle_pipeline.online.session import check_named_endpoints, dataset_rows
 
             check_named_endpoints(cfg, verifier, layout, dataset_rows(train_run.data_dir))
         else:  # the capture server this stage starts, configured by vLLM's own code before it loads the target
-            from eagle_pipeline.plan.rehearsal import before_first_load
 
             before_first_load(cfg, stage.number)
         check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest
@@ -225,8 +222,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         if done == t.epochs or stopped_early(stage.dir, t.early_stop_patience, t.select_by):
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return
-
-    from eagle_pipeline.train import launch, runner
 
     if released:
         import numpy as np
@@ -250,7 +245,6 @@ def run(stage: Stage, dry_run: bool) -> None:
                 reason = stopped_reason(stage.dir)  # the ranks stopped themselves (a loss that is not finite)
                 if reason:
                     raise BadInput(reason)
-                from eagle_pipeline.online.failure import CaptureUnavailable, capture_failure
 
                 if online and capture_failure(stage.dir):  # a capture server stayed away
                     raise CaptureUnavailable(capture_failure(stage.dir))
@@ -284,4 +278,4 @@ def run(stage: Stage, dry_run: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(4, __doc__, run)
+    main(4, __doc__, run, rehearsal=dry_run_lines)

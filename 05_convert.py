@@ -26,8 +26,10 @@ import sys
 
 from eagle_pipeline import atomic, convert, drafter_checks
 from eagle_pipeline.chat_template import chat_template_kwargs
+from eagle_pipeline.engine import drafter_engine_settings, engine_env, llm_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
+from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.prompts import load_prompts
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (
@@ -40,6 +42,7 @@ from eagle_pipeline.stage import (
     require_sample_layout,
     upstream_fingerprint,
 )
+from eagle_pipeline.train.predicted_acceptance import validation_conversations
 from eagle_pipeline.verifier import Verifier
 
 
@@ -103,11 +106,11 @@ def run(stage: Stage, dry_run: bool) -> None:
                                                               cfg.data.prompt_field,
                                                                "data.eval_prompts")[: c.parity_prompts]]
 
-    def readable_checkpoint() -> None:  # a checkpoint without weights is refused before any write
+    def before_writing() -> None:  # a checkpoint without weights, and an engine vLLM refuses, before any write
         convert.read_speculators_checkpoint(checkpoint)
+        before_first_load(cfg, 5)
 
-    # The engines vLLM will be asked for are rehearsed too, before anything is written.
-    if stage.begin(inputs, before_writing=readable_checkpoint, rehearse=True) is Start.ALREADY_COMPLETE:
+    if stage.begin(inputs, before_writing=before_writing) is Start.ALREADY_COMPLETE:
         print(f"stage 05 already complete for these inputs: {stage.dir}")
         return
 
@@ -121,12 +124,9 @@ def run(stage: Stage, dry_run: bool) -> None:
     print(f"converted {checkpoint} -> {vllm_dir}")
 
     # -- verify with vLLM's own code --------------------------------------------------------------
-    from eagle_pipeline.engine import drafter_engine_settings, engine_env, llm_kwargs
 
     parity_conversations = None
     if c.parity == "replay":
-        from eagle_pipeline.train.predicted_acceptance import validation_conversations
-
         parity_conversations = validation_conversations(cfg.stage_dir("02_extract_hidden") / "data",
                                                         cfg.stage_dir("04_train"), c.parity_prompts)
 
@@ -165,4 +165,4 @@ def run(stage: Stage, dry_run: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(5, __doc__, run)
+    main(5, __doc__, run, rehearsal=dry_run_lines)

@@ -29,19 +29,35 @@ When the diagnosis names the engine, `serve.engine_variants` are served with the
 import json
 import sys
 
+from eagle_pipeline.capture import capture_memory_line
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.drafter.folder import check_weights_whole
+from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
+from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
 from eagle_pipeline.plan.preconditions import speculation_warnings
+from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.prompts import load_prompts
+from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.serve.baseline import (
     BASELINE_DIR,
+    baseline_states,
     kept_baseline,
     load_baseline,
     merge_baseline,
     save_baseline_answers,
     save_baseline_states,
+)
+from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
+from eagle_pipeline.serve.measure import measure_modes
+from eagle_pipeline.serve.plan import (
+    SCHEDULE_MODE,
+    plan_serving,
+    plan_speculative_config,
+    served_by,
+    serving_plan,
+    sweep_plan_line,
 )
 from eagle_pipeline.serve.report import (
     SERVED_DIR,
@@ -117,7 +133,6 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"{s.temperature}, concurrency {s.concurrency}, "
               f"tensor_parallel={cfg.verifier.tensor_parallel_size}; floor {s.min_acceptance_length}"
               + (f"; no-speculation answers from {s.baseline}" if s.baseline else ""))
-        from eagle_pipeline.serve.plan import sweep_plan_line
 
         print(sweep_plan_line(s.concurrency_levels, modes, len(prompts), s.max_tokens, s.confirm_schedule, cfg.device,
                               configured=bool(s.num_speculative_tokens_per_batch_size)))
@@ -161,7 +176,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     # baseline it reads is kept, not deleted with the rest.
     own_baseline = s.baseline is not None and cfg.resolve_path(s.baseline).resolve() == stage.dir.resolve()
     # The engines vLLM will be asked for are rehearsed before anything is written.
-    if stage.begin(inputs, keep=(BASELINE_DIR,) if own_baseline else (), rehearse=True) is Start.ALREADY_COMPLETE:
+    if stage.begin(inputs, keep=(BASELINE_DIR,) if own_baseline else (),
+                   before_writing=lambda: before_first_load(cfg, 6)) is Start.ALREADY_COMPLETE:
         report = read_report(stage.dir / "report.json")
         ok, message = verdict(report, s.min_acceptance_length)
         print(f"stage 06 already complete for these inputs: {stage.dir}\n{message}")
@@ -253,10 +269,6 @@ def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwa
     those `measured` holds (records of an earlier run); the eagle3 server's engine facts beside, in its record too.
     `on_measured(mode, record)`: as in `measure_modes`; `num_speculative_tokens` and `schedule` (the "schedule"
     mode's) default to serve.num_speculative_tokens and none."""
-    from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
-    from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
-    from eagle_pipeline.serve.measure import measure_modes
-
     s = cfg.serve
     kwargs = server_kwargs(cfg)
     kwargs["env"] = server_env(cfg, kwargs["env"])
@@ -287,8 +299,6 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
     """The serving plan chosen from the served levels (eagle_pipeline/serve/plan.py), its schedule served once to
     confirm it unless a mode already served it (kept in served/schedule.json under the schedule it served, so a
     rerun serves it only once), and the `vllm serve` command; (report.json's `serving_plan`, served now)."""
-    from eagle_pipeline.serve.plan import SCHEDULE_MODE, plan_serving, plan_speculative_config, served_by, serving_plan
-
     s = cfg.serve
     plan = plan_serving(report["modes"], s.concurrency_levels, s.num_speculative_tokens,
                         s.num_speculative_tokens_per_batch_size)
@@ -313,7 +323,6 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
             confirmed = {"summary": served["modes"][SCHEDULE_MODE], "texts": served["texts"][SCHEDULE_MODE]}
             served_now = True
         confirmed_by = SCHEDULE_MODE
-    from eagle_pipeline.engine import server_kwargs
 
     return serving_plan(plan, report, cfg, spec, confirmed_by, confirmed, server_kwargs(cfg), target), served_now
 
@@ -343,10 +352,7 @@ def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: 
 
 def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     """The dry run's line on the replay's capture engine: the layers it captures and their memory."""
-    from eagle_pipeline.capture import capture_memory_line
-    from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
     from eagle_pipeline.predict.diagnose import capture_ids, readings
-    from eagle_pipeline.samples import planned_sample_layout
 
     verifier = Verifier.from_config(cfg)
     num_layers = verifier.num_layers
@@ -376,7 +382,6 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
         served_checkpoint,
         trained_plan,
     )
-    from eagle_pipeline.serve.baseline import baseline_states
     from eagle_pipeline.state_meaning import check_replay_states, target_head_for
 
     s = cfg.serve
@@ -431,4 +436,4 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
 
 
 if __name__ == "__main__":
-    main(6, __doc__, run)
+    main(6, __doc__, run, rehearsal=dry_run_lines)

@@ -99,7 +99,7 @@ def last_checkpoint(work: Path, arm: str, figures: dict) -> Path:
 
 def per_conversation_lengths(checkpoint: Path, conversations, draft_tokens: int) -> list[float]:
     """Predicted acceptance length of each conversation (1 + mean accepted drafts over its chains)."""
-    from eagle_pipeline.predict import predict_acceptance
+    from eagle_pipeline.predict.acceptance import predict_acceptance
 
     result = predict_acceptance(checkpoint, conversations, draft_tokens, record_chains=True)
     accepted: dict[int, list[int]] = {}

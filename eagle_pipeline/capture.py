@@ -23,19 +23,23 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline import atomic, engine_starts
+from eagle_pipeline.engine import offline_engine
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import capture_layer_ids
-from eagle_pipeline.plan.disk import ENGINE_DTYPE_BYTES
 from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
+
+if TYPE_CHECKING:
+    import torch
 
 CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
 # The step after a batch ends hands every pending write to the connector; this is a bound, not a wait.
 MAX_STEPS_TO_WRITE = 100
+
+# A capture engine's states come out in verifier.dtype; `auto` counts as the bf16 most checkpoints carry.
+ENGINE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def capture_sizing(longest_sequence: int) -> dict[str, int]:
@@ -180,8 +184,6 @@ class HiddenStateCapture:
         return args
 
     def __enter__(self) -> "HiddenStateCapture":
-        from eagle_pipeline.engine import offline_engine
-
         if self._requested_storage_path is None:
             self.storage_path = Path(tempfile.mkdtemp(prefix="hs-capture-"))
             self._owns_storage = True
@@ -238,6 +240,7 @@ class HiddenStateCapture:
 
     def capture(self, batch: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
         """Hidden states for each token id list, in order: dicts with `hidden_states` and `token_ids`."""
+        import torch
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,

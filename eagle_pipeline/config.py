@@ -39,8 +39,8 @@ from eagle_pipeline.config_file import Origins, read_config_file
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.layer_ids import order_problem
-from eagle_pipeline.plan.vllm_config import check_attention_backend, check_kv_cache_dtype, vllm_engine_arg_names
 from eagle_pipeline.samples import StorageDtype
+from eagle_pipeline.vllm_config import check_attention_backend, check_kv_cache_dtype, vllm_engine_arg_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The one list of the stages: folder `<run>/<name>/` (RunConfig.stage_dir), script `<name>.py`. scripts/launch.sh
@@ -233,7 +233,7 @@ class Section(BaseModel):
         return value
 
 
-# vLLM's names, checked against the installed vLLM when the config loads (eagle_pipeline/plan/vllm_config.py).
+# vLLM's names, checked against the installed vLLM when the config loads (eagle_pipeline/vllm_config.py).
 AttentionBackend = Annotated[str, AfterValidator(lambda name: check_attention_backend(name))]
 KvCacheDtype = Annotated[str, AfterValidator(lambda dtype: check_kv_cache_dtype(dtype))]
 

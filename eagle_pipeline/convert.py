@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.atomic import atomic_dir
 from eagle_pipeline.drafter.folder import SpeculatorsCheckpoint, read_speculators_checkpoint, target_vocab
@@ -43,6 +41,9 @@ from eagle_pipeline.drafter.layouts import (
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import to_convention
 from eagle_pipeline.vocab_map import check_vocab_map
+
+if TYPE_CHECKING:
+    import torch
 
 # The layout each engine's folder is written in (drafter.layouts.WEIGHT_NAMES).
 ENGINE_LAYOUTS = {"vllm": FLAT, "sglang": SGLANG}

@@ -48,6 +48,13 @@ def converted_path(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path | None:
     return target if (target / "conversion.json").exists() else None
 
 
+def not_converted_yet(verifier_path: str) -> bool:
+    """Whether `verifier_path` names an embedded model not converted yet: its shape is read once stage 01 has
+    converted it (a dry run converts nothing)."""
+    name = verifier_path.removeprefix(EMBEDDED_PREFIX)
+    return name != verifier_path and converted_path(name) is None
+
+
 def materialize(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
     """Return an HF directory for the embedded model, converting the GGUF file on first use."""
     source = gguf_path(name)

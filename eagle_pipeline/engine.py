@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from eagle_pipeline.config import RunConfig
+from eagle_pipeline.fingerprint import value_fingerprint
 
 # vLLM's switch between its model runners; unset leaves vLLM's own choice (V2 on GPUs with Triton).
 MODEL_RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
@@ -86,8 +87,6 @@ def target_engine_fingerprint(cfg: RunConfig, dtype: str | None) -> str:
     """How the target's numbers are computed, as one stage input (`engine`): the dtype (stage 01's generation
     dtype; verifier.dtype for stage 02 and the online capture servers), the engine settings and the extra engine
     arguments. A change to any of them recomputes what the target wrote."""
-    from eagle_pipeline.fingerprint import value_fingerprint
-
     return value_fingerprint([dtype, target_engine_settings(cfg), cfg.verifier.engine_args])
 
 
@@ -193,39 +192,6 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
         "model": target,
         "speculative_config": eagle3_speculative_config(drafter, num_speculative_tokens, drafter_settings),
     }
-
-
-def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any], kv_transfer_config: dict[str, Any],
-                          served_model_names: list[str], max_model_len: int,
-                          listen_host: str | None = None) -> dict[str, Any]:
-    """`VllmServer` arguments for a hidden-state capture server of the target (online training): the served
-    target's settings (`server_kwargs`) with the capture method and connector (eagle_pipeline/capture.py), no
-    prefix caching (each request is a one-off prefill whose states must be its own), a batch of one longest
-    sequence, at most as many sequences as the training ranks ask for at once (hidden_states.online_window x
-    ranks), no CUDA graphs, the names it answers to (speculators asks for the first), and `listen_host` for servers
-    that other hosts reach."""
-    from eagle_pipeline.online.settings import requests_in_flight
-
-    kwargs = server_kwargs(cfg)
-    flags = ["--kv-transfer-config", json.dumps(kv_transfer_config), "--no-enable-prefix-caching",
-             "--served-model-name", *served_model_names]
-    if "max_num_batched_tokens" not in cfg.verifier.engine_args:  # verifier.engine_args may size the batch otherwise
-        flags += ["--max-num-batched-tokens", str(max_model_len)]
-    # vLLM's default (256 or more sequences) sizes its sampler's profiling and its CUDA graphs for batches the
-    # ranks never send; a capture is one prefill per request, which CUDA graphs (decode batches) never serve, so
-    # they would only hold memory the co-located trainer needs (eagle_pipeline/plan/memory.py).
-    if "max_num_seqs" not in cfg.verifier.engine_args:
-        flags += ["--max-num-seqs", str(requests_in_flight(cfg))]
-    if not cfg.verifier.enforce_eager:  # server_args already passes it when the config sets it
-        flags.append("--enforce-eager")
-    share = cfg.hidden_states.capture_gpu_memory_utilization
-    # After server_args' verifier.gpu_memory_utilization: the last one counts.
-    if cfg.device == "cuda" and share is not None:
-        flags += ["--gpu-memory-utilization", str(share)]
-    if listen_host is not None:
-        flags += ["--host", listen_host]  # after serve_flags' own --host: the last one counts
-    return {**kwargs, "max_model_len": max_model_len, "speculative_config": speculative_config,
-            "extra_args": [*kwargs["extra_args"], *flags]}
 
 
 def capture_engine_kwargs(cfg: RunConfig) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from eagle_pipeline.config import STAGES
+
 # This process's starts, in order; a stage runs in one process, so these are the stage's.
 STARTS: list[dict[str, Any]] = []
 
@@ -44,8 +46,6 @@ def planned_target_starts(cfg) -> dict[str, int]:
     06's engine probe counts only where it always runs (`serve.probe_engine: always`): otherwise it serves
     its `serve.engine_variants` only when served and predicted acceptance disagree with no config mistake to
     blame (`probe_starts`)."""
-    from eagle_pipeline.config import STAGES
-
     s = cfg.serve
     served = (s.baseline is None) + s.ngram_baseline + 1  # none (unless a kept baseline answers), n-gram, EAGLE-3
     # The chosen schedule's server, counted where it may start: it does not where the choice is a setting already

@@ -13,6 +13,9 @@ import subprocess
 from typing import List, Optional, Sequence, Tuple
 
 NOT_ON_PATH = "nvidia-smi is not on PATH"
+GIB = 2**30
+# What a CUDA process holds outside PyTorch's allocator: context, cuBLAS workspaces, NCCL buffers.
+CUDA_CONTEXT_GIB = 1.5
 
 
 def run_nvidia_smi(args: Sequence[str], timeout: float = 60) -> Tuple[str, Optional[str]]:
@@ -61,3 +64,13 @@ def visible_gpus() -> Optional[List[str]]:
         return [d.strip() for d in visible.split(",") if d.strip()]
     count, _ = listed_count()
     return [str(i) for i in range(count)] or None
+
+
+def gpu_memory_bytes(field: str = "memory.total", gpus: Sequence[str] | None = None) -> int | None:
+    """The smallest figure among the GPUs `gpus` (nvidia-smi's indices or UUIDs; all of them when None) of
+    nvidia-smi's `field` (memory.total, memory.free), None without nvidia-smi."""
+    rows, problem = query([field], gpus, timeout=30)
+    try:
+        return min(int(row[0]) for row in rows) * 2**20 if problem is None else None
+    except ValueError:  # no GPU listed, or a figure that is not a number ("[N/A]")
+        return None

@@ -29,6 +29,7 @@ from eagle_pipeline import atomic
 from eagle_pipeline.config import STAGES
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
+from eagle_pipeline.samples import read_header
 
 HASH_LIMIT = 1 << 20
 ENDS = 64 << 10
@@ -70,7 +71,6 @@ def _digest(path: Path, check: str, size: int) -> str | None:
 
 def _check_safetensors_header(path: Path, size: int) -> None:
     # samples.read_header owns the header format; imported here to keep this module free of torch.
-    from eagle_pipeline.samples import read_header
 
     try:
         header, offset = read_header(path)
@@ -178,3 +178,15 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
         if problem:
             raise BadInput(f"{path}: manifest {problem}; {fix}")
     return manifest
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (links not followed); 0 when it does not exist."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:  # removed while walking
+                pass
+    return total

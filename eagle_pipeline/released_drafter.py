@@ -40,6 +40,7 @@ from eagle_pipeline.drafter.folder import (
     target_vocab,
 )
 from eagle_pipeline.drafter.layouts import EMBED_KEY, MLA
+from eagle_pipeline.drafter.to_speculators import write_speculators_folder as write_folder
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import from_convention
 from eagle_pipeline.verifier import target_embedding
@@ -163,8 +164,6 @@ def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_di
     """The drafter in speculators' layout for fine-tuning, written atomically; `layer_ids` are HF indices.
     `vocab_map` (stage 03's d2t, t2d) maps a full-vocabulary drafter to that draft vocabulary when it is smaller.
     Returns what was written, for the manifest."""
-    from eagle_pipeline.drafter.to_speculators import write_speculators_folder as write_folder
-
     tensors = read_drafter_tensors(drafter)
     tensors.pop(EMBED_KEY, None)  # the target's embedding is used (module docstring)
     config, note = drafter.config, {}

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 from eagle_pipeline import atomic, engine_starts, locks, outputs
 from eagle_pipeline.config import STAGES, RunConfig, dump_config, load_config
-from eagle_pipeline.errors import BadInput
+from eagle_pipeline.errors import BadInput, Terminated
 from eagle_pipeline.fingerprint import value_fingerprint
 from eagle_pipeline.outputs import read_manifest
 from eagle_pipeline.plan import preconditions
@@ -252,13 +252,13 @@ class Stage:
         return Start.STARTED
 
     def begin(self, inputs: dict[str, Any], samples: int | None = None, keep: tuple[str, ...] = (),
-              before_writing: Callable[[], None] | None = None, rehearse: bool = False) -> "Start":
+              before_writing: Callable[[], None] | None = None) -> "Start":
         """The steps from a stage's inputs to its work, the same in every stage, each stage saying what differs.
 
         An output made from other inputs is refused first (`check_unchanged`). Unless the output is complete for
-        these inputs, the stage's own checks (`before_writing`) and, with `rehearse`, the rehearsal of the engines
-        it starts (eagle_pipeline.plan.rehearsal.before_first_load) refuse what they find before anything is
-        written; then `start` (`samples`, `keep`: as there). ALREADY_COMPLETE: nothing was written.
+        these inputs, the stage's own checks (`before_writing`: stages 05 and 06 rehearse their engines there,
+        eagle_pipeline/plan/rehearsal.py) refuse what they find before anything is written; then `start`
+        (`samples`, `keep`: as there). ALREADY_COMPLETE: nothing was written.
         """
         self.check_unchanged(inputs, samples)
         if self.already_complete(inputs, samples):
@@ -266,10 +266,6 @@ class Stage:
             return Start.ALREADY_COMPLETE
         if before_writing is not None:
             before_writing()
-        if rehearse:
-            from eagle_pipeline.plan.rehearsal import before_first_load
-
-            before_first_load(self.cfg, self.number)
         return self.start(inputs, samples=samples, keep=keep)
 
     def check_unchanged(self, inputs: dict[str, Any], samples: int | None = None) -> dict[str, Any] | None:
@@ -360,10 +356,6 @@ def setup_logging(log_path: Path | None) -> None:
     logging.raiseExceptions = False
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (`scripts/remote.sh stop`, a scheduler, a shutdown): handled like Ctrl-C."""
-
-
 def disk_full_error(error: BaseException) -> OSError | None:
     """The ENOSPC behind `error`: itself, or one it was raised from (safetensors and datasets wrap it). numpy's
     `tofile` loses the errno altogether (`OSError: [Errno None] None: <file>`), so a write error without one is
@@ -433,9 +425,11 @@ def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 
 
-def main(number: int, description: str, body: Callable[[Stage, bool], None], argv: list[str] | None = None) -> None:
+def main(number: int, description: str, body: Callable[[Stage, bool], None], argv: list[str] | None = None,
+         rehearsal: Callable[[RunConfig, int], None] | None = None) -> None:
     """Parse the command line, load the config, make the checks every stage makes first
-    (preconditions.check_preconditions) and run `body(stage, dry_run)` with the exit-code contract.
+    (preconditions.check_preconditions) and run `body(stage, dry_run)` with the exit-code contract. A dry run
+    ends with `rehearsal(cfg, number)`: a stage that starts vLLM engines passes plan.rehearsal.dry_run_lines.
 
     A real run (not `--dry-run`) holds the stage's lock, and on a GPU host the locks of the GPUs it may use,
     until it ends (eagle_pipeline/locks.py)."""
@@ -468,10 +462,8 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
                 with preconditions.host_shortfall_last(report=os.environ.get("EAGLE_DRY_RUN_HOST") != "later"):
                     preconditions.check_preconditions(cfg, number)
                     body(stage, True)
-                    # Every engine the stage would start, configured by vLLM's own code (no model loads).
-                    from eagle_pipeline.plan.rehearsal import dry_run_lines
-
-                    dry_run_lines(cfg, number)
+                    if rehearsal is not None:  # every engine the stage would start, configured by vLLM's code
+                        rehearsal(cfg, number)
             else:
                 preconditions.check_preconditions(cfg, number)
                 body(stage, False)

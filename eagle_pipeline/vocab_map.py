@@ -9,17 +9,22 @@ checkpoint being converted), as a drafter's safetensors files, or as stage 03's 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from eagle_pipeline.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
 
 
 def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> list[str]:
     """What is wrong with the pair, each message ending in what to do; empty when it is sound.
 
     Stops at the first problem: each rule needs the ones before it to hold (shapes before indexing)."""
+    import torch
+
     if d2t.dtype != torch.int64:
         return [f"d2t has dtype {d2t.dtype}, expected int64; rebuild the vocab map (stage 03)"]
     if t2d.dtype != torch.bool:
@@ -87,6 +92,8 @@ def load_vocab_map(d2t_path: str | Path, t2d_path: str | Path,
         raise BadInput(f"{d2t_path}: expected a 1-D int64 array (offsets), got {d2t.dtype} {d2t.shape}")
     if t2d.ndim != 1 or t2d.dtype != np.bool_:
         raise BadInput(f"{t2d_path}: expected a 1-D bool array, got {t2d.dtype} {t2d.shape}")
+    import torch
+
     # The pair is judged at its own sizes first, so that a map built for another verifier is named as such.
     check_vocab_map(torch.from_numpy(d2t), torch.from_numpy(t2d), t2d.shape[0], d2t.shape[0], str(d2t_path))
     if vocab_size is not None and t2d.shape[0] != vocab_size:

@@ -53,7 +53,8 @@ def run_stage_in_process(script: str, config: Path, capsys, *args: str) -> tuple
     module = stage_module(script)
     capsys.readouterr()
     try:
-        main(int(script[:2]), module.__doc__, module.run, ["--config", str(config), *args])
+        main(int(script[:2]), module.__doc__, module.run, ["--config", str(config), *args],
+             rehearsal=getattr(module, "dry_run_lines", None))
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1

@@ -479,8 +479,9 @@ def test_a_flat_folder_replays_exactly_as_the_checkpoint_it_was_converted_from(t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eagle_pipeline.convert import convert_for_vllm
-    from eagle_pipeline.predict import SpeculatorsDrafter, draft_table, load_drafter
     from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
+    from eagle_pipeline.predict.simulate import draft_table
+    from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, load_drafter
 
     torch.manual_seed(0)
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

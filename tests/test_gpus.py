@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from eagle_pipeline import gpus
-from eagle_pipeline.plan.memory import gpu_memory_bytes
+from eagle_pipeline.gpus import gpu_memory_bytes
 
 
 def stub(folder: Path, body: str) -> Path:

@@ -313,7 +313,7 @@ def test_stage_04_trains_an_mla_drafter_whose_checkpoint_has_the_contracts_tenso
 
 
 def test_the_offline_replay_drives_an_mla_checkpoint_through_its_latent_cache(mla_trained):
-    from eagle_pipeline.predict import SpeculatorsDrafter, load_drafter, teacher_forced_drafts
+    from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, load_drafter, teacher_forced_drafts
 
     checkpoint = mla_trained["out"] / mla_trained["summary"]["last"]["checkpoint"]
     model = load_drafter(checkpoint)
@@ -340,8 +340,7 @@ def test_a_checkpoint_written_where_vllm_renamed_deepseek_v3_to_kimi_k2_loads_ba
     replay are written there. Such a checkpoint must load as the MLA drafter it is."""
     from transformers import DeepseekV3Config
 
-    from eagle_pipeline.predict import load_drafter
-    from eagle_pipeline.predict.speculators_drafter import mla_attention
+    from eagle_pipeline.predict.speculators_drafter import load_drafter, mla_attention
 
     checkpoint = mla_trained["out"] / mla_trained["summary"]["last"]["checkpoint"]
     monkeypatch.setattr(DeepseekV3Config, "model_type", "kimi_k2")  # what vLLM does to the class

@@ -16,7 +16,7 @@ from test_mla_drafter import HIDDEN, YARN, draft_model, layer_config
 from test_training import VOCAB
 
 from eagle_pipeline.predict import diagnose as dx
-from eagle_pipeline.predict import simulate_variants
+from eagle_pipeline.predict.acceptance import simulate_variants
 from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, checkpoint_flags, mla_attention
 from eagle_pipeline.predict.variants import Variant, standard_variants
 

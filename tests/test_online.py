@@ -21,12 +21,11 @@ from eagle_pipeline.capture import kv_transfer_config
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.online import failure, kept, settings
-from eagle_pipeline.online.disk import PeakWatch
+from eagle_pipeline.online.disk import PeakWatch, sample_bytes, window_bound
 from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
 from eagle_pipeline.online.servers import capture_label, parse_label
 from eagle_pipeline.online.session import plan_lines
 from eagle_pipeline.plan import memory as memory_plan
-from eagle_pipeline.plan.disk import sample_bytes, window_bound
 from eagle_pipeline.samples import sample_path, write_sample
 from patches import speculators_capture_stop
 from patches.upstream import source_sha256
@@ -95,7 +94,7 @@ def test_a_connector_without_its_destination_is_refused(tmp_path):
 
 
 def test_capture_server_flags(tmp_path):
-    from eagle_pipeline.engine import capture_server_kwargs
+    from eagle_pipeline.online.servers import capture_server_kwargs
 
     cfg = _load(tmp_path, mode="online")
     kwargs = capture_server_kwargs(cfg, speculative_config={"method": "extract_hidden_states"},
@@ -144,7 +143,7 @@ def test_a_restarted_capture_server_asks_for_what_is_free_then(tmp_path, monkeyp
     assert servers.share_free_now(0.80, None, None) == 0.80  # nothing read: as planned
     gpu = load_config(write_config(tmp_path / "g.yaml", data_root=str(tmp_path / "d"), run_name="t", device="cuda",
                                    hidden_states={"mode": "online", "capture_gpu_memory_utilization": 0.8}))
-    assert memory_plan.capture_share(gpu) == 0.8 and servers.free_share_reader(_load(tmp_path, mode="online")) is None
+    assert servers.capture_share(gpu) == 0.8 and servers.free_share_reader(_load(tmp_path, mode="online")) is None
 
     class Server:  # a VllmServer that dies once, then stays up
         def __init__(self):

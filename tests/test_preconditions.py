@@ -121,7 +121,7 @@ def test_every_referenced_folder_is_checked_and_present_ones_pass(tmp_path):
 def test_the_budget_counts_what_the_run_folder_holds(tmp_path):
     config = write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"), run_name="r", disk_budget_gb=1e-5)
     cfg = load_config(config)
-    with mock.patch.object(disk_plan, "plan_for_config", return_value=None):  # what is held, not what is planned
+    with mock.patch.object(preconditions, "plan_for_config", return_value=None):  # what is held, not what is planned
         preconditions.check_disk_budget(cfg, 3)  # no run folder yet
         (cfg.run_dir / "02_extract_hidden").mkdir(parents=True)
         (cfg.run_dir / "02_extract_hidden" / "a.bin").write_bytes(b"x" * 9_000)

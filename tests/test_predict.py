@@ -14,18 +14,10 @@ import pytest
 import torch
 
 from eagle_pipeline.config import load_section
-from eagle_pipeline.predict import (
-    AcceptanceCounts,
-    Variant,
-    draft_table,
-    load_drafter,
-    predict_acceptance,
-    simulate_samples,
-    simulate_variants,
-    teacher_forced_drafts,
-    walk_chains,
-)
-from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter
+from eagle_pipeline.predict.acceptance import predict_acceptance, simulate_samples, simulate_variants
+from eagle_pipeline.predict.simulate import AcceptanceCounts, draft_table, walk_chains
+from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, load_drafter, teacher_forced_drafts
+from eagle_pipeline.predict.variants import Variant
 from eagle_pipeline.train import runner
 from eagle_pipeline.train.settings import TrainRun
 

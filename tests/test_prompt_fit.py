@@ -194,8 +194,8 @@ def run_stage_01(config: Path, engine: Engine, *sets: str) -> int:
     try:
         # The stand-in engine has no configuration for vLLM to check (the engine rehearsal) and no kernel scan to
         # patch in this process (engine.offline_engine).
-        with mock.patch.dict(os.environ), mock.patch("eagle_pipeline.answering.answer_in_flight", engine.answer_in_flight), \
-                mock.patch("eagle_pipeline.plan.rehearsal.before_first_load"), \
+        with mock.patch.dict(os.environ), mock.patch.object(module, "answer_in_flight", engine.answer_in_flight), \
+                mock.patch.object(module, "before_first_load"), \
                 mock.patch("eagle_pipeline.engine.in_process_engine", return_value=False):
             main(1, module.__doc__, module.run, argv)
     except SystemExit as e:

@@ -317,8 +317,8 @@ def schedule_config(tmp_path_factory):
     from released_drafter_standin import SMOLLM2, write_released_standin
 
     from eagle_pipeline.embedded import materialize
-    from eagle_pipeline.plan.rehearsal import _stage_06_engines  # noqa: F401 - the path stage 06 builds it by
-    from eagle_pipeline.plan.vllm_config import create_config, quiet_vllm
+    from eagle_pipeline.plan.rehearsal import planned_engines  # noqa: F401 - the path stage 06 builds it by
+    from eagle_pipeline.vllm_config import create_config, quiet_vllm
 
     root = tmp_path_factory.mktemp("schedule")
     drafter = write_released_standin(root / "drafter", SMOLLM2)
@@ -341,7 +341,7 @@ def test_vllms_config_takes_the_schedule_and_its_scheduler_changes_k_with_the_ba
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from eagle_pipeline.plan.vllm_config import quiet_vllm
+    from eagle_pipeline.vllm_config import quiet_vllm
 
     config, _ = schedule_config
     assert config.speculative_config.num_speculative_tokens_per_batch_size == [(1, 1, 3), (2, 4, 1), (5, 8, 0)]
@@ -382,7 +382,7 @@ def test_the_cpu_builds_model_runner_drafts_the_k_the_scheduler_chose():
 
 
 def test_the_rehearsal_refuses_a_schedule_vllms_scheduler_would_refuse(schedule_config):
-    from eagle_pipeline.plan.vllm_config import check_engine
+    from eagle_pipeline.vllm_config import check_engine
 
     _, args = schedule_config
     good = check_engine("cpu", {k: v for k, v in args.items()})

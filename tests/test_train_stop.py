@@ -13,7 +13,8 @@ import time
 import pytest
 from conftest import REPO
 
-from eagle_pipeline.stage import Terminated, _raise_terminated
+from eagle_pipeline.errors import Terminated
+from eagle_pipeline.stage import _raise_terminated
 from eagle_pipeline.train.stop import GracefulStop
 
 

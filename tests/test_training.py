@@ -158,7 +158,7 @@ def test_training_writes_checkpoints_metrics_plot_and_best(trained):
     assert summary["best"] == best and summary["epochs_completed"] == 3
 
     # The figure is the replay of that very checkpoint on the first validation rows of the split.
-    from eagle_pipeline.predict import predict_acceptance
+    from eagle_pipeline.predict.acceptance import predict_acceptance
     from eagle_pipeline.train.predicted_acceptance import validation_conversations
 
     conversations = validation_conversations(trained["data"], out, limit=16)

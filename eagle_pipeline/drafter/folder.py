@@ -46,6 +46,7 @@ from eagle_pipeline.drafter.tensors import (
 )
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
+from eagle_pipeline.layer_ids import vllm_read_aux_ids
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
 
 if TYPE_CHECKING:
@@ -111,8 +112,6 @@ def engine_layer_ids(config: dict[str, Any]) -> dict[str, list[int] | None]:
     """The aux ids each engine takes from the folder (None: the target's defaults): vLLM's two model runners
     (layer_ids.vllm_read_aux_ids; a speculators config is read at the top level by both) and SGLang, which
     reads a flat folder's `eagle_config` only (and runs no speculators folder)."""
-    from eagle_pipeline.layer_ids import vllm_read_aux_ids
-
     if config_layout(config) == SPECULATORS:
         ids = config.get("eagle_aux_hidden_state_layer_ids") or None
         ids = None if ids is None else [int(k) for k in ids]

@@ -30,6 +30,7 @@ from eagle_pipeline.drafter.layouts import (
     weight_files,
 )
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,6 @@ def vocab_map_problems(model_dir: Path, specs: dict[str, TensorSpec], config: di
     expected = expected_tensor_specs(config)
     if "d2t" not in expected or any(specs.get(n) != expected[n] for n in ("d2t", "t2d")):
         return []
-    from eagle_pipeline.vocab_map import safetensors_vocab_map_problems  # torch: imported only to read the map
 
     files = weight_files(model_dir)
     return safetensors_vocab_map_problems(files["d2t"], files["t2d"], dims.vocab_size, dims.draft_vocab_size)

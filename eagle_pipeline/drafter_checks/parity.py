@@ -102,7 +102,7 @@ def replay_run(drafter_dir: str | Path, conversations: list, num_speculative_tok
                model: Any = None) -> dict[str, Any]:
     """`acceptance_run`'s counters from the offline replay of a speculators drafter folder (`model`: that folder
     already loaded by `predict.speculators_drafter.load_drafter`)."""
-    from eagle_pipeline.predict import predict_acceptance
+    from eagle_pipeline.predict.acceptance import predict_acceptance
 
     result = predict_acceptance(drafter_dir if model is None else model, conversations, num_speculative_tokens)
     drafts = int(result["num_drafts"])

@@ -18,6 +18,7 @@ from eagle_pipeline.drafter.layouts import NORM_FLAGS, weight_files
 from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S, run_json_subprocess
 from eagle_pipeline.engine import eagle3_engine_kwargs
 from eagle_pipeline.serve.server import find_free_port
+from eagle_pipeline.vllm_config import draft_vllm_config, model_runner
 
 # Parameters vLLM's EAGLE proposer replaces with the target's after loading, so a drafter may omit them.
 SHARED_FROM_TARGET = ("model.embed_tokens.weight",)
@@ -110,8 +111,6 @@ def drafter_tensors(drafter_dir: str | Path):
 
 def drafter_build_config(vllm_config):
     """The config vLLM builds the drafter under (`vllm_config_check.draft_vllm_config`)."""
-    from eagle_pipeline.plan.vllm_config import draft_vllm_config, model_runner
-
     return draft_vllm_config(vllm_config, model_runner(vllm_config, simulated=False))
 
 

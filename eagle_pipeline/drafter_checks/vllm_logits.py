@@ -27,6 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eagle_pipeline.drafter_checks import vllm_load
+
 # Float32 on both sides: implementations of the same formula agree to about 1e-6 of the largest logit; a RoPE
 # rotated over the other pairs or a softmax scale without YaRN's mscale moves logits by about 1e-3 of it.
 TOLERANCE = 1e-4
@@ -80,8 +82,6 @@ def _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.platforms import current_platform
-
-    from eagle_pipeline.drafter_checks import vllm_load
 
     if not current_platform.is_cpu():
         return {"skipped": f"vLLM's platform here is {current_platform.device_name}, not the CPU"}

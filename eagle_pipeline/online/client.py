@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.online.settings import OnlineTraining
+
+if TYPE_CHECKING:
+    import torch
 
 
 def transfer_for(online: OnlineTraining, samples_dir: Path) -> Any:

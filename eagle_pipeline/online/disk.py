@@ -1,6 +1,7 @@
-"""What the states in flight hold while an online run trains, sampled on a thread of the stage process: the
-bytes under the capture servers' storage folder (file and fp8 transfers) or allocated in the Mooncake store. The
-peak goes in stage 04's manifest beside the bound the window sets (eagle_pipeline/online/session.py)."""
+"""What the states in flight hold while an online run trains: the bound the window sets (`window_bound`, which the
+disk plan counts), and the peak, sampled on a thread of the stage process: the bytes under the capture servers'
+storage folder (file and fp8 transfers) or allocated in the Mooncake store. The peak goes in stage 04's manifest
+beside the bound (eagle_pipeline/online/session.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,28 @@ import threading
 import time
 from collections.abc import Callable
 
+from eagle_pipeline.capture import ENGINE_DTYPE_BYTES
+from eagle_pipeline.online.settings import requests_in_flight
+
 # Often enough to see a sample that lives for one training step (a fraction of a second on the CPU).
 SAMPLE_INTERVAL_S = 0.05
+# An online sample file's safetensors header and its lock file, with room to spare.
+FILE_OVERHEAD_BYTES = 4096
+
+
+def sample_bytes(cfg, num_states: int, hidden_size: int, tokens: int) -> int:
+    """Bytes of one online sample in flight: its states in the engine's dtype (fp8 and a 4-byte scale per token for
+    the fp8 transfer) and its int64 token ids, and the file's overhead."""
+    if cfg.hidden_states.transfer == "fp8":
+        per_token = num_states * hidden_size + 4
+    else:
+        per_token = num_states * hidden_size * ENGINE_DTYPE_BYTES.get(cfg.verifier.dtype, 2)
+    return tokens * (per_token + 8) + FILE_OVERHEAD_BYTES
+
+
+def window_bound(cfg, num_states: int, hidden_size: int, longest: int) -> int:
+    """At most this many bytes of online states in flight: the window's samples on every rank, each the longest."""
+    return requests_in_flight(cfg) * sample_bytes(cfg, num_states, hidden_size, longest)
 
 
 class PeakWatch:

@@ -22,6 +22,7 @@ from eagle_pipeline.child_process import ChildProcess
 from eagle_pipeline.config import MooncakeSettings
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.server import find_free_port
+from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums
 
 MASTER_PROGRAM = "mooncake_master"
 STORE_PROGRAM = "mooncake_client"
@@ -111,8 +112,6 @@ def client_config(settings: MooncakeSettings, master: str, writer_threads: int =
 
 def read_metrics(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
     """The master's Prometheus counters and gauges by name."""
-    from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums
-
     return sample_sums(read_prometheus(metrics_url, timeout))
 
 

@@ -21,7 +21,14 @@ import sys
 import time
 from pathlib import Path
 
+from eagle_pipeline import locks
+from eagle_pipeline.config import load_config
+from eagle_pipeline.engine import apply_engine_env
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.online import mooncake as mc
+from eagle_pipeline.online.servers import CaptureServer, free_share_reader, server_kwargs_for
+from eagle_pipeline.samples import planned_sample_layout
+from eagle_pipeline.verifier import Verifier
 
 STATES_DIR = Path("capture_server") / "states"
 
@@ -36,14 +43,6 @@ def _raise_stop(signum, frame) -> None:
 
 def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port: int) -> None:
     from contextlib import ExitStack
-
-    from eagle_pipeline import locks
-    from eagle_pipeline.config import load_config
-    from eagle_pipeline.engine import apply_engine_env
-    from eagle_pipeline.online import mooncake as mc
-    from eagle_pipeline.online.servers import CaptureServer, free_share_reader, server_kwargs_for
-    from eagle_pipeline.samples import planned_sample_layout
-    from eagle_pipeline.verifier import Verifier
 
     cfg = load_config(config, overrides)
     hs = cfg.hidden_states

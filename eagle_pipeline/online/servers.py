@@ -11,12 +11,20 @@ then (the co-located trainer keeps its share while the server is down).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle_pipeline.capture import capture_sizing, kv_transfer_config, speculative_config
+from eagle_pipeline.config import RunConfig
+from eagle_pipeline.engine import server_kwargs, target_engine_fingerprint
+from eagle_pipeline.gpus import CUDA_CONTEXT_GIB, GIB, gpu_memory_bytes, visible_gpus
+from eagle_pipeline.layer_ids import capture_layer_ids
+from eagle_pipeline.online.settings import requests_in_flight
 from eagle_pipeline.serve.server import HOST, VllmServer, find_free_port
+from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +34,18 @@ LABEL_PREFIX = "eagle-capture"
 MAX_RESTARTS = 3
 
 
+def capture_share(cfg) -> float | None:
+    """The share of each GPU a capture server of this run asks vLLM for (gpu_memory_utilization); None off CUDA."""
+    if cfg.device != "cuda":
+        return None
+    return cfg.hidden_states.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
+
+
 def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | None) -> float:
     """The gpu_memory_utilization a restarted server asks for: the planned share, or less where the GPUs have
     less free now. vLLM refuses to start when a GPU's free memory, after its own CUDA context, is below the share
     it is asked for (vllm/v1/worker/utils.py, request_memory), so that context is left aside, and the share is
     rounded down to hundredths."""
-    from eagle_pipeline.plan.memory import CUDA_CONTEXT_GIB, GIB
-
     if not free_bytes or not total_bytes:
         return planned
     room = int(100 * (free_bytes - CUDA_CONTEXT_GIB * GIB) / total_bytes) / 100
@@ -42,9 +55,6 @@ def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | No
 def free_share_reader(cfg) -> Callable[[], float] | None:
     """What `CaptureServer` asks before a restart on GPUs (None elsewhere): `share_free_now` of the run's share
     over the GPUs this process may use, read with nvidia-smi (eagle_pipeline/plan/memory.py)."""
-    from eagle_pipeline.gpus import visible_gpus
-    from eagle_pipeline.plan.memory import capture_share, gpu_memory_bytes
-
     planned = capture_share(cfg)
     if planned is None:
         return None
@@ -73,8 +83,6 @@ def parse_label(name: str) -> dict[str, str] | None:
 
 def engine_fingerprint(cfg) -> str:
     """How the server computes the target (dtype and engine settings): stage 02's `engine` input."""
-    from eagle_pipeline.engine import target_engine_fingerprint
-
     return target_engine_fingerprint(cfg, cfg.verifier.dtype)
 
 
@@ -87,8 +95,6 @@ CAPTURE_COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total",
 def capture_metrics(endpoint: str, timeout: float = 10.0) -> dict[str, float]:
     """Prompt tokens a server has captured and the seconds its prefills took, from its Prometheus metrics (since
     it last started)."""
-    from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums
-
     base = endpoint.removesuffix("/").removesuffix("/v1")
     sums = sample_sums(read_prometheus(f"{base}/metrics", timeout))
     return {key: sums.get(name, 0.0) for key, name in CAPTURE_COUNTERS.items()}
@@ -102,12 +108,41 @@ def served_model_name(verifier) -> str:
 
 def run_label(cfg, verifier, layout) -> str:
     """The capture label of a server that captures what this run trains on."""
-    from eagle_pipeline.layer_ids import capture_layer_ids
-
     return capture_label(target=verifier.fingerprints()["verifier"],
                          capture_ids=capture_layer_ids(layout.layer_ids, layout.num_layers),
                          transfer=cfg.hidden_states.transfer, hidden_size=layout.hidden_size,
                          engine=engine_fingerprint(cfg))
+
+
+def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any], kv_transfer_config: dict[str, Any],
+                          served_model_names: list[str], max_model_len: int,
+                          listen_host: str | None = None) -> dict[str, Any]:
+    """`VllmServer` arguments for a hidden-state capture server of the target (online training): the served
+    target's settings (`server_kwargs`) with the capture method and connector (eagle_pipeline/capture.py), no
+    prefix caching (each request is a one-off prefill whose states must be its own), a batch of one longest
+    sequence, at most as many sequences as the training ranks ask for at once (hidden_states.online_window x
+    ranks), no CUDA graphs, the names it answers to (speculators asks for the first), and `listen_host` for servers
+    that other hosts reach."""
+    kwargs = server_kwargs(cfg)
+    flags = ["--kv-transfer-config", json.dumps(kv_transfer_config), "--no-enable-prefix-caching",
+             "--served-model-name", *served_model_names]
+    if "max_num_batched_tokens" not in cfg.verifier.engine_args:  # verifier.engine_args may size the batch otherwise
+        flags += ["--max-num-batched-tokens", str(max_model_len)]
+    # vLLM's default (256 or more sequences) sizes its sampler's profiling and its CUDA graphs for batches the
+    # ranks never send; a capture is one prefill per request, which CUDA graphs (decode batches) never serve, so
+    # they would only hold memory the co-located trainer needs (eagle_pipeline/plan/memory.py).
+    if "max_num_seqs" not in cfg.verifier.engine_args:
+        flags += ["--max-num-seqs", str(requests_in_flight(cfg))]
+    if not cfg.verifier.enforce_eager:  # server_args already passes it when the config sets it
+        flags.append("--enforce-eager")
+    share = cfg.hidden_states.capture_gpu_memory_utilization
+    # After server_args' verifier.gpu_memory_utilization: the last one counts.
+    if cfg.device == "cuda" and share is not None:
+        flags += ["--gpu-memory-utilization", str(share)]
+    if listen_host is not None:
+        flags += ["--host", listen_host]  # after serve_flags' own --host: the last one counts
+    return {**kwargs, "max_model_len": max_model_len, "speculative_config": speculative_config,
+            "extra_args": [*kwargs["extra_args"], *flags]}
 
 
 def server_kwargs_for(cfg, verifier, layout, *, storage: Path | None, mooncake_client: dict[str, Any] | None,
@@ -115,9 +150,6 @@ def server_kwargs_for(cfg, verifier, layout, *, storage: Path | None, mooncake_c
     """`CaptureServer` arguments of a capture server for this run: the capture method and connector
     (eagle_pipeline/capture.py) in the target's server (eagle_pipeline/engine.py), sized for `longest_sequence`,
     answering to the verifier's path and the run's capture label."""
-    from eagle_pipeline.capture import capture_sizing, kv_transfer_config, speculative_config
-    from eagle_pipeline.engine import capture_server_kwargs
-
     return {"target_dir": verifier.path, **capture_server_kwargs(
         cfg, speculative_config=speculative_config(layout.layer_ids, layout.num_layers),
         kv_transfer_config=kv_transfer_config(storage, cfg.device, cfg.hidden_states.transfer, mooncake_client),

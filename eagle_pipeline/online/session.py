@@ -21,7 +21,7 @@ from typing import Any
 from eagle_pipeline.config import redact_url
 from eagle_pipeline.online import mooncake as mc
 from eagle_pipeline.online.client import CaptureClient, transfer_for
-from eagle_pipeline.online.disk import PeakWatch
+from eagle_pipeline.online.disk import FILE_OVERHEAD_BYTES, PeakWatch, sample_bytes, window_bound
 from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
 from eagle_pipeline.online.kept import KEPT_DIR, capture_kept, keep_count, kept_storage
 from eagle_pipeline.online.servers import (
@@ -34,8 +34,8 @@ from eagle_pipeline.online.servers import (
     server_kwargs_for,
 )
 from eagle_pipeline.online.settings import OnlineTraining, training_ranks
-from eagle_pipeline.plan.disk import FILE_OVERHEAD_BYTES, sample_bytes, window_bound
-from eagle_pipeline.plan.preconditions import folder_bytes
+from eagle_pipeline.outputs import folder_bytes
+from eagle_pipeline.samples import read_sample, sample_path
 
 SCRATCH_DIR = "capture_scratch"  # where the file and fp8 connectors of local servers write the states in flight
 
@@ -181,7 +181,6 @@ class OnlineSession:
         """The kept rows' states checked for meaning, as stage 02 checks its own (eagle_pipeline/state_meaning.py): no
         flat slot, and the final slot through the target's own norm and lm_head predicts the answers the target
         wrote, which a server of another target, or of the right one computed wrongly, does not."""
-        from eagle_pipeline.samples import read_sample, sample_path
         from eagle_pipeline.state_meaning import CapturedSample, check_meaning, slot_names, target_head_for
 
         if not rows:

@@ -3,7 +3,8 @@ what earlier stages recorded, without loading a model.
 
 - preconditions.py  what every stage checks first, dry run included (folders, parallel split, GPUs, disk budget)
 - engines.py        the vLLM engines each stage starts, their arguments, and how many times a run starts the target
-- rehearsal.py      those engines configured by vLLM's own code (vllm_config.py) before the first model load
+- rehearsal.py      those engines configured by vLLM's own code (eagle_pipeline/vllm_config.py) before the first
+                    model load
 - disk.py           the disk each stage writes, for the budget check, the dry run and stage 02's reservation
 - memory.py         the GPU memory of online training: co-located or time-sliced, the trainer's share
 

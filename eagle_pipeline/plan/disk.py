@@ -26,12 +26,19 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_pipeline.capture import ENGINE_DTYPE_BYTES
 from eagle_pipeline.config import STAGES
+from eagle_pipeline.drafter.folder import is_speculators_drafter, read_flat_config
 from eagle_pipeline.drafter.layouts import MLA, SPECULATORS
 from eagle_pipeline.drafter.tensors import DraftDims, mla_attention_shapes
-from eagle_pipeline.online.settings import requests_in_flight
+from eagle_pipeline.embedded import not_converted_yet
+from eagle_pipeline.errors import BadInput
+from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
+from eagle_pipeline.online.disk import sample_bytes, window_bound
+from eagle_pipeline.online.kept import keep_count
 from eagle_pipeline.outputs import read_manifest
 from eagle_pipeline.samples import SampleLayout, estimate_bytes, planned_sample_layout
+from eagle_pipeline.verifier import Verifier
 
 GB = 1e9
 # The expected length of a training conversation as a share of the longest the config allows, from the runs
@@ -42,10 +49,6 @@ EXPECTED_SHARE = 0.7
 CONVERSATION_BYTES_PER_TOKEN = 16
 # speculators saves checkpoints in bf16 whatever the training dtype (Checkpointer.save_checkpoint's float_dtype).
 CHECKPOINT_DTYPE_BYTES = 2
-# A capture engine's states come out in verifier.dtype; `auto` counts as the bf16 most checkpoints carry.
-ENGINE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# An online sample file's safetensors header and its lock file, with room to spare.
-FILE_OVERHEAD_BYTES = 4096
 
 
 def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
@@ -151,7 +154,6 @@ def _flat_init_from(cfg) -> bool:
     """Whether stage 04 rewrites train.init_from in speculators' layout: a flat folder, or one not readable here."""
     if not cfg.train.init_from:
         return False
-    from eagle_pipeline.drafter.folder import is_speculators_drafter
 
     return not is_speculators_drafter(cfg.resolve_path(cfg.train.init_from))
 
@@ -181,8 +183,6 @@ def reading_layer_ids(layer_ids, num_layers: int) -> list[int]:
     """The aux ids captured once so that every reading of a drafter with these ids can be replayed: the declared
     ones, one layer off either way, the target's defaults. predict.diagnose.capture_ids(readings(...)) says the
     same (tests/test_preconditions.py holds the two equal); importing it takes torch, which a dry run need not."""
-    from eagle_pipeline.layer_ids import default_layer_ids
-
     ids = [int(k) for k in layer_ids]
     found = set(ids) | set(default_layer_ids(num_layers))
     for shift in (-1, 1):
@@ -195,10 +195,6 @@ def replay_layer_ids(cfg, layout: SampleLayout) -> list[int]:
     """The aux ids stage 06's replay captures: every reading's (06_serve_test.print_replay_capture_plan)."""
     ids = list(layout.layer_ids)
     if cfg.serve.drafter:  # a drafter from elsewhere: the ids its config declares, where it can be read
-        from eagle_pipeline.drafter.folder import read_flat_config
-        from eagle_pipeline.errors import BadInput
-        from eagle_pipeline.layer_ids import vllm_read_aux_ids
-
         try:
             read = vllm_read_aux_ids(read_flat_config(cfg.resolve_path(cfg.serve.drafter)))
             ids = list(read["v1" if cfg.device == "cpu" else "v2"] or ids)
@@ -219,21 +215,6 @@ def baseline_capture_bytes(cfg, layout: SampleLayout) -> int:
     states = len(replay_layer_ids(cfg, layout)) + 1  # and the final layer
     tokens = cfg.data.num_eval_prompts * eval_conversation_tokens(cfg)
     return tokens * states * layout.hidden_size * ENGINE_DTYPE_BYTES.get(cfg.verifier.dtype, 2)
-
-
-def sample_bytes(cfg, num_states: int, hidden_size: int, tokens: int) -> int:
-    """Bytes of one online sample in flight: its states in the engine's dtype (fp8 and a 4-byte scale per token for
-    the fp8 transfer) and its int64 token ids, and the file's overhead."""
-    if cfg.hidden_states.transfer == "fp8":
-        per_token = num_states * hidden_size + 4
-    else:
-        per_token = num_states * hidden_size * ENGINE_DTYPE_BYTES.get(cfg.verifier.dtype, 2)
-    return tokens * (per_token + 8) + FILE_OVERHEAD_BYTES
-
-
-def window_bound(cfg, num_states: int, hidden_size: int, longest: int) -> int:
-    """At most this many bytes of online states in flight: the window's samples on every rank, each the longest."""
-    return requests_in_flight(cfg) * sample_bytes(cfg, num_states, hidden_size, longest)
 
 
 @dataclass(frozen=True)
@@ -308,8 +289,6 @@ def plan_run(cfg, verifier, layout: SampleLayout) -> DiskPlan:
     if _flat_init_from(cfg):
         detail04 += ", train.init_from in speculators' layout"
     if online:
-        from eagle_pipeline.online.kept import keep_count
-
         longest = cfg.hidden_states.max_seq_len
         training += keep_count(cfg) * sample_bytes(cfg, layout.num_hidden_states, layout.hidden_size, longest)
         detail04 += f", {keep_count(cfg)} kept validation samples"
@@ -334,11 +313,7 @@ def plan_run(cfg, verifier, layout: SampleLayout) -> DiskPlan:
 def plan_for_config(cfg) -> DiskPlan | None:
     """plan_run from the config and the target's config.json; None for an embedded target not yet converted
     (converting it is stage 01's first use, not a dry run's)."""
-    from eagle_pipeline.embedded import EMBEDDED_PREFIX, converted_path
-    from eagle_pipeline.verifier import Verifier
-
-    raw = cfg.verifier.path
-    if raw.startswith(EMBEDDED_PREFIX) and converted_path(raw[len(EMBEDDED_PREFIX):]) is None:
+    if not_converted_yet(cfg.verifier.path):
         return None
     verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)

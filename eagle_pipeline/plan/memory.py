@@ -13,7 +13,7 @@ parts count (docs/online.md shows the arithmetic for Kimi-K2.5):
 
 - the target's weights per GPU: what tensor parallelism splits, divided by the GPUs, plus what every GPU holds
   whole (`replicated_params`: for an MLA target the low-rank q/kv projections, their norms and the MoE router);
-- no CUDA graphs: capture servers run eager (eagle_pipeline/engine.py, `capture_server_kwargs`);
+- no CUDA graphs: capture servers run eager (eagle_pipeline/online/servers.py, `capture_server_kwargs`);
 - the trainer (speculators' FSDP2, bf16 compute, fp32 gradient reduction): fp32 master weights, gradients and
   AdamW moments sharded over the ranks; the root unit (everything outside the decoder layers: embedding, fc,
   lm_heads) gathered whole in bf16 for the whole step, since FSDP2 does not reshard the root after forward; and
@@ -22,16 +22,17 @@ parts count (docs/online.md shows the arithmetic for Kimi-K2.5):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-GIB = 2**30
+from eagle_pipeline.drafter.layouts import MLA
+from eagle_pipeline.gpus import CUDA_CONTEXT_GIB, GIB, gpu_memory_bytes
+from eagle_pipeline.online.servers import capture_share
+from eagle_pipeline.plan.disk import drafter_params, layer_params, planned_draft_dims
+
 # vLLM's prefill activations for one batch of the longest capture sequence, profiled by vLLM at start-up (an
 # MoE target of hidden 7168 at 4k tokens: a few GiB; CUDA graphs matter little to prefill-only capture).
 VLLM_ACTIVATIONS_GIB = 3.0
-# What a CUDA process holds outside PyTorch's allocator: context, cuBLAS workspaces, NCCL buffers.
-CUDA_CONTEXT_GIB = 1.5
 # Capture servers run eager: no CUDA graphs, so none of the memory vLLM would give them (decode batches only; a
 # capture is one prefill per request).
 CAPTURE_CUDA_GRAPHS_GIB = 0.0
@@ -47,8 +48,6 @@ def attention_activations(dims) -> int:
     per-head keys without rope and the values (heads x (qk_nope + v_head_dim)), the queries and keys the attention
     reads (two new heads x qk tensors: the rotated slice concatenated back) and its output (heads x v_head_dim: 128
     wide for Kimi-K2.5)."""
-    from eagle_pipeline.drafter.layouts import MLA
-
     heads = dims.num_attention_heads
     if dims.layer_shape != MLA:
         return (heads + 2 * dims.num_key_value_heads) * dims.head_dim + heads * dims.head_dim
@@ -121,16 +120,12 @@ class DrafterShape:
 
     @classmethod
     def for_run(cls, cfg, verifier, n_aux: int) -> "DrafterShape":
-        from eagle_pipeline.plan.disk import planned_draft_dims
-
         return cls.from_dims(planned_draft_dims(cfg, verifier, n_aux))
 
     @classmethod
     def from_dims(cls, dims) -> "DrafterShape":
         """speculators' EAGLE-3 drafter (`Eagle3DraftModel`), Llama-shaped or MLA: its first decoder layer reads
         2 x hidden."""
-        from eagle_pipeline.plan.disk import drafter_params, layer_params
-
         hidden, draft_vocab = dims.hidden_size, dims.draft_vocab_size
         params = drafter_params(dims)  # with the embedding, not verifier_lm_head
         embedding = dims.vocab_size * hidden
@@ -280,25 +275,6 @@ def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: Target
     return MemoryPlan(gpu_bytes=gpu_bytes, gpus=gpus, utilization=utilization, vllm=vllm, trainer=trainer,
                       per_sequence_bytes=(longest_sequence + 1) * (target.kv_bytes_per_token + hidden_state_bytes),
                       concurrent_requests=window * gpus)
-
-
-def gpu_memory_bytes(field: str = "memory.total", gpus: Sequence[str] | None = None) -> int | None:
-    """The smallest figure among the GPUs `gpus` (nvidia-smi's indices or UUIDs; all of them when None) of
-    nvidia-smi's `field` (memory.total, memory.free), None without nvidia-smi."""
-    from eagle_pipeline.gpus import query
-
-    rows, problem = query([field], gpus, timeout=30)
-    try:
-        return min(int(row[0]) for row in rows) * 2**20 if problem is None else None
-    except ValueError:  # no GPU listed, or a figure that is not a number ("[N/A]")
-        return None
-
-
-def capture_share(cfg) -> float | None:
-    """The share of each GPU a capture server of this run asks vLLM for (gpu_memory_utilization); None off CUDA."""
-    if cfg.device != "cuda":
-        return None
-    return cfg.hidden_states.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
 
 
 def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[str]:

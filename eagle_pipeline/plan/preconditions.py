@@ -30,8 +30,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from eagle_pipeline import gpus
 from eagle_pipeline.config import STAGES, RunConfig
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.online.mooncake import mooncake_refusal
+from eagle_pipeline.outputs import folder_bytes
+from eagle_pipeline.plan.disk import plan_for_config
+from eagle_pipeline.verifier import Verifier
 
 # (config key, its section and field, the stage that reads the folder)
 DRAFTER_FOLDERS = (("vocab.from_drafter", "vocab", "from_drafter", "03_build_vocab_map"),
@@ -94,8 +99,6 @@ def check_host(cfg: RunConfig) -> None:
 def check_online_software(cfg: RunConfig) -> None:
     """Stage 04 of an online run with the Mooncake transfer needs the Mooncake package and programs here."""
     if cfg.hidden_states.mode == "online" and cfg.hidden_states.transfer == "mooncake":
-        from eagle_pipeline.online.mooncake import mooncake_refusal
-
         refusal = mooncake_refusal()
         if refusal:
             _host_lacks(refusal)
@@ -149,7 +152,6 @@ def check_parallel_split(cfg: RunConfig) -> None:
     tp = cfg.verifier.tensor_parallel_size
     if tp == 1:  # one rank holds every head: nothing to read
         return
-    from eagle_pipeline.verifier import Verifier
 
     verifier = Verifier.from_config(cfg)
     problem = parallel_split_problem(verifier.text_config(), tp, f"the target ({verifier.path / 'config.json'})")
@@ -166,7 +168,6 @@ def count_host_gpus() -> tuple[int, str]:
     if torch is not None:
         count = torch.cuda.device_count()
         return count, f"torch.cuda.device_count() is {count}"
-    from eagle_pipeline import gpus
 
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         count = len(gpus.visible_gpus() or [])
@@ -195,18 +196,6 @@ def check_gpu_count(cfg: RunConfig) -> None:
 # -- the disk budget ---------------------------------------------------------------------------------------
 
 
-def folder_bytes(folder: Path) -> int:
-    """Bytes of the files under `folder` (links not followed); 0 when it does not exist."""
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:  # removed while walking
-                pass
-    return total
-
-
 def projected_bytes(cfg: RunConfig, plan, stage_number: int, held: int) -> tuple[int, list]:
     """What the run folder will hold once this stage and the later ones have written what they plan, and the
     stages that add most to it. A stage from this one on holds at most the larger of its planned figure and what its
@@ -230,7 +219,6 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
     if held > budget * GB:
         raise BadInput(f"disk_budget_gb: the run folder {run_dir} already holds {_amount(held)}, above disk_budget_gb "
                        f"({budget:g} GB); raise disk_budget_gb if the run needs more, or free space in it")
-    from eagle_pipeline.plan.disk import plan_for_config
 
     try:
         plan = plan_for_config(cfg)

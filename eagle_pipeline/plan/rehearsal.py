@@ -7,7 +7,7 @@ each engine a stage starts (the answering engine, the hidden-state capture, the 
 servers of stage 06 and its capture, the capture servers of online training) is built here from exactly the
 arguments the stage will use, and handed to vLLM: `create_engine_config()`, then the backend vLLM's selector
 returns for each kind of layer in it (the target's, the drafter's) and the KV-cache block size they must share
-(eagle_pipeline/plan/vllm_config.py). On the GPU host that is the real platform; on a machine without CUDA a
+(eagle_pipeline/vllm_config.py). On the GPU host that is the real platform; on a machine without CUDA a
 config for CUDA is checked by CUDA's own selector at the host's compute capability.
 
 It runs in every dry run (the stage's engines) and again before the stage loads its first model; on the GPU
@@ -23,12 +23,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle_pipeline import atomic
+from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
 from eagle_pipeline.config import RunConfig
+from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
+from eagle_pipeline.drafter.layouts import MLA, NORM_FLAGS, SPECULATORS_TYPE_KEY
+from eagle_pipeline.drafter_checks.parity import acceptance_engine_kwargs
+from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
+from eagle_pipeline.embedded import not_converted_yet
+from eagle_pipeline.engine import (
+    capture_engine_kwargs,
+    drafter_engine_settings,
+    engine_env,
+    llm_kwargs,
+    offline_engine_env,
+    server_kwargs,
+)
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.online.mooncake import client_config
+from eagle_pipeline.online.servers import server_kwargs_for
+from eagle_pipeline.plan.disk import planned_draft_dims
+from eagle_pipeline.plan.engines import Engine, engine_stages, stage_engines
 from eagle_pipeline.samples import planned_sample_layout
+from eagle_pipeline.serve.engine_facts import server_env
+from eagle_pipeline.serve.engine_probe import describe, variant_config
+from eagle_pipeline.serve.measure import mode_server
+from eagle_pipeline.serve.plan import SCHEDULE_MODE, batch_ranges
+from eagle_pipeline.serve.server import VllmServer
+from eagle_pipeline.train.draft_config import build_mla_draft_config
+from eagle_pipeline.verifier import Verifier
+from eagle_pipeline.vllm_config import check_engine
 
-# The stages that start vLLM engines (stage 04 only in online mode, without capture endpoints of its own).
-ENGINE_STAGES = (1, 2, 4, 5, 6)
 # The config key that sets each kind of layer's backend and KV-cache dtype.
 FIX_KEYS = {"target": "verifier.attention_backend / verifier.kv_cache_dtype",
             "drafter": "serve.drafter_attention_backend / serve.drafter_kv_cache_dtype"}
@@ -48,39 +73,58 @@ class PlannedEngine:
 
 
 def planned_engines(cfg: RunConfig, stage: int, scratch: Path) -> list[PlannedEngine]:
-    """The engines stage `stage` of `cfg` starts, built by the functions the stage itself calls; files the engines
-    only name (a drafter that does not exist yet, connector folders) go under `scratch`."""
-    from eagle_pipeline.engine import engine_env, llm_kwargs, offline_engine_env
-    from eagle_pipeline.verifier import Verifier
-
+    """The engines stage `stage` of `cfg` starts (plan/engines.py), built by the functions the stage itself calls;
+    files the engines only name (a drafter that does not exist yet, connector folders) go under `scratch`."""
     verifier = Verifier.from_config(cfg)
-    target = str(verifier.path)
+    target, s = str(verifier.path), cfg.serve
     env = engine_env(cfg)  # stage 05's jobs and the servers; the offline engines of this process get their own
     offline = offline_engine_env(cfg)
-    if stage == 1:
-        dtype = cfg.generation.dtype or cfg.verifier.dtype
-        return [PlannedEngine(1, "answering engine", offline, engine_args=llm_kwargs(cfg, target, dtype=dtype))]
-    if stage == 2:
-        if cfg.hidden_states.mode == "online":
-            return []
-        return [PlannedEngine(2, "hidden-state capture", offline,
-                              engine_args=_capture_args(cfg, verifier, cfg.hidden_states.max_seq_len, scratch))]
-    if stage == 4:
-        if cfg.hidden_states.mode != "online" or cfg.hidden_states.capture_endpoints:
-            return []
-        return [PlannedEngine(4, "online capture server", env,
-                              server_argv=_online_capture_argv(cfg, verifier, scratch))]
-    if stage == 5:
-        return _stage_05_engines(cfg, verifier, env, scratch)
-    if stage == 6:
-        return _stage_06_engines(cfg, verifier, scratch)
-    return []
+    planned = []
+    for engine in stage_engines(cfg, stage):
+        name = engine.name
+        if engine.stage == 1:
+            dtype = cfg.generation.dtype or cfg.verifier.dtype
+            planned.append(PlannedEngine(1, name, offline, engine_args=llm_kwargs(cfg, target, dtype=dtype)))
+        elif engine.stage == 2 or name == "replay capture":
+            longest = cfg.hidden_states.max_seq_len if stage == 2 else cfg.verifier.max_model_len - 1
+            planned.append(PlannedEngine(stage, name, offline,
+                                         engine_args=_capture_args(cfg, verifier, longest, scratch)))
+        elif engine.stage == 4:
+            planned.append(PlannedEngine(4, name, env, server_argv=_online_capture_argv(cfg, verifier, scratch)))
+        elif engine.stage == 5:
+            drafter = str(drafter_folder(cfg, verifier, scratch))
+            kwargs = {k: v for k, v in llm_kwargs(cfg, target).items() if k != "model"}
+            if engine.loads_target:
+                args = acceptance_engine_kwargs(target, drafter, s.num_speculative_tokens, kwargs,
+                                                drafter_engine_settings(cfg))
+            else:
+                args = load_check_engine_kwargs(target, drafter, kwargs, drafter_engine_settings(cfg))
+            planned.append(PlannedEngine(5, name, env, engine_args=args, kv_cache=engine.loads_target))
+        elif engine.variant:
+            variant = s.engine_variants[engine.variant - 1]
+            planned.append(_server(variant_config(cfg, variant), engine, verifier, scratch,
+                                   {"variant": describe(variant)}))
+        elif engine.mode == SCHEDULE_MODE:
+            schedule = rehearsed_schedule(cfg)
+            if schedule is not None:  # otherwise the eagle3 server's setting, rehearsed there
+                planned.append(_server(cfg, engine, verifier, scratch, {"variant": f"schedule {schedule}"}, schedule))
+        else:
+            planned.append(_server(cfg, engine, verifier, scratch, {}))
+    return planned
+
+
+def _server(run_cfg: RunConfig, engine: Engine, verifier, scratch: Path, overrides: dict[str, str],
+            schedule=None) -> PlannedEngine:
+    kwargs = server_kwargs(run_cfg)
+    env = server_env(run_cfg, kwargs.pop("env"))
+    argv = mode_server(engine.mode, verifier.path, drafter_folder(run_cfg, verifier, scratch),
+                       num_speculative_tokens=run_cfg.serve.num_speculative_tokens,
+                       drafter_settings=drafter_engine_settings(run_cfg),
+                       log_path=scratch / f"server-{engine.mode}.log", schedule=schedule, **kwargs).serve_argv(None)
+    return PlannedEngine(6, engine.name, env, server_argv=argv, overrides=overrides)
 
 
 def _capture_args(cfg: RunConfig, verifier, longest: int, scratch: Path) -> dict[str, Any]:
-    from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
-    from eagle_pipeline.engine import capture_engine_kwargs
-
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     capture = HiddenStateCapture(verifier.path, list(layout.layer_ids), num_layers=verifier.num_layers,
                                  **capture_sizing(longest), **capture_engine_kwargs(cfg))
@@ -88,16 +132,11 @@ def _capture_args(cfg: RunConfig, verifier, longest: int, scratch: Path) -> dict
 
 
 def _online_capture_argv(cfg: RunConfig, verifier, scratch: Path) -> list[str]:
-    from eagle_pipeline.online.servers import server_kwargs_for
-    from eagle_pipeline.serve.server import VllmServer
-
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     hs = cfg.hidden_states
-    mooncake_client = None
-    if hs.transfer == "mooncake":  # the store's address is only known once its master runs; vLLM reads none of it
-        from eagle_pipeline.online.mooncake import client_config
-
-        mooncake_client = client_config(hs.mooncake, hs.mooncake.master or "127.0.0.1:0")
+    # The store's address is only known once its master runs; vLLM reads none of it.
+    mooncake_client = (client_config(hs.mooncake, hs.mooncake.master or "127.0.0.1:0")
+                       if hs.transfer == "mooncake" else None)
     kwargs = server_kwargs_for(cfg, verifier, layout, storage=scratch / "online", mooncake_client=mooncake_client,
                                longest_sequence=hs.max_seq_len)
     kwargs.pop("env", None)
@@ -113,18 +152,12 @@ def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
     converted = cfg.stage_dir("05_convert") / "vllm"
     if (converted / "config.json").is_file():
         return converted
-    from eagle_pipeline import atomic
-    from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
-    from eagle_pipeline.drafter.layouts import MLA, NORM_FLAGS, SPECULATORS_TYPE_KEY
-    from eagle_pipeline.plan.disk import planned_draft_dims
 
     text = verifier.text_config()
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     flags = {name: getattr(cfg.train, name) for name in NORM_FLAGS}
     config = {"draft_vocab_size": cfg.vocab.draft_vocab_size, "target_hidden_size": verifier.hidden_size}
     if cfg.train.draft_layer == MLA:
-        from eagle_pipeline.train.draft_config import build_mla_draft_config
-
         # The DeepseekV3Config stage 04 trains, in the speculators config it writes: the flat config is then
         # convert.mla_flat_config's (Eagle3DeepseekV2ForCausalLM, model_type kimi_k2 for a Kimi target), whose
         # layers select an MLA backend as the served drafter's do.
@@ -149,64 +182,11 @@ def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
     return folder
 
 
-def _stage_05_engines(cfg: RunConfig, verifier, env: dict[str, str], scratch: Path) -> list[PlannedEngine]:
-    from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
-    from eagle_pipeline.engine import drafter_engine_settings, llm_kwargs
-
-    drafter = str(drafter_folder(cfg, verifier, scratch))
-    engine_kwargs = {k: v for k, v in llm_kwargs(cfg, str(verifier.path)).items() if k != "model"}
-    engines = [PlannedEngine(5, "drafter load check", env, engine_args=load_check_engine_kwargs(
-        str(verifier.path), drafter, engine_kwargs, drafter_engine_settings(cfg)), kv_cache=False)]
-    if cfg.convert.parity == "vllm":
-        from eagle_pipeline.drafter_checks.parity import acceptance_engine_kwargs
-
-        parity_args = acceptance_engine_kwargs(str(verifier.path), drafter, cfg.serve.num_speculative_tokens,
-                                               engine_kwargs, drafter_engine_settings(cfg))
-        engines.append(PlannedEngine(5, "parity engine", env, engine_args=parity_args))
-    return engines
-
-
-def _stage_06_engines(cfg: RunConfig, verifier, scratch: Path) -> list[PlannedEngine]:
-    from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
-    from eagle_pipeline.serve.engine_facts import server_env
-    from eagle_pipeline.serve.engine_probe import describe, variant_config
-    from eagle_pipeline.serve.measure import mode_server
-    from eagle_pipeline.serve.plan import SCHEDULE_MODE
-
-    s = cfg.serve
-    drafter = drafter_folder(cfg, verifier, scratch)
-    modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
-
-    def server(run_cfg: RunConfig, mode: str, name: str, overrides: dict[str, str], schedule=None) -> PlannedEngine:
-        kwargs = server_kwargs(run_cfg)
-        env = server_env(run_cfg, kwargs.pop("env"))
-        argv = mode_server(mode, verifier.path, drafter, num_speculative_tokens=s.num_speculative_tokens,
-                           drafter_settings=drafter_engine_settings(run_cfg), log_path=scratch / f"server-{mode}.log",
-                           schedule=schedule, **kwargs).serve_argv(None)
-        return PlannedEngine(6, name, env, server_argv=argv, overrides=overrides)
-
-    engines = [server(cfg, mode, f"server {mode}", {}) for mode in modes]
-    schedule = rehearsed_schedule(cfg)
-    if schedule is not None:
-        engines.append(server(cfg, SCHEDULE_MODE, "server schedule", {"variant": f"schedule {schedule}"}, schedule))
-    if s.predict and s.engine_variants and s.probe_engine != "never":
-        engines += [server(variant_config(cfg, v), "eagle3", f"engine variant {i}", {"variant": describe(v)})
-                    for i, v in enumerate(s.engine_variants, 1)]
-    if s.predict and s.baseline is None:
-        from eagle_pipeline.engine import offline_engine_env
-
-        engines.append(PlannedEngine(6, "replay capture", offline_engine_env(cfg),
-                                     engine_args=_capture_args(cfg, verifier, cfg.verifier.max_model_len - 1, scratch)))
-    return engines
-
-
 def rehearsed_schedule(cfg: RunConfig) -> list[list[int]] | None:
     """The schedule stage 06's confirming server is rehearsed with: the configured one, else (the chosen one is only
     known once the levels are measured) one of the shape a choice takes over the configured levels, k_max at the
     first and 0 above it; None where no schedule server can start (no confirmation, or a single level: its choice
     is one k everywhere, the eagle3 server's setting)."""
-    from eagle_pipeline.serve.plan import batch_ranges
-
     s = cfg.serve
     if s.num_speculative_tokens_per_batch_size:
         return [list(entry) for entry in s.num_speculative_tokens_per_batch_size]
@@ -257,8 +237,6 @@ class Rehearsed:
 
 def rehearse(cfg: RunConfig, stages: tuple[int, ...] | list[int]) -> list[Rehearsed]:
     """Every engine of `stages`, configured by vLLM (it imports vLLM; no model is loaded)."""
-    from eagle_pipeline.plan.vllm_config import check_engine
-
     done = []
     with tempfile.TemporaryDirectory(prefix="engine-rehearsal-") as tmp:
         for stage in stages:
@@ -292,38 +270,18 @@ def check_engines(cfg: RunConfig, stages: tuple[int, ...] | list[int], *, show: 
 def stages_before_first_load(cfg: RunConfig, stage: int) -> tuple[int, ...]:
     """What a stage rehearses before it loads its first model: its own engines, and on the GPU host, at stage 01
     (the run's first target load), every stage's."""
-    if stage == 1 and cfg.device == "cuda":
-        return ENGINE_STAGES
-    return (stage,)
-
-
-def can_rehearse(cfg: RunConfig) -> str | None:
-    """Why the engines cannot be configured here (None when they can): an embedded target that is not converted
-    yet (a dry run does not convert it)."""
-    from eagle_pipeline.embedded import EMBEDDED_PREFIX, converted_path
-
-    raw = cfg.verifier.path
-    if raw.startswith(EMBEDDED_PREFIX) and converted_path(raw[len(EMBEDDED_PREFIX):]) is None:
-        return "the embedded target is converted at its first use; its engines are configured then"
-    return None
+    return engine_stages(cfg) if stage == 1 and cfg.device == "cuda" else (stage,)
 
 
 def dry_run_lines(cfg: RunConfig, stage: int) -> None:
     """The dry run's engine lines for `stage` (and its refusal)."""
-    if not planned_stage_has_engines(cfg, stage):
+    if not stage_engines(cfg, stage):
         return
-    reason = can_rehearse(cfg)
-    if reason is not None:
-        print(f"  engine rehearsal skipped: {reason}")
+    if not_converted_yet(cfg.verifier.path):
+        print("  engine rehearsal skipped: the embedded target is converted at its first use; its engines are "
+              "configured then")
         return
     check_engines(cfg, (stage,))
-
-
-def planned_stage_has_engines(cfg: RunConfig, stage: int) -> bool:
-    if stage not in ENGINE_STAGES:
-        return False
-    online = cfg.hidden_states.mode == "online"
-    return not ((stage == 2 and online) or (stage == 4 and (not online or cfg.hidden_states.capture_endpoints)))
 
 
 def before_first_load(cfg: RunConfig, stage: int) -> None:

@@ -8,16 +8,8 @@ known serving mistake (a variant) predicts what that mistake would measure. Modu
 - `simulate`: the chain-by-chain replay and vLLM's counters, for any drafter behind the `Drafter` protocol;
 - `speculators_drafter`: a speculators EAGLE-3 checkpoint run with vLLM's serving-time inputs;
 - `variants`: which hidden-state slots and config the engine uses, as named variants;
-- `acceptance`: predictions over many conversations, as served and per variant.
+- `acceptance`: predictions over many conversations, as served and per variant;
+- `flat_drafter`: a flat drafter folder read back into speculators' layout, to replay it;
+- `diagnose`: the cause of a gap between served and predicted acceptance, from the variants' replays;
+- `served`: stage 06's prediction: the replay's capture, the drafter as served, the diagnosis.
 """
-
-from eagle_pipeline.predict.acceptance import predict_acceptance, simulate_samples, simulate_variants
-from eagle_pipeline.predict.simulate import AcceptanceCounts, Drafter, draft_table, simulate_sequence, walk_chains
-from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, load_drafter, teacher_forced_drafts
-from eagle_pipeline.predict.variants import Variant, serving_inputs, shifted_slots, standard_variants
-
-__all__ = [
-    "AcceptanceCounts", "Drafter", "SpeculatorsDrafter", "Variant", "draft_table", "load_drafter",
-    "predict_acceptance", "serving_inputs", "shifted_slots", "simulate_samples", "simulate_sequence",
-    "simulate_variants", "standard_variants", "teacher_forced_drafts", "walk_chains",
-]

@@ -22,6 +22,7 @@ from eagle_pipeline.drafter.folder import (  # noqa: F401 - flat_tensor_names
     read_flat_tensors,
 )
 from eagle_pipeline.drafter.layouts import EMBED_KEY, flat_norm_flags
+from eagle_pipeline.drafter.to_speculators import write_speculators_folder
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.verifier import target_embedding
 
@@ -30,8 +31,6 @@ def write_speculators_checkpoint(drafter_dir: str | Path, verifier_dir: str | Pa
                                  speculative_tokens: int) -> Path:
     """Write `drafter_dir` as a speculators EAGLE-3 checkpoint in `out_dir`; returns `out_dir`."""
     import torch
-
-    from eagle_pipeline.drafter.to_speculators import write_speculators_folder
 
     config = read_flat_config(drafter_dir)
     tensors = read_flat_tensors(drafter_dir)

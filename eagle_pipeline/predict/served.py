@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 
+from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
 from eagle_pipeline.config import RunConfig
+from eagle_pipeline.drafter.folder import flat_tensor_names, read_flat_config
+from eagle_pipeline.drafter.layouts import flat_norm_flags, speculators_norm_flags
+from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
+from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
 from eagle_pipeline.predict import diagnose as dx
 
 
@@ -45,8 +50,6 @@ class ReplayPlan:
 def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, findings: list[dict]) -> ReplayPlan:
     import json
 
-    from eagle_pipeline.drafter.layouts import speculators_norm_flags
-
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     flags = speculators_norm_flags(config)
     has_d2t = int(config.get("draft_vocab_size") or 0) != int(config["transformer_layer_config"]["vocab_size"])
@@ -68,9 +71,6 @@ def checkpoint_attention(checkpoint: Path) -> dict[str, bool]:
 def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_size: int, device: str,
                 scratch_dir: Path, num_speculative_tokens: int) -> ReplayPlan:
     """A flat folder read as vLLM reads it: the ids the runner of `device` takes, the declared flags."""
-    from eagle_pipeline.drafter.folder import flat_tensor_names, read_flat_config
-    from eagle_pipeline.drafter.layouts import flat_norm_flags
-    from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
     from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
 
     config = read_flat_config(drafter_dir)
@@ -89,9 +89,6 @@ def capture_states(cfg: RunConfig, verifier_dir: Path, layer_ids: Sequence[int],
                    sequences: Sequence[Sequence[int]], scratch_dir: Path) -> list[torch.Tensor]:
     """hidden_states [seq, len(layer_ids) + 1, H] per sequence, through stage 02's capture path, with an engine
     sized for the longest sequence."""
-    from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
-    from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
-
     apply_engine_env(cfg)
     with HiddenStateCapture(verifier_dir, list(layer_ids), num_layers=num_layers, storage_path=scratch_dir / "capture",
                             **capture_sizing(max(len(s) for s in sequences)), **capture_engine_kwargs(cfg)) as capture:
@@ -101,7 +98,8 @@ def capture_states(cfg: RunConfig, verifier_dir: Path, layer_ids: Sequence[int],
 def replay(plan: ReplayPlan, samples: list, captured_ids: Sequence[int], num_layers: int,
            num_speculative_tokens: int) -> dict[str, dict[str, Any]]:
     """The replay summary under every reading, keyed by reading name."""
-    from eagle_pipeline.predict import load_drafter, simulate_variants
+    from eagle_pipeline.predict.acceptance import simulate_variants
+    from eagle_pipeline.predict.speculators_drafter import load_drafter
 
     model = load_drafter(plan.checkpoint)
     variants = [dx.as_variant(r, captured_ids, num_layers) for r in plan.readings]

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-Sample = tuple[Any, torch.Tensor, int]  # (token ids, hidden_states [seq, n_aux + 1, H], prompt length)
+Sample = tuple[Any, "torch.Tensor", int]  # (token ids, hidden_states [seq, n_aux + 1, H], prompt length)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ def serving_inputs(hidden_states: torch.Tensor, aux_slots: tuple[int, ...] | Non
 
     `final_norm`, when given, is applied to the sample's last slot first (the post-norm variant).
     """
+    import torch
+
     if hidden_states.dim() != 3 or hidden_states.shape[1] < 2:
         raise ValueError(f"hidden_states shape {tuple(hidden_states.shape)}, expected [seq, n_aux + 1, H]")
     num_slots = hidden_states.shape[1]

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.plan import greedy_mismatches
 from eagle_pipeline.serve.spec_metrics import ratio
+
+if TYPE_CHECKING:
+    import torch
 
 BASELINE_DIR = "baseline"
 ANSWERS = "answers.json"

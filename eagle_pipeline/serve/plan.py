@@ -30,6 +30,7 @@ import math
 import shlex
 from typing import Any, Mapping, Sequence
 
+from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.serve.spec_metrics import PER_REQUEST_FLAGS, ratio
 
 # The mode stage 06 serves the chosen schedule under (served/schedule.json, logs/server-schedule.log).
@@ -308,8 +309,6 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
     per-request acceptance against concurrency, the collapse findings, and the `vllm serve` command. Levels the
     confirming run served slower than no speculation are back at k = 0 (`withdraw_slower`), in the schedule,
     `speculative_config` and command alike."""
-    from eagle_pipeline.serve.server import VllmServer
-
     s = cfg.serve
     levels, k_max = s.concurrency_levels, s.num_speculative_tokens
     modes = report["modes"]

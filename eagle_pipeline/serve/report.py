@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
+from eagle_pipeline.serve.baseline import kept_baseline
 from eagle_pipeline.serve.spec_metrics import acceptance_problem
 
 # The fields docs/contracts.md promises in report.json, with the types a reader may rely on.
@@ -83,8 +84,6 @@ def record_problem(record: Any, num_speculative_tokens: int) -> str | None:
 def _recorded_elsewhere(stage_dir: Path, mode: str, shaped_by: dict | None) -> tuple[dict | None, str]:
     """A mode's record rebuilt from the stage's other files, and where from; (None, "") when they lack it."""
     if mode == "none" and shaped_by is not None:
-        from eagle_pipeline.serve.baseline import kept_baseline
-
         kept = kept_baseline(stage_dir, shaped_by)
         if kept is not None:
             return ({"summary": kept.get("summary"), "texts": kept.get("texts"), "token_ids": kept.get("token_ids")},

@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
 
 STOPPED_FILE = "stopped.json"
@@ -58,8 +59,6 @@ class NonFiniteLossGuard(logging.Handler):
     def stop(self, what: str) -> None:
         reason = f"{what}: training stopped; {advice(self.init_from)}"
         if self.write_reason:
-            from eagle_pipeline import atomic
-
             atomic.write_json(self.out_dir / STOPPED_FILE, {"reason": reason})
         raise NonFiniteLoss(reason)
 

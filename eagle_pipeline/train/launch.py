@@ -17,7 +17,8 @@ from pathlib import Path
 
 from eagle_pipeline import atomic
 from eagle_pipeline.config import TrainConfig
-from eagle_pipeline.errors import BadInput
+from eagle_pipeline.errors import BadInput, Terminated
+from eagle_pipeline.parent_death import signal_on_parent_death
 from eagle_pipeline.train.runner import prepare, run_speculators
 from eagle_pipeline.train.settings import TrainRun
 from eagle_pipeline.train.stop import STOP_GRACE_S
@@ -62,9 +63,6 @@ def run_torchrun(command: list[str], cwd: Path) -> int:
     torchrun has ended. Should this process be killed outright, torchrun gets SIGTERM from the kernel."""
     import signal
     import subprocess
-
-    from eagle_pipeline.parent_death import signal_on_parent_death
-    from eagle_pipeline.stage import Terminated
 
     process = subprocess.Popen(command, cwd=cwd, start_new_session=True,
                                preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM))

@@ -76,7 +76,7 @@ class CheckpointPredictor:
 
     def predict(self, epoch: int) -> dict[str, Any]:
         if epoch not in self._by_epoch:
-            from eagle_pipeline.predict import predict_acceptance
+            from eagle_pipeline.predict.acceptance import predict_acceptance
 
             if self._conversations is None:
                 self._conversations = validation_conversations(self.data_dir, self.out_dir, self.limit)

@@ -23,6 +23,8 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
+from eagle_pipeline.errors import Terminated
+
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -33,8 +35,6 @@ STOP_GRACE_S = 170
 
 def stop_exception(signum: int) -> BaseException:
     """What a stop raises: the stage's own exceptions, which it turns into exit 130 and the `interrupted:` line."""
-    from eagle_pipeline.stage import Terminated
-
     return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
 
+from eagle_pipeline.drafter.layouts import MLA_ARCHITECTURE_ALIASES
+
 # The compute capability of the pipeline's GPU host (RTX PRO 6000 Blackwell, SM120), used where CUDA's selection
 # is checked on a machine without a GPU.
 CUDA_CAPABILITY = (12, 0)
@@ -238,8 +240,6 @@ def draft_vllm_config(vllm_config, runner: str):
 def builds_mla_drafter(model_config) -> bool:
     """vLLM's EAGLE-3 MLA drafter (deepseek_eagle3.py) builds MLA attention layers, though its ModelConfig (the
     EAGLE wrapper, model_type eagle) reports no MLA; its layers select their backend as MLA layers."""
-    from eagle_pipeline.drafter.layouts import MLA_ARCHITECTURE_ALIASES
-
     architectures = getattr(model_config, "architectures", None) or []
     return (any(name in MLA_ARCHITECTURE_ALIASES for name in architectures)
             and getattr(model_config.hf_text_config, "kv_lora_rank", None) is not None)
