@@ -64,13 +64,15 @@ def apply_engine_env(cfg: RunConfig) -> None:
 def offline_engine(**kwargs: Any):
     """`vllm.LLM(**kwargs)`, in this process or with engine processes as the environment says; in this process the
     CPU worker's kernel scan is patched first to pass the modules vLLM's Kimi-K2.5 model class loads
-    (patches/vllm_kernel_rebind.py)."""
+    (patches/vllm_kernel_rebind.py), and its rotary embedding to rotate an MLA query's every head at its position
+    (patches/vllm_cpu_rope.py)."""
     from vllm import LLM
 
     if os.environ.get(MULTIPROCESSING_VARIABLE) == "0":
-        from patches import vllm_kernel_rebind
+        from patches import vllm_cpu_rope, vllm_kernel_rebind
 
         vllm_kernel_rebind.apply()
+        vllm_cpu_rope.apply()
     return LLM(**kwargs)
 
 

@@ -243,11 +243,12 @@ def test_stage_02_captures_the_states_hf_computes_for_the_mla_verifier(kimi, kim
         states = sample["hidden_states"].float()
         assert states.shape == (len(token_ids), len(LAYER_IDS) + 1, HIDDEN)
         expected = hf_states(model, token_ids)
-        # Stored in bf16 (relative rounding ~0.4%): a layer off by one, a norm applied or not, or a wrong
-        # MLA kernel is off by far more.
+        # vLLM computes what HF does to float32 noise, and bf16 storage moves no value by more than 2**-8 of itself:
+        # a layer off by one, a norm applied or not, a wrong MLA kernel, or the CPU kernel's rope of an MLA query
+        # (1 to 2% here; patches/vllm_cpu_rope.py) is off by more.
         for slot, layer in enumerate([*LAYER_IDS, NUM_LAYERS]):
             error = float((states[:, slot] - expected[:, slot]).norm() / expected[:, slot].norm())
-            assert error < 0.02, f"hs_{index}, layer {layer}: relative error {error:.4f} against HF transformers"
+            assert error < 2**-8, f"hs_{index}, layer {layer}: relative error {error:.4f} against HF transformers"
 
 
 def test_the_fine_tune_route_runs_on_kimi_through_stages_03_to_05(kimi, kimi_run, tmp_path):

@@ -253,3 +253,46 @@ def test_the_kernel_scan_fails_on_llvmlite_unpatched_and_still_rebinds_every_hol
     vllm_kernel_rebind.apply()
     dispatcher._rebind_kernels([(kernel, wrapper)])
     assert holder.imported_copy is wrapper and holder.launcher.kernel is wrapper
+
+
+# ---------------------------------------------------------------------------------------------------
+# patches/vllm_cpu_rope.py
+
+
+def test_the_rope_patch_wraps_the_forward_cpu_it_was_written_for():
+    from patches import vllm_cpu_rope
+    from patches.upstream import changed_sources
+
+    assert changed_sources(vllm_cpu_rope.UPSTREAM_SOURCE_SHA256, vllm_cpu_rope.upstream_sha256) == []
+
+
+def test_every_head_of_an_mla_query_is_rotated_at_its_tokens_position_on_the_cpu(monkeypatch):
+    """The query as vLLM's MLA layer hands it over, the rope part of [tokens, heads, nope + rope] (a slice, the result
+    written back into it), the key one head; vLLM's own torch rotation is the reference."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from patches import vllm_cpu_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, max_position=64, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                        is_neox_style=False)
+    # Valid positions past the batch's five: upstream's kernel reads there (the engine's buffer holds older ones).
+    positions = (torch.arange(32) + 3)[:5]
+    query, key = torch.randn(5, 4, 32 + 64), torch.randn(5, 1, 64)
+    want_q, want_k = rope.forward_native(positions, query[..., 32:].clone(), key.clone())
+
+    def mla_rope():
+        q, k = query.clone(), key.clone()
+        q[..., 32:], k = rope.forward_cpu(positions, q[..., 32:], k)
+        return q, k
+
+    monkeypatch.setattr(RotaryEmbedding, "forward_cpu", vllm_cpu_rope._upstream)
+    q, k = mla_rope()
+    assert torch.allclose(k, want_k, atol=1e-6) and torch.allclose(q[0, 0, 32:], want_q[0, 0], atol=1e-6)
+    assert not torch.allclose(q[:, 1:, 32:], want_q[:, 1:], atol=1e-2)  # upstream: other heads at other positions
+    vllm_cpu_rope.apply()
+    q, k = mla_rope()
+    assert torch.allclose(q[..., 32:], want_q, atol=1e-6) and torch.allclose(k, want_k, atol=1e-6)
+    assert torch.equal(q[..., :32], query[..., :32])
