@@ -470,6 +470,55 @@ def test_config_that_extends_a_missing_file(tmp_path):
     assert result.returncode == 2 and "base-missing.yaml: config file not found" in result.stderr
 
 
+# -- config files built to exhaust the loader: each refused at once, in one line (generated) ------------------
+
+def _alias_bomb(levels: int = 8, width: int = 9) -> str:
+    """A few hundred bytes of YAML that expand to width**levels values: each anchor repeats the one before."""
+    return "{" + ", ".join([f"l0: &l0 [{', '.join(['x'] * width)}]"] + [
+        f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]) + "}"
+
+
+EXHAUSTING_CONFIGS = {
+    # name: (the lines after `extends: tiny.yaml` and `data_root`, what the error line says)
+    **{f"alias-bomb-{where}": (text.replace("BOMB", _alias_bomb()), "aliases expand to more than 100000 values here")
+       for where, text in {"unknown-key": "junk: BOMB", "unknown-key-in-a-section": "train: {junk: BOMB}",
+                           "engine-args": "verifier: {engine_args: {compilation_config: BOMB}}",
+                           "chat-template-kwargs": "generation: {chat_template_kwargs: BOMB}"}.items()},
+    "anchor-inside-itself": ("verifier: {engine_args: {compilation_config: &a [1, *a]}}",
+                             "line 3: aliases expand to more than 100000 values here"),
+}
+
+
+@pytest.mark.parametrize("name", EXHAUSTING_CONFIGS)
+def test_a_config_built_to_exhaust_the_loader_is_refused_at_once(tmp_path, capsys, name):
+    import time
+
+    text, expected = EXHAUSTING_CONFIGS[name]
+    config = tmp_path / "raw.yaml"
+    config.write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\ndata_root: {tmp_path / 'data'}\n{text}\n")
+    started = time.monotonic()
+    code, _, stderr = run_stage_in_process("01_generate_data.py", config, capsys, "--dry-run")
+    elapsed = time.monotonic() - started
+    lines = without_log_records(stderr)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {config}") and expected in lines[0], stderr[-2000:]
+    assert elapsed < 5, f"{name}: refused after {elapsed:.1f} s"  # unchecked, the expansion took minutes
+
+
+def test_ordinary_anchors_and_aliases_still_load(tmp_path):
+    from eagle_pipeline.config import load_config
+
+    config = tmp_path / "anchors.yaml"
+    config.write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\ndata_root: {tmp_path / 'data'}\n"
+                      "generation: {max_tokens: &n 96, chat_template_kwargs: {enable_thinking: false}}\n"
+                      "serve: {max_tokens: *n}\n"
+                      "verifier: {engine_args: {compilation_config: {sizes: &s [1, 2, 4], again: [*s, *s, *s]}}}\n"
+                      "train: {<<: {epochs: 2, lr: 0.002}, lr: 0.001}\n")
+    cfg = load_config(config, ["generation.chat_template_kwargs={a: &x [1, 2], b: *x}"])
+    assert cfg.generation.max_tokens == cfg.serve.max_tokens == 96 and (cfg.train.epochs, cfg.train.lr) == (2, 0.001)
+    assert cfg.verifier.engine_args["compilation_config"]["again"] == [[1, 2, 4]] * 3
+    assert cfg.generation.chat_template_kwargs == {"a": [1, 2], "b": [1, 2]}
+
+
 def _interrupted_training(config: Path) -> int:
     """Stage 04 run in this process with its input checks passed and training stopped by Ctrl-C; its exit code."""
     from unittest import mock
