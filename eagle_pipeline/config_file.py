@@ -40,6 +40,9 @@ def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
         inside = node.value if isinstance(node, yaml.SequenceNode) else (
             [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
         sizes[id(node)] = 1 + sum(_expanded(n, sizes) for n in inside)
+        if node.tag == "tag:yaml.org,2002:int" and len(node.value) > 100:  # int() refuses 4,300 digits
+            raise _Unreadable(node.start_mark.line + 1, f"an integer of {len(node.value)} characters, longer than "
+                                                        f"any setting needs; shorten it, or quote it if it is text")
     if sizes[id(node)] > MAX_VALUES:
         raise _Unreadable(node.start_mark.line + 1, f"aliases expand to more than {MAX_VALUES} values here (an "
                                                     f"anchor repeated inside anchors, or inside itself); write "
@@ -48,8 +51,8 @@ def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently) and
-    aliases that expand past MAX_VALUES values (`_expanded`: each later check would walk them all)."""
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently), and
+    (`_expanded`) aliases that expand past MAX_VALUES values and integers no setting needs."""
 
     def construct_document(self, node):
         _expanded(node, {})
@@ -96,6 +99,8 @@ def _parse_yaml(path: Path) -> Any:
                        f"silently replace the first; merge the two into one") from None
     except _Unreadable as e:
         raise BadInput(f"{path} line {e.args[0]}: {e.args[1]}") from None
+    except RecursionError:
+        raise BadInput(f"{path}: values nested deeper than the YAML reader's stack allows; flatten them") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" line {mark.line + 1}" if mark else ""
@@ -122,6 +127,8 @@ def _origins(data: dict, source: str, prefix: tuple[str, ...] = ()) -> Origins:
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], Origins]:
     if path in chain:
         raise BadInput(f"{path}: 'extends' forms a cycle ({' -> '.join(map(str, chain + (path,)))}); remove one link")
+    if len(chain) == 100:  # each link is a frame of this reader's recursion
+        raise BadInput(f"{chain[0]}: its 'extends' chain is more than 100 files long; extend the base directly")
     if not path.exists():
         where = f" (extended by {chain[-1]})" if chain else ""
         raise BadInput(f"{path}: config file not found{where}; check the path")

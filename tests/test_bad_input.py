@@ -416,6 +416,8 @@ CASES += [
      None, "06_serve_test.py", ["--dry-run"], "serve.engine_variants: entry 1 repeats entry 0"),
     ("unknown-flag", {}, None, "01_generate_data.py", ["--dry-run", "--froce"],
      "error: unrecognized arguments: --froce; 01_generate_data.py --help lists the options"),
+    ("set-an-integer-too-long", {}, _set("data.num_samples=" + "9" * 5000), "01_generate_data.py", ["--dry-run"],
+     "error: --set data.num_samples: an integer of 5000 characters, longer than any setting needs"),
     ("capture-endpoint-not-answering", {}, _closed_port_endpoint, "04_train.py", ["--dry-run"],
      ("hidden_states.capture_endpoints: http://127.0.0.1:", "does not answer as a vLLM server")),
 ]
@@ -479,14 +481,29 @@ def _alias_bomb(levels: int = 8, width: int = 9) -> str:
 
 
 EXHAUSTING_CONFIGS = {
-    # name: (the lines after `extends: tiny.yaml` and `data_root`, what the error line says)
+    # name: (the lines after `extends: tiny.yaml` and `data_root`, or what makes the base; what the error line says)
     **{f"alias-bomb-{where}": (text.replace("BOMB", _alias_bomb()), "aliases expand to more than 100000 values here")
        for where, text in {"unknown-key": "junk: BOMB", "unknown-key-in-a-section": "train: {junk: BOMB}",
                            "engine-args": "verifier: {engine_args: {compilation_config: BOMB}}",
                            "chat-template-kwargs": "generation: {chat_template_kwargs: BOMB}"}.items()},
     "anchor-inside-itself": ("verifier: {engine_args: {compilation_config: &a [1, *a]}}",
                              "line 3: aliases expand to more than 100000 values here"),
+    # int() refuses more than 4,300 digits; a hex number's digits are not limited, but a long one prints as no number.
+    "integer-too-long": ("data: {num_samples: " + "9" * 5000 + "}", "line 3: an integer of 5000 characters"),
+    "hex-integer-too-long": ("junk: 0x" + "f" * 4000, "line 3: an integer of 4002 characters"),
+    **{f"nested-{depth}-deep": ("verifier: {engine_args: {compilation_config: " + "[" * depth + "]" * depth + "}}",
+                                "values nested deeper than the YAML reader's stack allows") for depth in (490, 5000)},
+    "nested-mappings": ("junk: " + "{a: " * 1000 + "1" + "}" * 1000, "values nested deeper than the YAML reader's stack"),
+    # a callable makes the base the config extends
+    "extends-chain-of-150": (lambda tmp: _extends_chain(tmp, 150), "its 'extends' chain is more than 100 files long"),
 }
+
+
+def _extends_chain(tmp: Path, length: int) -> Path:
+    for i in range(1, length):
+        (tmp / f"c{i}.yaml").write_text(f"extends: c{i + 1}.yaml\n")
+    (tmp / f"c{length}.yaml").write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\n")
+    return tmp / "c1.yaml"
 
 
 @pytest.mark.parametrize("name", EXHAUSTING_CONFIGS)
@@ -494,8 +511,9 @@ def test_a_config_built_to_exhaust_the_loader_is_refused_at_once(tmp_path, capsy
     import time
 
     text, expected = EXHAUSTING_CONFIGS[name]
+    base, text = (text(tmp_path), "") if callable(text) else (REPO / "configs" / "tiny.yaml", text)
     config = tmp_path / "raw.yaml"
-    config.write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\ndata_root: {tmp_path / 'data'}\n{text}\n")
+    config.write_text(f"extends: {base}\ndata_root: {tmp_path / 'data'}\n{text}\n")
     started = time.monotonic()
     code, _, stderr = run_stage_in_process("01_generate_data.py", config, capsys, "--dry-run")
     elapsed = time.monotonic() - started
