@@ -109,6 +109,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
 
     if dry_run:
+        if s.baseline:  # its files read as the run reads them: a torn one is named before any serving
+            load_baseline(cfg.resolve_path(s.baseline), {})
         print(f"stage 06: serve {cfg.verifier.path} with modes {modes}, "
               f"{len(prompts)} held-out prompts from {eval_path}")
         if converted is None and not foreign:

@@ -397,6 +397,76 @@ def _closed_port_endpoint(run_dir, tmp):
     return ["--set", "hidden_states.mode=online", "--set", f"hidden_states.capture_endpoints=[http://127.0.0.1:{port}/v1]"]
 
 
+def _kept_answers(folder: Path, answers: dict | None = None, raw: bytes | None = None) -> None:
+    (folder / "answers.json").write_bytes(raw if raw is not None else json.dumps(answers).encode())
+
+
+def _torn(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-40])
+
+
+# Every file of a kept baseline (06_serve_test/baseline/) that stage 06 reads, damaged: name -> (damage(folder,
+# answers), what the error line says). The answers are whole unless the damage rewrites them.
+BASELINE_DEFECTS = {
+    "answers-torn": (lambda f, a: _kept_answers(f, raw=json.dumps(a).encode()[:-30]), "answers.json: is not valid JSON"),
+    "answers-not-utf8": (lambda f, a: _kept_answers(f, raw=b'{"texts": "\xff"}'), "answers.json: is not UTF-8 text"),
+    "answers-a-list": (lambda f, a: _kept_answers(f, raw=b"[]"), "answers.json: is a JSON list, not an object"),
+    "answers-missing": (lambda f, a: None, "answers.json: is missing"),
+    "answers-without-summary": (lambda f, a: _kept_answers(f, {k: v for k, v in a.items() if k != "summary"}),
+                                "answers.json: does not hold what stage 06 keeps"),
+    "answers-fewer-ids-than-texts": (lambda f, a: _kept_answers(f, {**a, "token_ids": a["token_ids"][:1]}),
+                                     "answers.json: does not hold what stage 06 keeps"),
+    "states-torn": (lambda f, a: (_kept_answers(f, a), _torn(f / "hs_1.safetensors")),
+                    "hs_1.safetensors: cannot be read (SafetensorError"),
+    "states-missing": (lambda f, a: (_kept_answers(f, a), (f / "hs_1.safetensors").unlink()),
+                       "hs_1.safetensors: cannot be read (FileNotFoundError"),
+    "states-without-hidden-states": (lambda f, a: (_kept_answers(f, a), __import__("safetensors.torch").torch.save_file(
+        {"x": torch.zeros(1)}, str(f / "hs_1.safetensors"))), "hs_1.safetensors: cannot be read"),
+}
+
+
+def make_kept_baseline(folder: Path, damage: str | None) -> None:
+    """A kept baseline of two answers and their captured states in folder/baseline, with BASELINE_DEFECTS[damage]."""
+    from safetensors.torch import save_file
+
+    (folder / "baseline").mkdir(parents=True)
+    answers = {"shaped_by": {}, "texts": ["a", "b"], "token_ids": [[[1], [2]], [[1], [3]]],
+               "summary": {"tokens_per_s": 9.0}, "captured_layer_ids": [2, 15, 27]}
+    for i in range(2):
+        save_file({"hidden_states": torch.zeros(3, 4, 8)}, str(folder / "baseline" / f"hs_{i}.safetensors"))
+    (BASELINE_DEFECTS[damage][0] if damage else _kept_answers)(folder / "baseline", answers)
+
+
+def _damaged_baseline(damage: str, own: bool = False):
+    """Stages 01-05 done and serve.baseline set to a 06_serve_test folder (this run's own when `own`) whose
+    kept baseline has `damage`."""
+    def setup(run_dir, tmp):
+        fake_trained(run_dir, with_weights=True)
+        fake_stage(run_dir, "05_convert", {"samples": 2})
+        folder = fake_stage(run_dir, "06_serve_test", {"samples": 2}) if own else tmp / "kept"
+        make_kept_baseline(folder, damage)
+        return ["--set", f"serve.baseline={folder}"]
+    return setup
+
+
+CASES += [(f"serve-baseline-{damage}{'-dry-run' if dry else ''}", {}, _damaged_baseline(damage), "06_serve_test.py",
+           ["--dry-run"] if dry else [], (expected, "; point serve.baseline at a finished 06_serve_test folder"))
+          for damage, (_, expected) in BASELINE_DEFECTS.items() for dry in (False, True)]
+# README's cheap rerun points serve.baseline at this run's own stage 06 and passes --force: nothing is deleted.
+CASES += [("serve-baseline-own-answers-torn", {}, _damaged_baseline("answers-torn", own=True), "06_serve_test.py",
+           ["--force"], "06_serve_test/baseline/answers.json: is not valid JSON")]
+
+
+@pytest.mark.parametrize("damage", [None, *BASELINE_DEFECTS])
+def test_a_damaged_baseline_of_this_stage_is_served_again_not_read(tmp_path, damage):
+    # Stage 06's own folder, kept by an earlier run of the same settings: a damaged file is made again, not read.
+    from eagle_pipeline.serve.baseline import kept_baseline
+
+    make_kept_baseline(tmp_path, damage)
+    kept = kept_baseline(tmp_path, {})
+    assert (kept is None) == (damage is not None) and (kept is None or kept["texts"] == ["a", "b"])
+
+
 # Wording: what YAML typed, what an override broke, a link loop, an endpoint's port, a repeated engine variant,
 # an unknown flag; and what a dry run now asks as the run does (a capture endpoint).
 CASES += [
