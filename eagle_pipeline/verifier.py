@@ -13,7 +13,7 @@ from typing import Any
 
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.drafter.layouts import FLAT_ARCHITECTURE, SPECULATORS, config_layout
-from eagle_pipeline.embedded import EMBEDDED_PREFIX, gguf_path, resolve_verifier_path
+from eagle_pipeline.embedded import EMBEDDED_PREFIX, converted_path, gguf_path, resolve_verifier_path
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, model_dir_fingerprint, text_fingerprint
 from eagle_pipeline.json_files import read_json_object
@@ -77,6 +77,15 @@ class Verifier:
         verifier = cls(path=path, trust_remote_code=cfg.verifier.trust_remote_code)
         verifier.raw_config  # noqa: B018 - a damaged or foreign config.json is named before the tokenizer reads it
         return verifier
+
+    @classmethod
+    def if_converted(cls, cfg: RunConfig) -> "Verifier | None":
+        """from_config, or None for an embedded target not converted yet (converting it is stage 01's first use,
+        not a dry run's or a check's)."""
+        raw = cfg.verifier.path
+        if raw.startswith(EMBEDDED_PREFIX) and converted_path(raw[len(EMBEDDED_PREFIX):]) is None:
+            return None
+        return cls.from_config(cfg)
 
     @cached_property
     def raw_config(self) -> dict[str, Any]:

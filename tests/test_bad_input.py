@@ -382,6 +382,13 @@ CASES += [(f"{key}-missing-for-{script[:2]}", {}, _set(f"{key}=/nonexistent/{key
            f"{key}: /nonexistent/{key} does not exist")
           for key, script in zip(REFERENCED_FOLDERS, LATER_STAGES)]
 
+# train.draft_layer mla on the Llama target: every stage names it before its disk plan reads MLA dimensions, and
+# stage 04 before --force deletes its finished output.
+CASES += [(f"draft-layer-mla-on-a-llama-target-{script[:2]}{'-force' if setup else ''}", {"train": {"draft_layer": "mla"}},
+           setup, script, ["--force"] if setup else ["--dry-run"], "train.draft_layer: mla needs a verifier with MLA attention")
+          for script, setup in [(s, None) for s in ("01_generate_data.py", *LATER_STAGES)]
+          + [("04_train.py", lambda r, t: fake_trained(r, with_weights=True))]]
+
 
 def _symlink_loop(run_dir, tmp):
     (tmp / "a.jsonl").symlink_to(tmp / "b.jsonl")

@@ -334,13 +334,11 @@ def plan_run(cfg, verifier, layout: SampleLayout) -> DiskPlan:
 def plan_for_config(cfg) -> DiskPlan | None:
     """plan_run from the config and the target's config.json; None for an embedded target not yet converted
     (converting it is stage 01's first use, not a dry run's)."""
-    from eagle_pipeline.embedded import EMBEDDED_PREFIX, converted_path
     from eagle_pipeline.verifier import Verifier
 
-    raw = cfg.verifier.path
-    if raw.startswith(EMBEDDED_PREFIX) and converted_path(raw[len(EMBEDDED_PREFIX):]) is None:
+    verifier = Verifier.if_converted(cfg)
+    if verifier is None:
         return None
-    verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     return plan_run(cfg, verifier, layout)
 

@@ -3,7 +3,7 @@ model, the host and the folders it names.
 
 - `verifier.tensor_parallel_size` splits the target's attention heads evenly (and its key/value heads, as
   vLLM's QKV layer needs: one count divides the other), read from the target's config.json (`text_config`
-  for Kimi-K2.5 and other VLMs);
+  for Kimi-K2.5 and other VLMs); `train.draft_layer: mla` finds MLA attention there;
 - the GPUs the run asks for are there: `train.num_gpus`, and on `device: cuda` `verifier.tensor_parallel_size`
   (counted by `nvidia-smi -L`, or CUDA_VISIBLE_DEVICES where set, or by torch where a stage has already
   imported it; a CPU run with `train.num_gpus: 0` asks for none and nothing is counted);
@@ -51,6 +51,7 @@ def check_preconditions(cfg: RunConfig, stage_number: int) -> None:
     """Every check of this module, cheapest first; BadInput names the first problem."""
     check_referenced_folders(cfg)
     check_parallel_split(cfg)
+    check_draft_layer(cfg)
     check_gpu_count(cfg)
     if stage_number == 4:
         check_online_software(cfg)
@@ -155,6 +156,17 @@ def check_parallel_split(cfg: RunConfig) -> None:
     problem = parallel_split_problem(verifier.text_config(), tp, f"the target ({verifier.path / 'config.json'})")
     if problem:
         raise BadInput(f"verifier.tensor_parallel_size: {problem}")
+
+
+def check_draft_layer(cfg: RunConfig) -> None:
+    """train.draft_layer mla against the target (train/draft_config.check_draft_shape): before the disk plan reads
+    the target's MLA dimensions, and at stage 01 rather than stage 04."""
+    from eagle_pipeline.train.draft_config import check_draft_shape
+    from eagle_pipeline.verifier import Verifier
+
+    verifier = Verifier.if_converted(cfg) if cfg.train.draft_layer == "mla" else None
+    if verifier is not None:
+        check_draft_shape(cfg.train, verifier.text_config())
 
 
 # -- the host's GPUs ---------------------------------------------------------------------------------------
