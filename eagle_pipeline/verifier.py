@@ -13,6 +13,7 @@ from typing import Any
 
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.drafter.layouts import FLAT_ARCHITECTURE, SPECULATORS, config_layout
+from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS
 from eagle_pipeline.embedded import EMBEDDED_PREFIX, converted_path, gguf_path, resolve_verifier_path
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, model_dir_fingerprint, text_fingerprint
@@ -105,10 +106,11 @@ class Verifier:
         where = "text_config." if text is not config else ""
         if not isinstance(text, dict):
             raise BadInput(f"verifier.path: {path}: text_config is a JSON {type(text).__name__}, not an object; {fix}")
-        for key in TEXT_SHAPE_KEYS:
-            value = text.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                found = "missing" if key not in text else f"{value!r}, not a positive integer"
+        mla = MLA_DIM_KEYS if text.get("kv_lora_rank") is not None else ()  # an MLA target's (q_lora_rank may be null)
+        for key in TEXT_SHAPE_KEYS + mla + (("q_lora_rank",) if text.get("q_lora_rank") is not None else ()):
+            value, even = text.get(key), key == "qk_rope_head_dim"  # rope rotates pairs of dimensions
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (even and value % 2):
+                found = "missing" if key not in text else f"{value!r}, not a positive {'even ' * even}integer"
                 raise BadInput(f"verifier.path: {path}: {where}{key} is {found}; {fix}")
         return config
 

@@ -204,6 +204,10 @@ def _not_a_model(run_dir, tmp):
 SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": L, "hidden_size": H,
                  "vocab_size": V, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
 
+# SmolLM2's shape with DeepSeek-V3's MLA attention sizes (Kimi-K2's: a query latent, rope 64).
+DEEPSEEK_SHAPE = {**SMOLLM2_SHAPE, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                  "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+
 
 def _verifier_config(content: bytes | dict, key: str = "verifier.path"):
     """`key` set to a model folder whose config.json holds `content` (bytes as they are, a dict as JSON)."""
@@ -212,6 +216,14 @@ def _verifier_config(content: bytes | dict, key: str = "verifier.path"):
         (tmp / "model" / "config.json").write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
         return ["--set", f"{key}={tmp / 'model'}"]
     return setup
+
+
+def test_possible_mla_sizes_are_read(tmp_path):
+    from eagle_pipeline.verifier import Verifier
+
+    for config in (DEEPSEEK_SHAPE, {**DEEPSEEK_SHAPE, "q_lora_rank": None}, {**SMOLLM2_SHAPE, "kv_lora_rank": None}):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert Verifier(tmp_path).raw_config == config
 
 
 def _without(config: dict, key: str) -> dict:
@@ -357,6 +369,17 @@ CASES = [
      "02_extract_hidden.py", ["--dry-run"], "config.json: text_config is a JSON str, not an object"),
     ("verifier-config-layers-a-string", {}, _verifier_config({**SMOLLM2_SHAPE, "num_hidden_layers": "30"}),
      "02_extract_hidden.py", ["--dry-run"], "config.json: num_hidden_layers is '30', not a positive integer"),
+    # impossible MLA attention sizes: every tensor shape of the target (and an MLA drafter) is computed from them
+    *[(f"verifier-config-mla-{key}-{value}", {}, _verifier_config({**DEEPSEEK_SHAPE, key: value}), "02_extract_hidden.py",
+       ["--dry-run"], f"config.json: {key} is {value!r}, not a positive {'even ' * (key == 'qk_rope_head_dim')}integer")
+      for key, value in (("kv_lora_rank", 0), ("kv_lora_rank", -512), ("kv_lora_rank", "512"), ("q_lora_rank", -1),
+                         ("q_lora_rank", 0), ("qk_rope_head_dim", 63), ("qk_rope_head_dim", 0), ("qk_nope_head_dim", -128),
+                         ("v_head_dim", 0), ("v_head_dim", 1.5))],
+    ("verifier-config-mla-without-v-head-dim", {}, _verifier_config(_without(DEEPSEEK_SHAPE, "v_head_dim")), "02_extract_hidden.py",
+     ["--dry-run"], "config.json: v_head_dim is missing"),
+    ("verifier-text-config-mla-kv-lora-rank-0", {}, _verifier_config({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                                        "text_config": {**DEEPSEEK_SHAPE, "kv_lora_rank": 0}}),
+     "02_extract_hidden.py", ["--dry-run"], "config.json: text_config.kv_lora_rank is 0, not a positive integer"),
     *[(f"init-from-config-{kind}", {}, lambda r, t, c=content: (fake_hidden_states(r), fake_vocab(r),
                                                                  _verifier_config(c, "train.init_from")(r, t))[-1],
        "04_train.py", ["--dry-run"], ("train.init_from: ", f"config.json: drafter config {text}"))
