@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, run_stage, run_stage_in_process, stage_module, without_log_records, write_config
+from released_drafter_standin import KIMI_MLA_STANDIN, KIMI_YARN, mla_standin_config
 
 L, H, V = 30, 576, 49152  # the embedded verifier
 
@@ -412,6 +413,66 @@ CASES += [(f"draft-layer-mla-on-a-llama-target-{script[:2]}{'-force' if setup el
           for script, setup in [(s, None) for s in ("01_generate_data.py", *LATER_STAGES)]
           + [("04_train.py", lambda r, t: fake_trained(r, with_weights=True))]]
 
+# A released MLA drafter built for another target than the MLA one the run names: what vLLM's MLA drafter shares with
+# the target (latent and head sizes, YaRN rope) is compared from the two config.json files at every stage's start.
+MLA_TARGET = {**DEEPSEEK_SHAPE, "rope_theta": 50000.0, "rope_scaling": dict(KIMI_YARN)}
+MLA_RELEASE = mla_standin_config(KIMI_MLA_STANDIN.but(hidden_size=H, vocab_size=V, q_lora_rank=1536,
+                                                      qk_nope_head_dim=128, v_head_dim=128, hf_layer_ids=(2, 15, 27)))
+RELEASE_DIFFERENCES = {  # name: (what the release has instead, what the error line says)
+    **{f"{key}-{value}": ({key: value}, f"{key} {value} differs from the target's {key} {MLA_TARGET[key]}")
+       for key, value in (("q_lora_rank", 768), ("kv_lora_rank", 256), ("qk_nope_head_dim", 64), ("qk_rope_head_dim", 32),
+                          ("v_head_dim", 64))},
+    **{f"yarn-{key}": ({"rope_scaling": {**KIMI_YARN, key: value}},
+                       f"rope_scaling.{key} {value} differs from the target's rope_scaling.{key} {KIMI_YARN[key]}")
+       for key, value in (("factor", 32.0), ("mscale_all_dim", 0.707), ("original_max_position_embeddings", 8192))},
+    "no-yarn": ({"rope_scaling": None}, "rope_scaling.rope_type default differs from the target's rope_scaling.rope_type yarn"),
+}
+
+
+def _mla_release(key: str, changes: dict, setup=None):
+    """verifier.path: an MLA target; `key`: a released MLA drafter's folder (its config.json only) with `changes`."""
+    def make(run_dir, tmp):
+        for folder, config in (("model", MLA_TARGET), ("release", {**MLA_RELEASE, **changes})):
+            (tmp / folder).mkdir()
+            (tmp / folder / "config.json").write_text(json.dumps(config))
+        if setup:
+            setup(run_dir, tmp)
+        return ["--set", f"verifier.path={tmp / 'model'}", "--set", f"{key}={tmp / 'release'}"]
+    return make
+
+
+CASES += [(f"{key}-mla-{name}", {}, _mla_release(key, changes), "01_generate_data.py",
+           ["--dry-run"], (f"{key}: ", f"release/config.json: {expected}; the drafter was built for another target model"))
+          for key in ("train.init_from", "vocab.from_drafter") for name, (changes, expected) in RELEASE_DIFFERENCES.items()]
+# Before stage 01 starts an engine, and before stage 04's --force deletes its finished output.
+CASES += [("train.init_from-mla-yarn-factor-01", {}, _mla_release("train.init_from", RELEASE_DIFFERENCES["yarn-factor"][0]),
+           "01_generate_data.py", [], "rope_scaling.factor 32.0 differs"),
+          ("train.init_from-mla-q_lora_rank-04-force", {}, _mla_release("train.init_from", {"q_lora_rank": 768},
+                                                                        lambda r, t: fake_trained(r, with_weights=True)),
+           "04_train.py", ["--force"], "q_lora_rank 768 differs from the target's q_lora_rank 1536")]
+
+
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+def test_a_released_mla_drafters_rope_is_compared_in_either_spelling(tmp_path, spelling):
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.errors import BadInput
+    from eagle_pipeline.plan.preconditions import check_drafters_against_target
+
+    def release(factor: float) -> dict:  # transformers 4 spelling (the release's) or 5's
+        yarn = {**KIMI_YARN, "factor": factor}
+        return {"rope_scaling": yarn} if spelling == "rope_scaling" else {"rope_scaling": None, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 50000.0, **{k: v for k, v in yarn.items() if k != "type"}}}
+
+    for factor, refused in ((64.0, False), (32.0, True)):
+        folder = tmp_path / str(factor)
+        folder.mkdir()
+        overrides = _mla_release("train.init_from", release(factor))(None, folder)[1::2]
+        cfg = load_config(write_config(folder / "c.yaml"), [*overrides, f"vocab.from_drafter={folder / 'release'}"])
+        if refused:
+            with pytest.raises(BadInput, match=r"^vocab.from_drafter: \S+: rope_scaling.factor 32.0 differs"):
+                check_drafters_against_target(cfg)
+        else:
+            check_drafters_against_target(cfg)
 
 def _symlink_loop(run_dir, tmp):
     (tmp / "a.jsonl").symlink_to(tmp / "b.jsonl")
