@@ -50,6 +50,7 @@ from eagle_pipeline.serve.baseline import (
     save_baseline_states,
 )
 from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
+from eagle_pipeline.serve.engine_probe import describe, probe_engine, variant_config
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.plan import (
     SCHEDULE_MODE,
@@ -125,6 +126,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
 
     if dry_run:
+        if s.baseline:  # its files read as the run reads them: a torn one is named before any serving
+            load_baseline(cfg.resolve_path(s.baseline), {})
         print(f"stage 06: serve {cfg.verifier.path} with modes {modes}, "
               f"{len(prompts)} held-out prompts from {eval_path}")
         if converted is None and not foreign:
@@ -144,8 +147,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         for warning in speculation_warnings(cfg):
             print(f"warning: {warning}")
         if s.engine_variants:
-            from eagle_pipeline.serve.engine_probe import describe
-
             print(f"  engine variants to serve ({s.probe_engine}): "
                   + "; ".join(f"{i} {describe(v)}" for i, v in enumerate(s.engine_variants, 1)))
         return
@@ -336,7 +337,6 @@ def should_probe(s, diagnosis: dict) -> bool:
 def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: dict, diagnosis: dict) -> dict:
     """The engine variants served with the drafter in turn; the verdict with what they showed."""
     from eagle_pipeline.predict.diagnose import with_probe
-    from eagle_pipeline.serve.engine_probe import probe_engine, variant_config
 
     def serve_variant(index: int, variant) -> dict:
         folder = log_dir / f"engine-variant-{index}"

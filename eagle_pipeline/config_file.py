@@ -26,8 +26,37 @@ class _DuplicateKey(Exception):
         self.key, self.line, self.first_line = key, line, first_line
 
 
+class _Unreadable(Exception):
+    """(line, why): a value that would take the loader hours, or end in a traceback; `why` says the fix."""
+
+
+MAX_VALUES = 100_000  # a config holds hundreds; an alias bomb (anchors repeated inside anchors) billions
+
+
+def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values the node holds once every alias in it is expanded (composed YAML shares aliased nodes)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = MAX_VALUES + 1  # an anchor that holds itself never ends
+        inside = node.value if isinstance(node, yaml.SequenceNode) else (
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        sizes[id(node)] = 1 + sum(_expanded(n, sizes) for n in inside)
+        if node.tag == "tag:yaml.org,2002:int" and len(node.value) > 100:  # int() refuses 4,300 digits
+            raise _Unreadable(node.start_mark.line + 1, f"an integer of {len(node.value)} characters, longer than "
+                                                        f"any setting needs; shorten it, or quote it if it is text")
+    if sizes[id(node)] > MAX_VALUES:
+        raise _Unreadable(node.start_mark.line + 1, f"aliases expand to more than {MAX_VALUES} values here (an "
+                                                    f"anchor repeated inside anchors, or inside itself); write "
+                                                    f"the values out")
+    return sizes[id(node)]
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently), and
+    (`_expanded`) aliases that expand past MAX_VALUES values and integers no setting needs."""
+
+    def construct_document(self, node):
+        _expanded(node, {})
+        return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -68,6 +97,10 @@ def _parse_yaml(path: Path) -> Any:
     except _DuplicateKey as e:
         raise BadInput(f"{path} line {e.line}: key {e.key!r} appears again (first at line {e.first_line}) and would "
                        f"silently replace the first; merge the two into one") from None
+    except _Unreadable as e:
+        raise BadInput(f"{path} line {e.args[0]}: {e.args[1]}") from None
+    except RecursionError:
+        raise BadInput(f"{path}: values nested deeper than the YAML reader's stack allows; flatten them") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" line {mark.line + 1}" if mark else ""
@@ -94,6 +127,8 @@ def _origins(data: dict, source: str, prefix: tuple[str, ...] = ()) -> Origins:
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], Origins]:
     if path in chain:
         raise BadInput(f"{path}: 'extends' forms a cycle ({' -> '.join(map(str, chain + (path,)))}); remove one link")
+    if len(chain) == 100:  # each link is a frame of this reader's recursion
+        raise BadInput(f"{chain[0]}: its 'extends' chain is more than 100 files long; extend the base directly")
     if not path.exists():
         where = f" (extended by {chain[-1]})" if chain else ""
         raise BadInput(f"{path}: config file not found{where}; check the path")
@@ -136,9 +171,11 @@ def apply_override(data: dict, assignment: str, origins: Origins | None = None) 
     if not all(keys):
         raise BadInput(f"--set {assignment!r}: empty key segment; use dotted.key=value")
     try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=UniqueKeyLoader)
+    except (yaml.YAMLError, _DuplicateKey):
         value = raw
+    except _Unreadable as e:
+        raise BadInput(f"--set {dotted}: {e.args[1]}") from None
     node = data
     for key in keys[:-1]:
         child = node.get(key)

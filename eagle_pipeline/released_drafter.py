@@ -40,6 +40,8 @@ from eagle_pipeline.drafter.folder import (
     target_vocab,
 )
 from eagle_pipeline.drafter.layouts import EMBED_KEY, MLA
+from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS
+from eagle_pipeline.drafter.to_speculators import MLA_ROPE_KEYS, rope_parameters
 from eagle_pipeline.drafter.to_speculators import write_speculators_folder as write_folder
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import from_convention
@@ -47,12 +49,20 @@ from eagle_pipeline.verifier import target_embedding
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
 
 
-def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: int) -> None:
-    """Refuse a drafter built for another target: its width and vocabulary must be the target's."""
+def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: int,
+                         target: dict[str, Any] | None = None) -> None:
+    """Refuse a drafter built for another target: its width and vocabulary must be the target's, and an MLA one's
+    attention sizes and rope those of `target` (the target's text config) where it is given."""
     target_hidden = int(drafter.config.get("target_hidden_size") or drafter.hidden_size)
-    for key, theirs, ours, what in (("hidden_size", drafter.hidden_size, hidden_size, "hidden size"),
-                                    ("target_hidden_size", target_hidden, hidden_size, "hidden size"),
-                                    ("vocab_size", drafter.vocab_size, vocab_size, "vocabulary size")):
+    compared = [("hidden_size", drafter.hidden_size, hidden_size, "hidden size"),
+                ("target_hidden_size", target_hidden, hidden_size, "hidden size"),
+                ("vocab_size", drafter.vocab_size, vocab_size, "vocabulary size")]
+    if target is not None and drafter.layer_shape == MLA:  # vLLM's MLA drafter runs the target's latent and rope
+        theirs, ours = rope_parameters(drafter.config), rope_parameters(target)
+        compared += [(key, drafter.config.get(key), target.get(key), key) for key in ("q_lora_rank", *MLA_DIM_KEYS)]
+        compared += [(f"rope_scaling.{key}", theirs[key], ours[key], f"rope_scaling.{key}") for key in MLA_ROPE_KEYS
+                     if key in theirs and key in ours]
+    for key, theirs, ours, what in compared:
         if theirs != ours:
             raise drafter.fail(drafter.config_path, f"{key} {theirs} differs from the target's {what} {ours}; "
                                                     f"the drafter was built for another target model")

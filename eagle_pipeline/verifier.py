@@ -13,7 +13,8 @@ from typing import Any
 
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.drafter.layouts import FLAT_ARCHITECTURE, SPECULATORS, config_layout
-from eagle_pipeline.embedded import EMBEDDED_PREFIX, gguf_path, resolve_verifier_path
+from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS
+from eagle_pipeline.embedded import EMBEDDED_PREFIX, gguf_path, not_converted_yet, resolve_verifier_path
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, model_dir_fingerprint, text_fingerprint
 from eagle_pipeline.json_files import read_json_object
@@ -78,6 +79,12 @@ class Verifier:
         verifier.raw_config  # noqa: B018 - a damaged or foreign config.json is named before the tokenizer reads it
         return verifier
 
+    @classmethod
+    def if_converted(cls, cfg: RunConfig) -> "Verifier | None":
+        """from_config, or None for an embedded target not converted yet (converting it is stage 01's first use,
+        not a dry run's or a check's)."""
+        return None if not_converted_yet(cfg.verifier.path) else cls.from_config(cfg)
+
     @cached_property
     def raw_config(self) -> dict[str, Any]:
         """The target's config.json, refused (BadInput naming the file) unless it is a target model's config with
@@ -96,10 +103,11 @@ class Verifier:
         where = "text_config." if text is not config else ""
         if not isinstance(text, dict):
             raise BadInput(f"verifier.path: {path}: text_config is a JSON {type(text).__name__}, not an object; {fix}")
-        for key in TEXT_SHAPE_KEYS:
-            value = text.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                found = "missing" if key not in text else f"{value!r}, not a positive integer"
+        mla = MLA_DIM_KEYS if text.get("kv_lora_rank") is not None else ()  # an MLA target's (q_lora_rank may be null)
+        for key in TEXT_SHAPE_KEYS + mla + (("q_lora_rank",) if text.get("q_lora_rank") is not None else ()):
+            value, even = text.get(key), key == "qk_rope_head_dim"  # rope rotates pairs of dimensions
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (even and value % 2):
+                found = "missing" if key not in text else f"{value!r}, not a positive {'even ' * even}integer"
                 raise BadInput(f"verifier.path: {path}: {where}{key} is {found}; {fix}")
         return config
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, run_stage, run_stage_in_process, stage_module, without_log_records, write_config
+from released_drafter_standin import KIMI_MLA_STANDIN, KIMI_YARN, mla_standin_config
 
 L, H, V = 30, 576, 49152  # the embedded verifier
 
@@ -204,6 +205,10 @@ def _not_a_model(run_dir, tmp):
 SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": L, "hidden_size": H,
                  "vocab_size": V, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
 
+# SmolLM2's shape with DeepSeek-V3's MLA attention sizes (Kimi-K2's: a query latent, rope 64).
+DEEPSEEK_SHAPE = {**SMOLLM2_SHAPE, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                  "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+
 
 def _verifier_config(content: bytes | dict, key: str = "verifier.path"):
     """`key` set to a model folder whose config.json holds `content` (bytes as they are, a dict as JSON)."""
@@ -212,6 +217,14 @@ def _verifier_config(content: bytes | dict, key: str = "verifier.path"):
         (tmp / "model" / "config.json").write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
         return ["--set", f"{key}={tmp / 'model'}"]
     return setup
+
+
+def test_possible_mla_sizes_are_read(tmp_path):
+    from eagle_pipeline.verifier import Verifier
+
+    for config in (DEEPSEEK_SHAPE, {**DEEPSEEK_SHAPE, "q_lora_rank": None}, {**SMOLLM2_SHAPE, "kv_lora_rank": None}):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert Verifier(tmp_path).raw_config == config
 
 
 def _without(config: dict, key: str) -> dict:
@@ -357,6 +370,17 @@ CASES = [
      "02_extract_hidden.py", ["--dry-run"], "config.json: text_config is a JSON str, not an object"),
     ("verifier-config-layers-a-string", {}, _verifier_config({**SMOLLM2_SHAPE, "num_hidden_layers": "30"}),
      "02_extract_hidden.py", ["--dry-run"], "config.json: num_hidden_layers is '30', not a positive integer"),
+    # impossible MLA attention sizes: every tensor shape of the target (and an MLA drafter) is computed from them
+    *[(f"verifier-config-mla-{key}-{value}", {}, _verifier_config({**DEEPSEEK_SHAPE, key: value}), "02_extract_hidden.py",
+       ["--dry-run"], f"config.json: {key} is {value!r}, not a positive {'even ' * (key == 'qk_rope_head_dim')}integer")
+      for key, value in (("kv_lora_rank", 0), ("kv_lora_rank", -512), ("kv_lora_rank", "512"), ("q_lora_rank", -1),
+                         ("q_lora_rank", 0), ("qk_rope_head_dim", 63), ("qk_rope_head_dim", 0), ("qk_nope_head_dim", -128),
+                         ("v_head_dim", 0), ("v_head_dim", 1.5))],
+    ("verifier-config-mla-without-v-head-dim", {}, _verifier_config(_without(DEEPSEEK_SHAPE, "v_head_dim")), "02_extract_hidden.py",
+     ["--dry-run"], "config.json: v_head_dim is missing"),
+    ("verifier-text-config-mla-kv-lora-rank-0", {}, _verifier_config({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                                        "text_config": {**DEEPSEEK_SHAPE, "kv_lora_rank": 0}}),
+     "02_extract_hidden.py", ["--dry-run"], "config.json: text_config.kv_lora_rank is 0, not a positive integer"),
     *[(f"init-from-config-{kind}", {}, lambda r, t, c=content: (fake_hidden_states(r), fake_vocab(r),
                                                                  _verifier_config(c, "train.init_from")(r, t))[-1],
        "04_train.py", ["--dry-run"], ("train.init_from: ", f"config.json: drafter config {text}"))
@@ -382,6 +406,73 @@ CASES += [(f"{key}-missing-for-{script[:2]}", {}, _set(f"{key}=/nonexistent/{key
            f"{key}: /nonexistent/{key} does not exist")
           for key, script in zip(REFERENCED_FOLDERS, LATER_STAGES)]
 
+# train.draft_layer mla on the Llama target: every stage names it before its disk plan reads MLA dimensions, and
+# stage 04 before --force deletes its finished output.
+CASES += [(f"draft-layer-mla-on-a-llama-target-{script[:2]}{'-force' if setup else ''}", {"train": {"draft_layer": "mla"}},
+           setup, script, ["--force"] if setup else ["--dry-run"], "train.draft_layer: mla needs a verifier with MLA attention")
+          for script, setup in [(s, None) for s in ("01_generate_data.py", *LATER_STAGES)]
+          + [("04_train.py", lambda r, t: fake_trained(r, with_weights=True))]]
+
+# A released MLA drafter built for another target than the MLA one the run names: what vLLM's MLA drafter shares with
+# the target (latent and head sizes, YaRN rope) is compared from the two config.json files at every stage's start.
+MLA_TARGET = {**DEEPSEEK_SHAPE, "rope_theta": 50000.0, "rope_scaling": dict(KIMI_YARN)}
+MLA_RELEASE = mla_standin_config(KIMI_MLA_STANDIN.but(hidden_size=H, vocab_size=V, q_lora_rank=1536,
+                                                      qk_nope_head_dim=128, v_head_dim=128, hf_layer_ids=(2, 15, 27)))
+RELEASE_DIFFERENCES = {  # name: (what the release has instead, what the error line says)
+    **{f"{key}-{value}": ({key: value}, f"{key} {value} differs from the target's {key} {MLA_TARGET[key]}")
+       for key, value in (("q_lora_rank", 768), ("kv_lora_rank", 256), ("qk_nope_head_dim", 64), ("qk_rope_head_dim", 32),
+                          ("v_head_dim", 64))},
+    **{f"yarn-{key}": ({"rope_scaling": {**KIMI_YARN, key: value}},
+                       f"rope_scaling.{key} {value} differs from the target's rope_scaling.{key} {KIMI_YARN[key]}")
+       for key, value in (("factor", 32.0), ("mscale_all_dim", 0.707), ("original_max_position_embeddings", 8192))},
+    "no-yarn": ({"rope_scaling": None}, "rope_scaling.rope_type default differs from the target's rope_scaling.rope_type yarn"),
+}
+
+
+def _mla_release(key: str, changes: dict, setup=None):
+    """verifier.path: an MLA target; `key`: a released MLA drafter's folder (its config.json only) with `changes`."""
+    def make(run_dir, tmp):
+        for folder, config in (("model", MLA_TARGET), ("release", {**MLA_RELEASE, **changes})):
+            (tmp / folder).mkdir()
+            (tmp / folder / "config.json").write_text(json.dumps(config))
+        if setup:
+            setup(run_dir, tmp)
+        return ["--set", f"verifier.path={tmp / 'model'}", "--set", f"{key}={tmp / 'release'}"]
+    return make
+
+
+CASES += [(f"{key}-mla-{name}", {}, _mla_release(key, changes), "01_generate_data.py",
+           ["--dry-run"], (f"{key}: ", f"release/config.json: {expected}; the drafter was built for another target model"))
+          for key in ("train.init_from", "vocab.from_drafter") for name, (changes, expected) in RELEASE_DIFFERENCES.items()]
+# Before stage 01 starts an engine, and before stage 04's --force deletes its finished output.
+CASES += [("train.init_from-mla-yarn-factor-01", {}, _mla_release("train.init_from", RELEASE_DIFFERENCES["yarn-factor"][0]),
+           "01_generate_data.py", [], "rope_scaling.factor 32.0 differs"),
+          ("train.init_from-mla-q_lora_rank-04-force", {}, _mla_release("train.init_from", {"q_lora_rank": 768},
+                                                                        lambda r, t: fake_trained(r, with_weights=True)),
+           "04_train.py", ["--force"], "q_lora_rank 768 differs from the target's q_lora_rank 1536")]
+
+
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+def test_a_released_mla_drafters_rope_is_compared_in_either_spelling(tmp_path, spelling):
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.errors import BadInput
+    from eagle_pipeline.plan.preconditions import check_drafters_against_target
+
+    def release(factor: float) -> dict:  # transformers 4 spelling (the release's) or 5's
+        yarn = {**KIMI_YARN, "factor": factor}
+        return {"rope_scaling": yarn} if spelling == "rope_scaling" else {"rope_scaling": None, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 50000.0, **{k: v for k, v in yarn.items() if k != "type"}}}
+
+    for factor, refused in ((64.0, False), (32.0, True)):
+        folder = tmp_path / str(factor)
+        folder.mkdir()
+        overrides = _mla_release("train.init_from", release(factor))(None, folder)[1::2]
+        cfg = load_config(write_config(folder / "c.yaml"), [*overrides, f"vocab.from_drafter={folder / 'release'}"])
+        if refused:
+            with pytest.raises(BadInput, match=r"^vocab.from_drafter: \S+: rope_scaling.factor 32.0 differs"):
+                check_drafters_against_target(cfg)
+        else:
+            check_drafters_against_target(cfg)
 
 def _symlink_loop(run_dir, tmp):
     (tmp / "a.jsonl").symlink_to(tmp / "b.jsonl")
@@ -395,6 +486,76 @@ def _closed_port_endpoint(run_dir, tmp):
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there: the dry run must ask, and be refused
     return ["--set", "hidden_states.mode=online", "--set", f"hidden_states.capture_endpoints=[http://127.0.0.1:{port}/v1]"]
+
+
+def _kept_answers(folder: Path, answers: dict | None = None, raw: bytes | None = None) -> None:
+    (folder / "answers.json").write_bytes(raw if raw is not None else json.dumps(answers).encode())
+
+
+def _torn(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-40])
+
+
+# Every file of a kept baseline (06_serve_test/baseline/) that stage 06 reads, damaged: name -> (damage(folder,
+# answers), what the error line says). The answers are whole unless the damage rewrites them.
+BASELINE_DEFECTS = {
+    "answers-torn": (lambda f, a: _kept_answers(f, raw=json.dumps(a).encode()[:-30]), "answers.json: is not valid JSON"),
+    "answers-not-utf8": (lambda f, a: _kept_answers(f, raw=b'{"texts": "\xff"}'), "answers.json: is not UTF-8 text"),
+    "answers-a-list": (lambda f, a: _kept_answers(f, raw=b"[]"), "answers.json: is a JSON list, not an object"),
+    "answers-missing": (lambda f, a: None, "answers.json: is missing"),
+    "answers-without-summary": (lambda f, a: _kept_answers(f, {k: v for k, v in a.items() if k != "summary"}),
+                                "answers.json: does not hold what stage 06 keeps"),
+    "answers-fewer-ids-than-texts": (lambda f, a: _kept_answers(f, {**a, "token_ids": a["token_ids"][:1]}),
+                                     "answers.json: does not hold what stage 06 keeps"),
+    "states-torn": (lambda f, a: (_kept_answers(f, a), _torn(f / "hs_1.safetensors")),
+                    "hs_1.safetensors: cannot be read (SafetensorError"),
+    "states-missing": (lambda f, a: (_kept_answers(f, a), (f / "hs_1.safetensors").unlink()),
+                       "hs_1.safetensors: cannot be read (FileNotFoundError"),
+    "states-without-hidden-states": (lambda f, a: (_kept_answers(f, a), __import__("safetensors.torch").torch.save_file(
+        {"x": torch.zeros(1)}, str(f / "hs_1.safetensors"))), "hs_1.safetensors: cannot be read"),
+}
+
+
+def make_kept_baseline(folder: Path, damage: str | None) -> None:
+    """A kept baseline of two answers and their captured states in folder/baseline, with BASELINE_DEFECTS[damage]."""
+    from safetensors.torch import save_file
+
+    (folder / "baseline").mkdir(parents=True)
+    answers = {"shaped_by": {}, "texts": ["a", "b"], "token_ids": [[[1], [2]], [[1], [3]]],
+               "summary": {"tokens_per_s": 9.0}, "captured_layer_ids": [2, 15, 27]}
+    for i in range(2):
+        save_file({"hidden_states": torch.zeros(3, 4, 8)}, str(folder / "baseline" / f"hs_{i}.safetensors"))
+    (BASELINE_DEFECTS[damage][0] if damage else _kept_answers)(folder / "baseline", answers)
+
+
+def _damaged_baseline(damage: str, own: bool = False):
+    """Stages 01-05 done and serve.baseline set to a 06_serve_test folder (this run's own when `own`) whose
+    kept baseline has `damage`."""
+    def setup(run_dir, tmp):
+        fake_trained(run_dir, with_weights=True)
+        fake_stage(run_dir, "05_convert", {"samples": 2})
+        folder = fake_stage(run_dir, "06_serve_test", {"samples": 2}) if own else tmp / "kept"
+        make_kept_baseline(folder, damage)
+        return ["--set", f"serve.baseline={folder}"]
+    return setup
+
+
+CASES += [(f"serve-baseline-{damage}{'-dry-run' if dry else ''}", {}, _damaged_baseline(damage), "06_serve_test.py",
+           ["--dry-run"] if dry else [], (expected, "; point serve.baseline at a finished 06_serve_test folder"))
+          for damage, (_, expected) in BASELINE_DEFECTS.items() for dry in (False, True)]
+# README's cheap rerun points serve.baseline at this run's own stage 06 and passes --force: nothing is deleted.
+CASES += [("serve-baseline-own-answers-torn", {}, _damaged_baseline("answers-torn", own=True), "06_serve_test.py",
+           ["--force"], "06_serve_test/baseline/answers.json: is not valid JSON")]
+
+
+@pytest.mark.parametrize("damage", [None, *BASELINE_DEFECTS])
+def test_a_damaged_baseline_of_this_stage_is_served_again_not_read(tmp_path, damage):
+    # Stage 06's own folder, kept by an earlier run of the same settings: a damaged file is made again, not read.
+    from eagle_pipeline.serve.baseline import kept_baseline
+
+    make_kept_baseline(tmp_path, damage)
+    kept = kept_baseline(tmp_path, {})
+    assert (kept is None) == (damage is not None) and (kept is None or kept["texts"] == ["a", "b"])
 
 
 # Wording: what YAML typed, what an override broke, a link loop, an endpoint's port, a repeated engine variant,
@@ -416,6 +577,8 @@ CASES += [
      None, "06_serve_test.py", ["--dry-run"], "serve.engine_variants: entry 1 repeats entry 0"),
     ("unknown-flag", {}, None, "01_generate_data.py", ["--dry-run", "--froce"],
      "error: unrecognized arguments: --froce; 01_generate_data.py --help lists the options"),
+    ("set-an-integer-too-long", {}, _set("data.num_samples=" + "9" * 5000), "01_generate_data.py", ["--dry-run"],
+     "error: --set data.num_samples: an integer of 5000 characters, longer than any setting needs"),
     ("capture-endpoint-not-answering", {}, _closed_port_endpoint, "04_train.py", ["--dry-run"],
      ("hidden_states.capture_endpoints: http://127.0.0.1:", "does not answer as a vLLM server")),
 ]
@@ -468,6 +631,71 @@ def test_config_that_extends_a_missing_file(tmp_path):
     path.write_text("extends: base-missing.yaml\nrun_name: x\n")
     result = run_stage("01_generate_data.py", path, "--dry-run")
     assert result.returncode == 2 and "base-missing.yaml: config file not found" in result.stderr
+
+
+# -- config files built to exhaust the loader: each refused at once, in one line (generated) ------------------
+
+def _alias_bomb(levels: int = 8, width: int = 9) -> str:
+    """A few hundred bytes of YAML that expand to width**levels values: each anchor repeats the one before."""
+    return "{" + ", ".join([f"l0: &l0 [{', '.join(['x'] * width)}]"] + [
+        f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]) + "}"
+
+
+EXHAUSTING_CONFIGS = {
+    # name: (the lines after `extends: tiny.yaml` and `data_root`, or what makes the base; what the error line says)
+    **{f"alias-bomb-{where}": (text.replace("BOMB", _alias_bomb()), "aliases expand to more than 100000 values here")
+       for where, text in {"unknown-key": "junk: BOMB", "unknown-key-in-a-section": "train: {junk: BOMB}",
+                           "engine-args": "verifier: {engine_args: {compilation_config: BOMB}}",
+                           "chat-template-kwargs": "generation: {chat_template_kwargs: BOMB}"}.items()},
+    "anchor-inside-itself": ("verifier: {engine_args: {compilation_config: &a [1, *a]}}",
+                             "line 3: aliases expand to more than 100000 values here"),
+    # int() refuses more than 4,300 digits; a hex number's digits are not limited, but a long one prints as no number.
+    "integer-too-long": ("data: {num_samples: " + "9" * 5000 + "}", "line 3: an integer of 5000 characters"),
+    "hex-integer-too-long": ("junk: 0x" + "f" * 4000, "line 3: an integer of 4002 characters"),
+    **{f"nested-{depth}-deep": ("verifier: {engine_args: {compilation_config: " + "[" * depth + "]" * depth + "}}",
+                                "values nested deeper than the YAML reader's stack allows") for depth in (490, 5000)},
+    "nested-mappings": ("junk: " + "{a: " * 1000 + "1" + "}" * 1000, "values nested deeper than the YAML reader's stack"),
+    # a callable makes the base the config extends
+    "extends-chain-of-150": (lambda tmp: _extends_chain(tmp, 150), "its 'extends' chain is more than 100 files long"),
+}
+
+
+def _extends_chain(tmp: Path, length: int) -> Path:
+    for i in range(1, length):
+        (tmp / f"c{i}.yaml").write_text(f"extends: c{i + 1}.yaml\n")
+    (tmp / f"c{length}.yaml").write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\n")
+    return tmp / "c1.yaml"
+
+
+@pytest.mark.parametrize("name", EXHAUSTING_CONFIGS)
+def test_a_config_built_to_exhaust_the_loader_is_refused_at_once(tmp_path, capsys, name):
+    import time
+
+    text, expected = EXHAUSTING_CONFIGS[name]
+    base, text = (text(tmp_path), "") if callable(text) else (REPO / "configs" / "tiny.yaml", text)
+    config = tmp_path / "raw.yaml"
+    config.write_text(f"extends: {base}\ndata_root: {tmp_path / 'data'}\n{text}\n")
+    started = time.monotonic()
+    code, _, stderr = run_stage_in_process("01_generate_data.py", config, capsys, "--dry-run")
+    elapsed = time.monotonic() - started
+    lines = without_log_records(stderr)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {config}") and expected in lines[0], stderr[-2000:]
+    assert elapsed < 5, f"{name}: refused after {elapsed:.1f} s"  # unchecked, the expansion took minutes
+
+
+def test_ordinary_anchors_and_aliases_still_load(tmp_path):
+    from eagle_pipeline.config import load_config
+
+    config = tmp_path / "anchors.yaml"
+    config.write_text(f"extends: {REPO / 'configs' / 'tiny.yaml'}\ndata_root: {tmp_path / 'data'}\n"
+                      "generation: {max_tokens: &n 96, chat_template_kwargs: {enable_thinking: false}}\n"
+                      "serve: {max_tokens: *n}\n"
+                      "verifier: {engine_args: {compilation_config: {sizes: &s [1, 2, 4], again: [*s, *s, *s]}}}\n"
+                      "train: {<<: {epochs: 2, lr: 0.002}, lr: 0.001}\n")
+    cfg = load_config(config, ["generation.chat_template_kwargs={a: &x [1, 2], b: *x}"])
+    assert cfg.generation.max_tokens == cfg.serve.max_tokens == 96 and (cfg.train.epochs, cfg.train.lr) == (2, 0.001)
+    assert cfg.verifier.engine_args["compilation_config"]["again"] == [[1, 2, 4]] * 3
+    assert cfg.generation.chat_template_kwargs == {"a": [1, 2], "b": [1, 2]}
 
 
 def _interrupted_training(config: Path) -> int:

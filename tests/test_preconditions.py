@@ -165,6 +165,32 @@ def test_stage_02s_hidden_states_are_planned_into_the_budget_once(tmp_path):
     preconditions.check_disk_budget(cfg, 2)
 
 
+@pytest.mark.parametrize("lines,counted", [
+    (["q"] * 3, 3),                     # fewer prompts than data.num_eval_prompts: what the file holds
+    (["q"] * 30, 24),                   # more: the 24 stage 06 serves
+    (["q", "", "  ", "q"], 2),          # blank lines hold no prompt
+    (["q" * ((3 << 20) - 64)] * 2, 6),  # a line under 3 MiB counts 3 (read 1 MiB at a time; the loader refuses it)
+    (None, 24),                         # a named pipe is not opened (it would block): counted as full
+], ids=["fewer", "more", "blank-lines", "long-lines", "named-pipe"])
+def test_the_plan_counts_the_eval_prompts_the_file_holds_up_to_data_num_eval_prompts(tmp_path, lines, counted):
+    path = tmp_path / "eval.jsonl"
+    if lines is None:
+        os.mkfifo(path)
+    else:
+        path.write_text("".join((json.dumps({"prompt": f"{text} {i}"}) if text.strip() else text) + "\n"
+                                for i, text in enumerate(lines)))
+
+    def captured(eval_path) -> tuple[int, str]:
+        cfg = load_config(write_config(tmp_path / "c.yaml", data_root=str(tmp_path / "data"),
+                                       data={"eval_prompts": str(eval_path), "num_eval_prompts": 24}))
+        stage = disk_plan.plan_for_config(cfg).stage(6)
+        return stage.bytes, stage.phrase()
+
+    full, _ = captured(REPO / "data" / "prompts_eval.jsonl")  # 48 prompts
+    planned, phrase = captured(path)
+    assert planned == full * counted // 24 and f"of {counted} eval conversations" in phrase, (planned, full, phrase)
+
+
 # -- the disk plan of the Kimi-K2.5 configs ----------------------------------------------------------------------
 
 KIMI_CONFIGS = sorted((REPO / "configs").glob("kimi-k2.5*.yaml"))

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# The rope parameters an MLA layer is compared by (rope_theta aside): YaRN's, which fix its cos/sin and softmax scale.
+MLA_ROPE_KEYS = ("rope_type", "factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
+                 "beta_slow")
+
+
 def rope_parameters(c: dict[str, Any]) -> dict[str, Any]:
     """A flat config's rope as transformers 5's `rope_parameters`, from either spelling."""
     params = dict(c.get("rope_parameters") or {})

@@ -31,7 +31,6 @@ from eagle_pipeline.config import STAGES
 from eagle_pipeline.drafter.folder import is_speculators_drafter, read_flat_config
 from eagle_pipeline.drafter.layouts import MLA, SPECULATORS
 from eagle_pipeline.drafter.tensors import DraftDims, mla_attention_shapes
-from eagle_pipeline.embedded import not_converted_yet
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
 from eagle_pipeline.online.disk import sample_bytes, window_bound
@@ -208,12 +207,28 @@ def eval_conversation_tokens(cfg) -> int:
     return min(cfg.verifier.max_model_len - 1, 2 * cfg.serve.max_tokens)
 
 
+def eval_prompt_count(cfg) -> int:
+    """The prompts stage 06 serves: data.num_eval_prompts, or the eval file's non-blank lines where it holds fewer
+    (read up to that many, at most 1 MiB a line at a time; a file that is no readable regular one counts as full:
+    the stages that load it name it)."""
+    path, cap, count = cfg.resolve_path(cfg.data.eval_prompts), cfg.data.num_eval_prompts, 0
+    try:
+        if not path.is_file():  # a pipe or a device would block or never end
+            return cap
+        with open(path, "rb") as f:
+            while count < cap and (line := f.readline(1 << 20)):
+                count += bool(line.strip())
+    except OSError:
+        return cap
+    return count
+
+
 def baseline_capture_bytes(cfg, layout: SampleLayout) -> int:
     """Stage 06's captured states, kept in the engine's dtype (eagle_pipeline/serve/baseline.py)."""
     if not cfg.serve.predict:
         return 0
     states = len(replay_layer_ids(cfg, layout)) + 1  # and the final layer
-    tokens = cfg.data.num_eval_prompts * eval_conversation_tokens(cfg)
+    tokens = eval_prompt_count(cfg) * eval_conversation_tokens(cfg)
     return tokens * states * layout.hidden_size * ENGINE_DTYPE_BYTES.get(cfg.verifier.dtype, 2)
 
 
@@ -304,7 +319,7 @@ def plan_run(cfg, verifier, layout: SampleLayout) -> DiskPlan:
         StagePlan(5, (1 + int(cfg.convert.sglang)) * size.flat_folder(), "converted drafter",
                   ", the vLLM and SGLang folders" if cfg.convert.sglang else ", the vLLM folder"),
         StagePlan(6, baseline_capture_bytes(cfg, layout), "captured states",
-                  f"of {cfg.data.num_eval_prompts} eval conversations x ~{eval_conversation_tokens(cfg)} tokens x "
+                  f"of {eval_prompt_count(cfg)} eval conversations x ~{eval_conversation_tokens(cfg)} tokens x "
                   f"{len(replay) + 1} states: layers {replay} and the final one" if cfg.serve.predict
                   else "(serve.predict off)"),
     ))
@@ -313,9 +328,9 @@ def plan_run(cfg, verifier, layout: SampleLayout) -> DiskPlan:
 def plan_for_config(cfg) -> DiskPlan | None:
     """plan_run from the config and the target's config.json; None for an embedded target not yet converted
     (converting it is stage 01's first use, not a dry run's)."""
-    if not_converted_yet(cfg.verifier.path):
+    verifier = Verifier.if_converted(cfg)
+    if verifier is None:
         return None
-    verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     return plan_run(cfg, verifier, layout)
 

@@ -3,7 +3,8 @@ model, the host and the folders it names.
 
 - `verifier.tensor_parallel_size` splits the target's attention heads evenly (and its key/value heads, as
   vLLM's QKV layer needs: one count divides the other), read from the target's config.json (`text_config`
-  for Kimi-K2.5 and other VLMs);
+  for Kimi-K2.5 and other VLMs); `train.draft_layer: mla` finds MLA attention there, and a flat released drafter's
+  config.json (`vocab.from_drafter`, `train.init_from`) the target's width, vocabulary, MLA sizes and rope;
 - the GPUs the run asks for are there: `train.num_gpus`, and on `device: cuda` `verifier.tensor_parallel_size`
   (counted by `nvidia-smi -L`, or CUDA_VISIBLE_DEVICES where set, or by torch where a stage has already
   imported it; a CPU run with `train.num_gpus: 0` asks for none and nothing is counted);
@@ -26,16 +27,20 @@ from __future__ import annotations
 import math
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
 from eagle_pipeline import gpus
 from eagle_pipeline.config import STAGES, RunConfig
+from eagle_pipeline.drafter.folder import FlatDrafter, read_config
+from eagle_pipeline.drafter.layouts import flat_architecture_of
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.online.mooncake import mooncake_refusal
 from eagle_pipeline.outputs import folder_bytes
 from eagle_pipeline.plan.disk import plan_for_config
+from eagle_pipeline.released_drafter import check_against_target
+from eagle_pipeline.train.draft_config import check_draft_shape
 from eagle_pipeline.verifier import Verifier
 
 # (config key, its section and field, the stage that reads the folder)
@@ -59,6 +64,7 @@ def check_preconditions(cfg: RunConfig, stage_number: int) -> None:
     check_gpu_count(cfg)
     if stage_number == 4:
         check_online_software(cfg)
+    check_drafters_against_target(cfg)  # after the GPUs are counted: it may import torch, which would count them
     check_disk_budget(cfg, stage_number)
 
 
@@ -157,6 +163,26 @@ def check_parallel_split(cfg: RunConfig) -> None:
     problem = parallel_split_problem(verifier.text_config(), tp, f"the target ({verifier.path / 'config.json'})")
     if problem:
         raise BadInput(f"verifier.tensor_parallel_size: {problem}")
+
+
+def check_drafters_against_target(cfg: RunConfig) -> None:
+    """train.draft_layer mla (train/draft_config.check_draft_shape), and a flat released drafter to adopt or fine-tune
+    (vocab.from_drafter, train.init_from: released_drafter.check_against_target, its config.json alone), against the
+    target: before the disk plan reads the target's MLA dimensions, and at stage 01 rather than at stage 03 or 04."""
+    released = {key: cfg.resolve_path(value) for key, value in (("vocab.from_drafter", cfg.vocab.from_drafter),
+                                                                ("train.init_from", cfg.train.init_from)) if value}
+    verifier = Verifier.if_converted(cfg) if released or cfg.train.draft_layer == "mla" else None
+    if verifier is None:
+        return
+    if cfg.train.draft_layer == "mla":
+        check_draft_shape(cfg.train, verifier.text_config())
+    for key, path in released.items():
+        config = read_config(path)  # None where unreadable: the stage that reads the folder names why
+        # A speculators folder is compared by stage 04; a malformed config is named where the folder is read whole.
+        with suppress(KeyError, TypeError, ValueError):
+            if config is not None and flat_architecture_of(config) is not None:
+                check_against_target(FlatDrafter(path, config, key), hidden_size=verifier.hidden_size,
+                                     vocab_size=verifier.vocab_size, target=verifier.text_config())
 
 
 # -- the host's GPUs ---------------------------------------------------------------------------------------

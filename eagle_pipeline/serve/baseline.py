@@ -14,8 +14,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from safetensors import safe_open
+
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.serve.plan import greedy_mismatches
 from eagle_pipeline.serve.spec_metrics import ratio
 
@@ -49,12 +52,29 @@ def save_baseline_states(stage_dir: Path, captured: tuple[list[torch.Tensor], li
     atomic.write_json(folder / ANSWERS, {**answers, "captured_layer_ids": list(layer_ids)})
 
 
+# What stage 06 reads of answers.json, and the type each must have.
+ANSWER_FIELDS = {"shaped_by": dict, "texts": list, "token_ids": list, "summary": dict,
+                 "captured_layer_ids": (list, type(None))}
+
+
 def load_baseline(stage_dir: Path, shaped_by: dict[str, Any]) -> dict[str, Any]:
+    """The kept baseline of a 06_serve_test folder; BadInput names the first of its files that stage 06 could not
+    read (torn, missing, another layout) or the setting it was served with that differs from `shaped_by`."""
     path = Path(stage_dir) / BASELINE_DIR / ANSWERS
-    if not path.is_file():
-        raise BadInput(f"serve.baseline: {path} is missing; point at a finished 06_serve_test folder that served "
-                       f"without speculation")
-    baseline = json.loads(path.read_text())
+    fix = ("point serve.baseline at a finished 06_serve_test folder that served without speculation, or leave it out "
+           "to serve without speculation again")
+    baseline = read_json_object(path, fix)
+    if (any(not isinstance(baseline.get(key), kind) for key, kind in ANSWER_FIELDS.items())
+            or len(baseline["texts"]) != len(baseline["token_ids"]) or "tokens_per_s" not in baseline["summary"]):
+        raise BadInput(f"serve.baseline: {path}: does not hold what stage 06 keeps ({', '.join(ANSWER_FIELDS)}, a "
+                       f"text and its token ids per answer, the summary's tokens_per_s); {fix}")
+    for i in range(len(baseline["token_ids"]) if baseline["captured_layer_ids"] is not None else 0):
+        try:  # the header says how long the file is: a torn one is refused without reading its states
+            with safe_open(str(path.parent / f"hs_{i}.safetensors"), framework="pt") as f:
+                f.get_slice("hidden_states")
+        except Exception as e:  # noqa: BLE001 - whatever safetensors raises for a missing or torn file
+            raise BadInput(f"serve.baseline: {path.parent / f'hs_{i}.safetensors'}: cannot be read "
+                           f"({type(e).__name__}: {e}); {fix}") from None
     for key, value in shaped_by.items():
         if baseline["shaped_by"].get(key) != value:
             raise BadInput(f"serve.baseline: {path} was served with another {key}; serve without speculation again "
@@ -64,16 +84,11 @@ def load_baseline(stage_dir: Path, shaped_by: dict[str, Any]) -> dict[str, Any]:
 
 
 def kept_baseline(stage_dir: Path, shaped_by: dict[str, Any]) -> dict[str, Any] | None:
-    """This stage folder's own baseline when an earlier run of the same settings left one, else None."""
-    path = Path(stage_dir) / BASELINE_DIR / ANSWERS
+    """This stage folder's own baseline when an earlier run of the same settings left one whole, else None."""
     try:
-        baseline = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return load_baseline(stage_dir, shaped_by)
+    except BadInput:
         return None
-    if not isinstance(baseline, dict) or baseline.get("shaped_by") != shaped_by:
-        return None
-    baseline["dir"] = str(path.parent)
-    return baseline
 
 
 def baseline_states(baseline: dict[str, Any], layer_ids: Sequence[int]) -> tuple[list[torch.Tensor], list[int]] | None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from eagle_pipeline.config import TrainConfig, resolve_path
 from eagle_pipeline.drafter.layouts import NORM_FLAGS, SPECULATORS_TYPE_KEY
+from eagle_pipeline.drafter.to_speculators import MLA_ROPE_KEYS
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.train.settings import TrainRun
 
@@ -44,9 +45,6 @@ COMPARED_SHAPE_KEYS = (
     "rope_interleave",
     "yarn",
 )
-# The rope parameters an MLA layer is compared by (rope_theta aside): YaRN's, which fix its cos/sin and softmax scale.
-MLA_ROPE_KEYS = ("rope_type", "factor", "mscale", "mscale_all_dim", "original_max_position_embeddings", "beta_fast",
-                 "beta_slow")
 
 
 def _field(text_config: Any, name: str, default: Any = None) -> Any:
