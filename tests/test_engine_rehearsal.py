@@ -74,6 +74,26 @@ def test_every_engine_of_the_kimi_config_is_configured_by_cudas_selector(standin
     assert "runner V1" in variant, variant
 
 
+
+def test_the_capture_engines_run_eager_on_cuda_and_the_lines_show_what_offline_engines_set(standin):
+    """A capture only prefills: on CUDA its engines run eager (no torch.compile, no graph capture at start), and
+    their lines say so beside their sizing; the load check's says it builds the drafter in one process."""
+    from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
+    from eagle_pipeline.engine import capture_engine_kwargs, llm_kwargs
+    from eagle_pipeline.plan.rehearsal import check_engines, own_settings
+
+    cfg = kimi_config(standin, "eager")
+    assert not cfg.verifier.enforce_eager and capture_engine_kwargs(cfg)["extra_engine_args"]["enforce_eager"]
+    cpu = cfg.model_copy(update={"device": "cpu"})
+    assert not capture_engine_kwargs(cpu)["extra_engine_args"]["enforce_eager"]  # the CPU captures no graphs
+    lines = {item.engine.name: item.line() for item in check_engines(cfg, (2, 6), show=False)}
+    for name in ("hidden-state capture", "replay capture"):
+        assert "enable_prefix_caching=False" in lines[name] and "enforce_eager=True" in lines[name], lines[name]
+    assert "enforce_eager" not in lines["server eagle3"], lines["server eagle3"]
+    tp8 = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"tensor_parallel_size": 8})})
+    engine = {k: v for k, v in llm_kwargs(tp8, "t").items() if k != "model"}
+    assert own_settings(tp8, load_check_engine_kwargs("t", "d", engine)) == {"variant": "tensor_parallel_size=1"}
+
 def test_stage_05_built_the_drafter_under_the_targets_mla_backend_which_cuda_refuses(standin):
     """The load check used to build the drafter without its own settings: the Llama drafter's layers then asked
     for the target's TRITON_MLA, which the CPU platform replaces and CUDA refuses. With the drafter's settings,

@@ -43,7 +43,7 @@ class PlannedEngine:
     env: dict[str, str]
     engine_args: dict[str, Any] | None = None
     server_argv: list[str] | None = None
-    overrides: dict[str, str] = field(default_factory=dict)  # settings a variant changes, for the printed line
+    overrides: dict[str, str] = field(default_factory=dict)  # settings it changes (a variant's), for the printed line
     kv_cache: bool = True  # allocates a KV cache (the load check does not: it builds the drafter and loads weights)
 
 
@@ -271,9 +271,20 @@ def rehearse(cfg: RunConfig, stages: tuple[int, ...] | list[int]) -> list[Rehear
                       f"{type(error).__name__}: {error}")
                 continue
             for engine in engines:
+                if engine.engine_args is not None and not engine.overrides:  # what it sets unlike the target's
+                    engine.overrides = own_settings(cfg, engine.engine_args)
                 done.append(Rehearsed(engine, check_engine(cfg.device, engine.engine_args, engine.server_argv,
                                                            engine.env, engine.kv_cache)))
     return done
+
+
+def own_settings(cfg: RunConfig, engine_args: dict[str, Any]) -> dict[str, str]:
+    """An offline engine's settings that differ from the run's target engine (`llm_kwargs`), for its printed line."""
+    from eagle_pipeline.engine import llm_kwargs
+
+    target, named = llm_kwargs(cfg, engine_args["model"]), ("tokenizer", "speculative_config", "kv_transfer_config")
+    own = [f"{key}={value}" for key, value in engine_args.items() if key not in named and target.get(key) != value]
+    return {"variant": ", ".join(own)} if own else {}
 
 
 def check_engines(cfg: RunConfig, stages: tuple[int, ...] | list[int], *, show: bool = True) -> list[Rehearsed]:
