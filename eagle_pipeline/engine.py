@@ -197,13 +197,13 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
 
 def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any], kv_transfer_config: dict[str, Any],
                           served_model_names: list[str], max_model_len: int,
-                          listen_host: str | None = None) -> dict[str, Any]:
+                          listen_host: str | None = None, max_num_seqs: int | None = None) -> dict[str, Any]:
     """`VllmServer` arguments for a hidden-state capture server of the target (online training): the served
     target's settings (`server_kwargs`) with the capture method and connector (eagle_pipeline/capture.py), no
     prefix caching (each request is a one-off prefill whose states must be its own), a batch of one longest
-    sequence, at most as many sequences as the training ranks ask for at once (hidden_states.online_window x
-    ranks), no CUDA graphs, the names it answers to (speculators asks for the first), and `listen_host` for servers
-    that other hosts reach."""
+    sequence, at most `max_num_seqs` sequences (default: as many as the training ranks ask for at once,
+    hidden_states.online_window x ranks), no CUDA graphs, the names it answers to (speculators asks for the first),
+    and `listen_host` for servers that other hosts reach."""
     from eagle_pipeline.online.settings import requests_in_flight
 
     kwargs = server_kwargs(cfg)
@@ -215,7 +215,7 @@ def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any],
     # ranks never send; a capture is one prefill per request, which CUDA graphs (decode batches) never serve, so
     # they would only hold memory the co-located trainer needs (eagle_pipeline/plan/memory.py).
     if "max_num_seqs" not in cfg.verifier.engine_args:
-        flags += ["--max-num-seqs", str(requests_in_flight(cfg))]
+        flags += ["--max-num-seqs", str(max_num_seqs or requests_in_flight(cfg))]
     if not cfg.verifier.enforce_eager:  # server_args already passes it when the config sets it
         flags.append("--enforce-eager")
     share = cfg.hidden_states.capture_gpu_memory_utilization

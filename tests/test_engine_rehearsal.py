@@ -57,6 +57,8 @@ def test_every_engine_of_the_kimi_config_is_configured_by_cudas_selector(standin
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("  engine ")]
     assert "engine rehearsal of stages 01, 02, 04, 05, 06" in out, out
+    # What CUDA's selector alone cannot rehearse on this machine without a GPU is said once.
+    assert out.count("not rehearsed without a GPU: CUDA graph sizes, chunked prefill, scheduler defaults") == 1, out
     # 01 answers, 02 captures, 05 checks the drafter's load, 06 serves none and EAGLE-3, the four engine
     # variants of the config, and the replay's capture.
     names = [line.split(" (")[0].split(":")[0].strip() for line in lines]
@@ -141,6 +143,24 @@ def test_a_backend_this_machine_cannot_import_is_named_not_refused(standin):
     assert "target MLA -> cannot be checked here (asked FLASHINFER_MLA)" in done.line(), done.line()
     assert "flashinfer" in done.result.layers[0].error, done.result
 
+
+
+def test_a_kv_cache_dtype_refusal_names_the_key_that_set_the_dtype(standin):
+    """The drafter takes the target's KV-cache dtype unless serve.drafter_kv_cache_dtype names one: an fp8 cache its
+    backend refuses names both keys; a target backend refusing its dtype names verifier.kv_cache_dtype."""
+    from eagle_pipeline.plan.rehearsal import check_engines
+
+    drafter = kimi_config(standin, "fp8-drafter", verifier={"kv_cache_dtype": "fp8"},
+                          serve={"drafter_attention_backend": "FLASH_ATTN", "engine_variants": []})
+    with pytest.raises(BadInput) as refusal:
+        check_engines(drafter, (5,), show=False)
+    assert "kv_cache_dtype not supported" in str(refusal.value), refusal.value
+    assert ("set serve.drafter_kv_cache_dtype (unset, the drafter's is verifier.kv_cache_dtype) to a KV-cache dtype "
+            "its backend takes, or serve.drafter_attention_backend to a backend that takes fp8") in str(refusal.value)
+    target = kimi_config(standin, "e5m2", verifier={"kv_cache_dtype": "fp8_e5m2"})
+    with pytest.raises(BadInput) as refusal:
+        check_engines(target, (1,), show=False)
+    assert "set verifier.kv_cache_dtype to a KV-cache dtype its backend takes" in str(refusal.value), refusal.value
 
 def test_the_cpu_mla_block_size_conflict_is_found_before_any_engine_starts(standin):
     """On the CPU, CPU_MLA takes KV blocks of 16 and the Llama drafter's CPU_ATTN multiples of 32: the EAGLE-3

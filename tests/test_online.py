@@ -596,6 +596,31 @@ def test_the_single_host_kimi_config_is_the_plan_that_fits():
     assert plan.fits, plan.lines()
 
 
+
+def test_beside_the_trainer_the_capture_server_takes_the_sequences_its_cache_holds(tmp_path, monkeypatch):
+    """Kimi on one host leaves the capture server KV for 2 of the 8 longest sequences the ranks ask for: the plan
+    says so and the server is sized to it; without a plan (no GPU to read, or another host) it takes the ranks'."""
+    from types import SimpleNamespace
+
+    from eagle_pipeline.online.servers import server_kwargs_for
+
+    plan = kimi_plan(1024, 0.80)
+    assert plan.server_sequences == plan.sequences_in_cache == 2 < plan.concurrent_requests
+    assert "the cache holds 2 of the 8 longest sequences" in plan.lines()[1]
+    assert "the server takes 2 at once (--max-num-seqs)" in plan.lines()[1]
+    cfg = _load(tmp_path, mode="online", online_window=3)
+    verifier = SimpleNamespace(path=str(tmp_path), fingerprints=lambda: {"verifier": "v"})
+    layout = SimpleNamespace(layer_ids=[1, 2], num_layers=4, hidden_size=8)
+
+    def max_num_seqs(planned) -> str:
+        monkeypatch.setattr(memory_plan, "run_plan", lambda *args, **kwargs: planned)
+        flags = server_kwargs_for(cfg, verifier, layout, storage=tmp_path, mooncake_client=None,
+                                  longest_sequence=64)["extra_args"]
+        return flags[flags.index("--max-num-seqs") + 1]
+
+    assert max_num_seqs(plan) == "2"
+    assert max_num_seqs(None) == max_num_seqs("  memory plan: no nvidia-smi here") == "3"
+
 def test_the_targets_kv_per_token_is_read_from_its_config(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(b"x" * 10)
     mla = memory_plan.target_shape(tmp_path, {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 8,

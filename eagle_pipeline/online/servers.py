@@ -113,16 +113,18 @@ def run_label(cfg, verifier, layout) -> str:
 def server_kwargs_for(cfg, verifier, layout, *, storage: Path | None, mooncake_client: dict[str, Any] | None,
                       longest_sequence: int, listen_host: str | None = None) -> dict[str, Any]:
     """`CaptureServer` arguments of a capture server for this run: the capture method and connector
-    (eagle_pipeline/capture.py) in the target's server (eagle_pipeline/engine.py), sized for `longest_sequence`,
-    answering to the verifier's path and the run's capture label."""
+    (eagle_pipeline/capture.py) in the target's server (eagle_pipeline/engine.py), sized for `longest_sequence` (and
+    what its cache holds beside the trainer, `run_plan`), answering to the verifier's path and the run's label."""
     from eagle_pipeline.capture import capture_sizing, kv_transfer_config, speculative_config
     from eagle_pipeline.engine import capture_server_kwargs
+    from eagle_pipeline.plan.memory import run_plan
 
     return {"target_dir": verifier.path, **capture_server_kwargs(
         cfg, speculative_config=speculative_config(layout.layer_ids, layout.num_layers),
         kv_transfer_config=kv_transfer_config(storage, cfg.device, cfg.hidden_states.transfer, mooncake_client),
         served_model_names=[served_model_name(verifier), run_label(cfg, verifier, layout)],
-        max_model_len=capture_sizing(longest_sequence)["max_model_len"], listen_host=listen_host)}
+        max_model_len=capture_sizing(longest_sequence)["max_model_len"], listen_host=listen_host,
+        max_num_seqs=getattr(run_plan(cfg, verifier, layout), "server_sequences", None))}  # None: no plan made
 
 
 class CaptureServer:

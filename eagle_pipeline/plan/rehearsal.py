@@ -25,13 +25,19 @@ from typing import Any
 
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.plan.vllm_config import cuda_available
 from eagle_pipeline.samples import planned_sample_layout
 
 # The stages that start vLLM engines (stage 04 only in online mode, without capture endpoints of its own).
 ENGINE_STAGES = (1, 2, 4, 5, 6)
-# The config key that sets each kind of layer's backend and KV-cache dtype.
-FIX_KEYS = {"target": "verifier.attention_backend / verifier.kv_cache_dtype",
-            "drafter": "serve.drafter_attention_backend / serve.drafter_kv_cache_dtype"}
+# The config keys that set each kind of layer's backend and KV-cache dtype (an unset drafter dtype is the target's).
+FIX_KEYS = {"target": ("verifier.attention_backend", "verifier.kv_cache_dtype"),
+            "drafter": ("serve.drafter_attention_backend",
+                        "serve.drafter_kv_cache_dtype (unset, the drafter's is verifier.kv_cache_dtype)")}
+# What a machine without CUDA cannot rehearse (vllm_config.selection_platform: only the selector is CUDA's).
+NOT_REHEARSED = ("  not rehearsed without a GPU: CUDA graph sizes, chunked prefill, scheduler defaults (vLLM's CPU "
+                 "platform built these configs); a backend left to vLLM is chosen among those installed here (with an "
+                 "fp8 KV cache the GPU host may take FLASHINFER where a line says TRITON_ATTN)")
 
 
 @dataclass
@@ -246,9 +252,12 @@ class Rehearsed:
             where += f" ({self.engine.overrides['variant']})"
         for layer in r.layers:
             if layer.error is not None and not layer.notes:
+                backend, dtype = FIX_KEYS[layer.kind]
+                fix = (f"{dtype} to a KV-cache dtype its backend takes, or {backend} to a backend that takes "
+                       f"{layer.kv_cache_dtype}" if "kv_cache_dtype" in layer.error
+                       else f"{backend} to a backend that takes them")
                 return (f"{where}: vLLM on {r.platform} refuses the {layer.kind}'s {layer.attention} layers: "
-                        f"{layer.error}; set {FIX_KEYS[layer.kind]} to a backend that takes them "
-                        f"(docs/engines.md, \"The engine rehearsal\")")
+                        f"{layer.error}; set {fix} (docs/engines.md, \"The engine rehearsal\")")
         if r.error is not None:
             return (f"{where}: vLLM refuses the engine's settings on {r.platform}: {r.error}; change the setting it "
                     f"names (the verifier and serve sections, or verifier.engine_args)")
@@ -293,6 +302,8 @@ def check_engines(cfg: RunConfig, stages: tuple[int, ...] | list[int], *, show: 
     if show:
         for item in done:
             print(item.line())
+        if done and cfg.device == "cuda" and not cuda_available():
+            print(NOT_REHEARSED)
     for item in done:
         problem = item.refusal()
         if problem is not None:
