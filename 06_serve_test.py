@@ -174,7 +174,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     messages = [p["messages"] for p in prompts]
     # Each mode is kept as soon as it is served (served/<mode>.json; the answers without speculation also as
     # baseline/answers.json): a rerun of the same inputs serves only what is missing.
-    served = read_served(stage.dir, inputs, modes, s.num_speculative_tokens, shaped_by if baseline is None else None)
+    served = read_served(stage, inputs, modes, s.num_speculative_tokens, shaped_by if baseline is None else None)
     missing = [mode for mode in modes if mode not in served]
     if not missing:
         print(f"stage 06: the served measurements of these inputs are in {stage.dir / SERVED_DIR} (an earlier run "
@@ -184,7 +184,7 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"serving {', '.join(missing)} only")
 
     def keep_served(mode: str, record: dict) -> None:
-        write_served(stage.dir, inputs, mode, record)
+        stage.keep_file(write_served(stage.dir, inputs, mode, record))
         if mode == "none":
             save_baseline_answers(stage.dir, shaped_by, record)
 
@@ -298,14 +298,14 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
         confirmed = {"summary": report["modes"].get(confirmed_by), "texts": report["texts"].get(confirmed_by)}
     elif spec is not None and s.confirm_schedule:
         schedule_inputs = {**inputs, "speculative_config": spec}
-        kept = read_served(stage.dir, schedule_inputs, [SCHEDULE_MODE], plan["k"])
+        kept = read_served(stage, schedule_inputs, [SCHEDULE_MODE], plan["k"])
         if SCHEDULE_MODE in kept:
             print(f"stage 06: the schedule was confirmed by an earlier run of these inputs ({stage.dir / SERVED_DIR})")
             confirmed = kept[SCHEDULE_MODE]
         else:
             print(f"stage 06: serving the chosen setting once to confirm it: {json.dumps(spec)}")
             def keep(mode: str, record: dict) -> None:
-                write_served(stage.dir, schedule_inputs, mode, record)
+                stage.keep_file(write_served(stage.dir, schedule_inputs, mode, record))
 
             try:
                 served = serve_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs",

@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 from conftest import REPO, run_stage_in_process, write_config
-from test_serve_records import FakeServers, drafter_run
+from test_serve_records import FakeServers, drafter_run, stopped
 
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
@@ -245,7 +245,7 @@ def test_stage_06_sweeps_every_level_confirms_the_chosen_schedule_once_and_ends_
     assert "## Acceptance and speed-up across load" in md and "no collapse found" in md
 
     # A rerun of the same inputs serves nothing: the schedule's run is kept under the schedule it served.
-    (stage / "manifest.json").unlink()
+    stopped(stage)
     servers.started = []
     code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
     assert code == 0, err
@@ -332,7 +332,7 @@ def test_a_schedule_its_confirming_run_served_slower_is_not_the_command(tmp_path
     assert served["inputs"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 3], [3, 4, 0]]
 
     # A rerun withdraws the same levels from the kept confirming run, with no server.
-    (stage / "manifest.json").unlink()
+    stopped(stage)
     servers.started = []
     code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
     assert code == 0, err
