@@ -31,15 +31,16 @@ from eagle_pipeline.config import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
 from eagle_pipeline.drafter.layouts import MLA
+from eagle_pipeline.drafter.planned import drafter_params, planned_draft_dims
 from eagle_pipeline.drafter.tensors import mla_attention_shapes
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.online.disk import window_bound
 from eagle_pipeline.online.failure import CaptureUnavailable, capture_failure
+from eagle_pipeline.online.memory import run_plan_lines, trainer_memory_line
 from eagle_pipeline.online.session import OnlineSession, check_named_endpoints, dataset_rows, plan_lines
 from eagle_pipeline.online.settings import OnlineTraining
-from eagle_pipeline.plan.disk import drafter_params, planned_draft_dims, training_bytes
-from eagle_pipeline.plan.memory import run_plan_lines, trainer_memory_line
+from eagle_pipeline.plan.disk import training_bytes
 from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.stage import (

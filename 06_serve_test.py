@@ -6,8 +6,8 @@ speculation; each server answers them at every level of `serve.concurrency` in t
 server's Prometheus counters (`vllm:spec_decode_*`) and each request's own metrics; at temperature 0 the drafter
 must not change the text, so every differing prompt is reported. From the levels the stage chooses
 `num_speculative_tokens` per batch size (k = 0 where speculation loses), serves that schedule once to confirm it
-(eagle_pipeline/serve/plan.py), and ends report.md with the `vllm serve` command that serves it. The stage fails
-(exit 1) when the mean acceptance length is below `serve.min_acceptance_length`.
+(eagle_pipeline/serve/plan.py; unconfirmed if its server fails), and ends report.md with the `vllm serve` command.
+The stage fails (exit 1) when the mean acceptance length is below `serve.min_acceptance_length`.
 
 Embedded default (CPU, a few minutes):
     python 06_serve_test.py --config configs/tiny.yaml
@@ -70,7 +70,7 @@ from eagle_pipeline.serve.report import (
     write_report,
     write_served,
 )
-from eagle_pipeline.serve.server import check_port_free
+from eagle_pipeline.serve.server import ServerFailed, check_port_free
 from eagle_pipeline.stage import (
     Stage,
     Start,
@@ -165,8 +165,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "drafter": model_dir_fingerprint(drafter_dir) if foreign else upstream_fingerprint(converted),
         "drafter_weights": model_dir_fingerprint(drafter_dir) if foreign else converted["output_fingerprint"],
         "eval_prompts": shaped_by["eval_prompts"],
-        "serve": value_fingerprint(s.model_dump(mode="json",
-                                                exclude={"min_acceptance_length", "port", "startup_timeout_s"})),
+        "serve": value_fingerprint(s.model_dump(mode="json", exclude={"min_acceptance_length", "port",
+                                                                      "startup_timeout_s", "confirm_schedule"})),
         "verifier": shaped_by["verifier"],
         "chat_template_kwargs": template_kwargs,
     }
@@ -191,7 +191,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     messages = [p["messages"] for p in prompts]
     # Each mode is kept as soon as it is served (served/<mode>.json; the answers without speculation also as
     # baseline/answers.json): a rerun of the same inputs serves only what is missing.
-    served = read_served(stage.dir, inputs, modes, s.num_speculative_tokens, shaped_by if baseline is None else None)
+    served = read_served(stage, inputs, modes, s.num_speculative_tokens, shaped_by if baseline is None else None)
     missing = [mode for mode in modes if mode not in served]
     if not missing:
         print(f"stage 06: the served measurements of these inputs are in {stage.dir / SERVED_DIR} (an earlier run "
@@ -201,7 +201,7 @@ def run(stage: Stage, dry_run: bool) -> None:
               f"serving {', '.join(missing)} only")
 
     def keep_served(mode: str, record: dict) -> None:
-        write_served(stage.dir, inputs, mode, record)
+        stage.keep_file(write_served(stage.dir, inputs, mode, record))
         if mode == "none":
             save_baseline_answers(stage.dir, shaped_by, record)
 
@@ -309,20 +309,24 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
         confirmed = {"summary": report["modes"].get(confirmed_by), "texts": report["texts"].get(confirmed_by)}
     elif spec is not None and s.confirm_schedule:
         schedule_inputs = {**inputs, "speculative_config": spec}
-        kept = read_served(stage.dir, schedule_inputs, [SCHEDULE_MODE], plan["k"])
+        kept = read_served(stage, schedule_inputs, [SCHEDULE_MODE], plan["k"])
         if SCHEDULE_MODE in kept:
             print(f"stage 06: the schedule was confirmed by an earlier run of these inputs ({stage.dir / SERVED_DIR})")
             confirmed = kept[SCHEDULE_MODE]
         else:
             print(f"stage 06: serving the chosen setting once to confirm it: {json.dumps(spec)}")
             def keep(mode: str, record: dict) -> None:
-                write_served(stage.dir, schedule_inputs, mode, record)
+                stage.keep_file(write_served(stage.dir, schedule_inputs, mode, record))
 
-            served = serve_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs",
-                                 template_kwargs, on_measured=keep, num_speculative_tokens=plan["k"],
-                                 schedule=spec.get("num_speculative_tokens_per_batch_size"))
-            confirmed = {"summary": served["modes"][SCHEDULE_MODE], "texts": served["texts"][SCHEDULE_MODE]}
-            served_now = True
+            try:
+                served = serve_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs",
+                                     template_kwargs, on_measured=keep, num_speculative_tokens=plan["k"],
+                                     schedule=spec.get("num_speculative_tokens_per_batch_size"))
+                confirmed = {"summary": served["modes"][SCHEDULE_MODE], "texts": served["texts"][SCHEDULE_MODE]}
+                served_now = True
+            except ServerFailed as error:  # what was measured stands: the plan goes on unconfirmed and says why
+                confirmed = {"failed": f"its server failed to start: {stage.dir / 'logs' / 'server-schedule.log'}"}
+                print(f"warning: the chosen setting is not confirmed: {error}")
         confirmed_by = SCHEDULE_MODE
 
     return serving_plan(plan, report, cfg, spec, confirmed_by, confirmed, server_kwargs(cfg), target), served_now

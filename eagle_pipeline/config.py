@@ -453,7 +453,7 @@ class HiddenStatesConfig(Section):
                                                                       "while its server does not answer (a restart); "
                                                                       "then training stops naming the server")
     # A capture server stage 04 starts on GPUs the trainer also uses takes only its share of them; stage 04's dry run
-    # prints the memory plan that says whether the two fit (eagle_pipeline/plan/memory.py).
+    # prints the memory plan that says whether the two fit (eagle_pipeline/online/memory.py).
     capture_gpu_memory_utilization: Optional[float] = Field(
         None, gt=0, le=1, description="online, cuda: the share of each GPU a capture server started by stage 04 takes "
                                       "(the trainer uses the rest); None: verifier.gpu_memory_utilization")

@@ -197,10 +197,11 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
 
 
 def capture_engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """`HiddenStateCapture` arguments (beyond model, layers and length) for the verifier in this config."""
+    """`HiddenStateCapture` arguments (beyond model, layers and length) for the verifier in this config; eager on CUDA,
+    whose graphs a capture's prefills hardly meet (docs/engines.md, "Hidden-state capture through vLLM")."""
     v = cfg.verifier
     extra: dict[str, Any] = {"enable_expert_parallel": True} if v.enable_expert_parallel else {}
     if cfg.device == "cuda":
-        extra["gpu_memory_utilization"] = v.gpu_memory_utilization
+        extra.update(gpu_memory_utilization=v.gpu_memory_utilization, enforce_eager=True)
     return {"tensor_parallel_size": v.tensor_parallel_size, "dtype": v.dtype, "trust_remote_code": v.trust_remote_code,
-            "extra_engine_args": {**extra, **target_engine_settings(cfg), **v.engine_args}}
+            "extra_engine_args": {**target_engine_settings(cfg), **extra, **v.engine_args}}

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 from eagle_pipeline import atomic, engine_starts, locks, outputs
 from eagle_pipeline.config import STAGES, RunConfig, dump_config, load_config
 from eagle_pipeline.errors import BadInput, Terminated
-from eagle_pipeline.fingerprint import value_fingerprint
+from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
 from eagle_pipeline.outputs import read_manifest
 from eagle_pipeline.plan import preconditions
 from eagle_pipeline.samples import SampleLayout
@@ -208,6 +208,7 @@ class Stage:
         self.started_at = now()
         self.t0 = time.monotonic()
         self.inputs: dict[str, Any] = {}
+        self.kept: dict[str, str] = {}  # path in the folder -> sha256, of what a rerun reuses (`keep_file`)
         self.log_path = self.dir / "logs" / f"{self.name}.log"
 
     # -- the manifest protocol -----------------------------------------------------------------
@@ -232,6 +233,8 @@ class Stage:
                 if child.name != "logs" and child.name not in keep:
                     shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
         old = self.check_unchanged(inputs, samples)
+        kept = (old or {}).get("kept")
+        self.kept = dict(kept) if isinstance(kept, dict) else {}
         if old is not None:
             had = old.get("counts", {}).get("samples")
             if old.get("status") == "complete" and (samples is None or had == samples):
@@ -311,6 +314,17 @@ class Stage:
     def write_config(self) -> None:
         atomic.write_text(self.dir / "config.yaml", dump_config(self.cfg))
 
+    def keep_file(self, path: Path) -> Path:
+        """`path`'s sha256 into the manifest (`kept`, written now): a rerun reuses it only as written (`kept_whole`)."""
+        self.kept[Path(path).relative_to(self.dir).as_posix()] = file_fingerprint(path)
+        self._write_manifest("running", counts={}, extra={})
+        return path
+
+    def kept_whole(self, path: Path) -> bool:
+        """Whether `path` is as `keep_file` recorded it (False where it was not recorded, its manifest lost)."""
+        digest = self.kept.get(Path(path).relative_to(self.dir).as_posix())
+        return digest is not None and Path(path).is_file() and file_fingerprint(path) == digest
+
     def finish(self, counts: dict[str, Any], output_fingerprint: str, extra: dict[str, Any] | None = None) -> None:
         """Mark the stage complete, recording every file it made so that "complete" can be checked later."""
         self._write_manifest("complete", counts=counts,
@@ -332,6 +346,7 @@ class Stage:
             "wall_time_s": round(time.monotonic() - self.t0, 2),
             "host": socket.gethostname(),
             "versions": package_versions(),
+            **({"kept": self.kept} if self.kept else {}),
             **extra,
         }
         atomic.write_json(self.dir / "manifest.json", manifest)

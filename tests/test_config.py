@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, write_config
+from conftest import REPO, stage_module, write_config
 
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
@@ -23,6 +23,25 @@ def test_every_shipped_config_validates_and_says_what_it_is_for(path: Path):
     assert first.startswith("# ") and path.stem in first, "each config starts with a comment naming what it is for"
     assert "Run:" in path.read_text().split("\n\n")[0], "the header says how to run it"
 
+
+
+def test_the_kimi_acceptance_floor_holds_from_1k_samples_and_the_smoke_run_passes_when_served_as_predicted():
+    """A drafter trained on 10 samples accepts ~1.3: under the 2.0 floor of the larger scales stage 06 would exit 1
+    on a run that worked. The smoke run's floor lets it pass when served as predicted, and still fails it when
+    served short of its prediction."""
+    floors = {path.name: load_config(path).serve.min_acceptance_length
+              for path in CONFIGS if path.name.startswith("kimi-k2.5")}
+    assert floors.pop("kimi-k2.5-10.yaml") == 1.0
+    assert set(floors.values()) == {2.0}, floors  # the base, 1k, 10k, fine-tunes and online runs
+    verdict = stage_module("06_serve_test.py").verdict
+    served = {"mean_acceptance_length": 1.3, "speedup": 1.02,
+              "diagnosis": {"passed": True, "cause_text": None}}
+    smoke = load_config(REPO / "configs" / "kimi-k2.5-10.yaml").serve.min_acceptance_length
+    assert verdict(served, smoke)[0] and not verdict(served, floors["kimi-k2.5-1k.yaml"])[0]
+    short = {**served, "predicted_mean_acceptance_length": 1.8,
+             "diagnosis": {"passed": False, "cause_text": "the engine"}}
+    ok, message = verdict(short, smoke)
+    assert not ok and "does not serve the drafter as it was trained" in message
 
 def test_unknown_top_level_key_is_named(tmp_path):
     cfg = write_config(tmp_path / "c.yaml", run_nmae="x")

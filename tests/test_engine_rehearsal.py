@@ -57,6 +57,8 @@ def test_every_engine_of_the_kimi_config_is_configured_by_cudas_selector(standin
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("  engine ")]
     assert "engine rehearsal of stages 01, 02, 05, 06" in out, out  # stage 04 starts none offline
+    # What CUDA's selector alone cannot rehearse on this machine without a GPU is said once.
+    assert out.count("not rehearsed without a GPU: CUDA graph sizes, chunked prefill, scheduler defaults") == 1, out
     # 01 answers, 02 captures, 05 checks the drafter's load, 06 serves none and EAGLE-3, the four engine
     # variants of the config, and the replay's capture.
     names = [line.split(" (")[0].split(":")[0].strip() for line in lines]
@@ -73,6 +75,26 @@ def test_every_engine_of_the_kimi_config_is_configured_by_cudas_selector(standin
     variant = next(line for line in lines if "verifier.model_runner=v1)" in line)
     assert "runner V1" in variant, variant
 
+
+
+def test_the_capture_engines_run_eager_on_cuda_and_the_lines_show_what_offline_engines_set(standin):
+    """A capture only prefills: on CUDA its engines run eager (no torch.compile, no graph capture at start), and
+    their lines say so beside their sizing; the load check's says it builds the drafter in one process."""
+    from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
+    from eagle_pipeline.engine import capture_engine_kwargs, llm_kwargs
+    from eagle_pipeline.plan.rehearsal import check_engines, own_settings
+
+    cfg = kimi_config(standin, "eager")
+    assert not cfg.verifier.enforce_eager and capture_engine_kwargs(cfg)["extra_engine_args"]["enforce_eager"]
+    cpu = cfg.model_copy(update={"device": "cpu"})
+    assert not capture_engine_kwargs(cpu)["extra_engine_args"]["enforce_eager"]  # the CPU captures no graphs
+    lines = {item.engine.name: item.line() for item in check_engines(cfg, (2, 6), show=False)}
+    for name in ("hidden-state capture", "replay capture"):
+        assert "enable_prefix_caching=False" in lines[name] and "enforce_eager=True" in lines[name], lines[name]
+    assert "enforce_eager" not in lines["server eagle3"], lines["server eagle3"]
+    tp8 = cfg.model_copy(update={"verifier": cfg.verifier.model_copy(update={"tensor_parallel_size": 8})})
+    engine = {k: v for k, v in llm_kwargs(tp8, "t").items() if k != "model"}
+    assert own_settings(tp8, load_check_engine_kwargs("t", "d", engine)) == {"variant": "tensor_parallel_size=1"}
 
 def test_stage_05_built_the_drafter_under_the_targets_mla_backend_which_cuda_refuses(standin):
     """The load check used to build the drafter without its own settings: the Llama drafter's layers then asked
@@ -121,6 +143,24 @@ def test_a_backend_this_machine_cannot_import_is_named_not_refused(standin):
     assert "target MLA -> cannot be checked here (asked FLASHINFER_MLA)" in done.line(), done.line()
     assert "flashinfer" in done.result.layers[0].error, done.result
 
+
+
+def test_a_kv_cache_dtype_refusal_names_the_key_that_set_the_dtype(standin):
+    """The drafter takes the target's KV-cache dtype unless serve.drafter_kv_cache_dtype names one: an fp8 cache its
+    backend refuses names both keys; a target backend refusing its dtype names verifier.kv_cache_dtype."""
+    from eagle_pipeline.plan.rehearsal import check_engines
+
+    drafter = kimi_config(standin, "fp8-drafter", verifier={"kv_cache_dtype": "fp8"},
+                          serve={"drafter_attention_backend": "FLASH_ATTN", "engine_variants": []})
+    with pytest.raises(BadInput) as refusal:
+        check_engines(drafter, (5,), show=False)
+    assert "kv_cache_dtype not supported" in str(refusal.value), refusal.value
+    assert ("set serve.drafter_kv_cache_dtype (unset, the drafter's is verifier.kv_cache_dtype) to a KV-cache dtype "
+            "its backend takes, or serve.drafter_attention_backend to a backend that takes fp8") in str(refusal.value)
+    target = kimi_config(standin, "e5m2", verifier={"kv_cache_dtype": "fp8_e5m2"})
+    with pytest.raises(BadInput) as refusal:
+        check_engines(target, (1,), show=False)
+    assert "set verifier.kv_cache_dtype to a KV-cache dtype its backend takes" in str(refusal.value), refusal.value
 
 def test_the_cpu_mla_block_size_conflict_is_found_before_any_engine_starts(standin):
     """On the CPU, CPU_MLA takes KV blocks of 16 and the Llama drafter's CPU_ATTN multiples of 32: the EAGLE-3

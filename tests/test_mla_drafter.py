@@ -406,8 +406,8 @@ def test_the_plan_has_the_dims_and_parameters_of_the_mla_drafter_stage_04_writes
 
     from safetensors import safe_open
 
+    from eagle_pipeline.drafter.planned import drafter_params, planned_draft_dims
     from eagle_pipeline.drafter.tensors import draft_dims
-    from eagle_pipeline.plan.disk import drafter_params, planned_draft_dims
 
     checkpoint = mla_trained["out"] / mla_trained["summary"]["last"]["checkpoint"]
     text = json.loads((mla_trained["root"] / "kimi" / "config.json").read_text())["text_config"]
@@ -428,9 +428,9 @@ def test_the_plans_count_every_tensor_and_attention_activation_of_a_built_mla_dr
     the tensors it hands to the attention function)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from eagle_pipeline.drafter.planned import drafter_params, layer_params
     from eagle_pipeline.drafter.tensors import draft_dims
-    from eagle_pipeline.plan.disk import drafter_params, layer_params
-    from eagle_pipeline.plan.memory import DrafterShape, attention_activations
+    from eagle_pipeline.online.memory import DrafterShape, attention_activations
 
     model = draft_model(q_lora_rank)
     dims = draft_dims(model.config.to_dict())

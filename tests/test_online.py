@@ -21,11 +21,11 @@ from eagle_pipeline.capture import kv_transfer_config
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.online import failure, kept, settings
+from eagle_pipeline.online import memory as memory_plan
 from eagle_pipeline.online.disk import PeakWatch, sample_bytes, window_bound
 from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
 from eagle_pipeline.online.servers import capture_label, parse_label
 from eagle_pipeline.online.session import plan_lines
-from eagle_pipeline.plan import memory as memory_plan
 from eagle_pipeline.samples import sample_path, write_sample
 from patches import speculators_capture_stop
 from patches.upstream import source_sha256
@@ -143,7 +143,7 @@ def test_a_restarted_capture_server_asks_for_what_is_free_then(tmp_path, monkeyp
     assert servers.share_free_now(0.80, None, None) == 0.80  # nothing read: as planned
     gpu = load_config(write_config(tmp_path / "g.yaml", data_root=str(tmp_path / "d"), run_name="t", device="cuda",
                                    hidden_states={"mode": "online", "capture_gpu_memory_utilization": 0.8}))
-    assert servers.capture_share(gpu) == 0.8 and servers.free_share_reader(_load(tmp_path, mode="online")) is None
+    assert memory_plan.capture_share(gpu) == 0.8 and servers.free_share_reader(_load(tmp_path, mode="online")) is None
 
     class Server:  # a VllmServer that dies once, then stays up
         def __init__(self):
@@ -594,6 +594,31 @@ def test_the_single_host_kimi_config_is_the_plan_that_fits():
     assert cfg.hidden_states.max_seq_len == cfg.train.total_seq_len and cfg.hidden_states.online_window == 1
     assert plan.fits, plan.lines()
 
+
+
+def test_beside_the_trainer_the_capture_server_takes_the_sequences_its_cache_holds(tmp_path, monkeypatch):
+    """Kimi on one host leaves the capture server KV for 2 of the 8 longest sequences the ranks ask for: the plan
+    says so and the server is sized to it; without a plan (no GPU to read, or another host) it takes the ranks'."""
+    from types import SimpleNamespace
+
+    from eagle_pipeline.online.servers import server_kwargs_for
+
+    plan = kimi_plan(1024, 0.80)
+    assert plan.server_sequences == plan.sequences_in_cache == 2 < plan.concurrent_requests
+    assert "the cache holds 2 of the 8 longest sequences" in plan.lines()[1]
+    assert "the server takes 2 at once (--max-num-seqs)" in plan.lines()[1]
+    cfg = _load(tmp_path, mode="online", online_window=3)
+    verifier = SimpleNamespace(path=str(tmp_path), fingerprints=lambda: {"verifier": "v"})
+    layout = SimpleNamespace(layer_ids=[1, 2], num_layers=4, hidden_size=8)
+
+    def max_num_seqs(planned) -> str:
+        monkeypatch.setattr(memory_plan, "run_plan", lambda *args, **kwargs: planned)
+        flags = server_kwargs_for(cfg, verifier, layout, storage=tmp_path, mooncake_client=None,
+                                  longest_sequence=64)["extra_args"]
+        return flags[flags.index("--max-num-seqs") + 1]
+
+    assert max_num_seqs(plan) == "2"
+    assert max_num_seqs(None) == max_num_seqs("  memory plan: no nvidia-smi here") == "3"
 
 def test_the_targets_kv_per_token_is_read_from_its_config(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(b"x" * 10)

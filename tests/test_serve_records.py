@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, copy_of_run, run_stage_in_process, without_log_records, write_config
@@ -96,6 +97,30 @@ def drafter_run(tmp_path: Path, **serve) -> tuple[Path, Path]:
     return config, tmp_path / "data" / "r" / "06_serve_test"
 
 
+def stopped(stage: Path) -> None:
+    """The stage's manifest as a run that stopped after serving left it ("running", its digests kept)."""
+    manifest = json.loads((stage / "manifest.json").read_text())
+    (stage / "manifest.json").write_text(json.dumps({**manifest, "status": "running"}))
+
+
+def test_an_edited_served_record_is_served_again_not_trusted(tmp_path, servers, capsys):
+    """A served record whose figures were changed within what is possible, after a run that stopped: the digest
+    the manifest keeps of it no longer matches, so that mode is served again and the report has its figures."""
+    config, stage = drafter_run(tmp_path)
+    assert run_stage_in_process("06_serve_test.py", config, capsys)[0] == 0
+    assert set(json.loads((stage / "manifest.json").read_text())["kept"]) == {"served/none.json", "served/eagle3.json"}
+    stopped(stage)
+    path = stage / "served" / "eagle3.json"
+    edited = json.loads(path.read_text())
+    edited["record"]["summary"]["tokens_per_s"] = 600.0
+    path.write_text(json.dumps(edited))
+    servers.started = []
+    code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
+    assert code == 0, err
+    assert servers.started == ["eagle3"] and "serving eagle3 only" in out
+    assert json.loads((stage / "report.json").read_text())["tokens_per_s"]["eagle3"] == pytest.approx(30.0)
+
+
 def test_a_failed_eagle3_start_keeps_the_served_no_speculation_run_and_the_rerun_starts_one_server(
         tmp_path, servers, capsys):
     config, stage = drafter_run(tmp_path)
@@ -152,11 +177,14 @@ def test_an_impossible_served_acceptance_is_not_trusted(tmp_path):
 
     summary = {"tokens_per_s": 30.0, "mean_acceptance_length": 9.9, "per_position_acceptance": [0.5, 0.25, 0.125]}
     write_served(tmp_path, {"serve": "x"}, "eagle3", {"summary": summary, "texts": ["a"], "token_ids": [[[1], [2]]]})
-    assert read_served(tmp_path, {"serve": "x"}, ["eagle3"], K) == {}  # served again, not reported
+    stage = SimpleNamespace(dir=tmp_path, kept_whole=lambda path: True, keep_file=lambda path: path)  # as written
+    assert read_served(stage, {"serve": "x"}, ["eagle3"], K) == {}  # served again, not reported
     summary["mean_acceptance_length"] = 1.875
     write_served(tmp_path, {"serve": "x"}, "eagle3", {"summary": summary, "texts": ["a"], "token_ids": [[[1], [2]]]})
-    assert read_served(tmp_path, {"serve": "x"}, ["eagle3"], K)["eagle3"]["summary"] == summary
-    assert read_served(tmp_path, {"serve": "y"}, ["eagle3"], K) == {}
+    assert read_served(stage, {"serve": "x"}, ["eagle3"], K)["eagle3"]["summary"] == summary
+    assert read_served(stage, {"serve": "y"}, ["eagle3"], K) == {}
+    stage.kept_whole = lambda path: False  # changed since it was written
+    assert read_served(stage, {"serve": "x"}, ["eagle3"], K) == {}
 
     report = {"num_prompts": 1, "num_speculative_tokens": 3, "mean_acceptance_length": 9.9,
               "per_position_acceptance": [0.5, 0.25, 0.125], "tokens_per_s": {"eagle3": 30.0}}

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -765,12 +766,13 @@ def test_the_served_record_is_read_back_only_for_the_same_inputs(tmp_path):
 
     record = mode_record(_measurements()["none"])
     write_served(tmp_path, {"serve": "x"}, "none", json.loads(json.dumps(record)))
-    back = read_served(tmp_path, {"serve": "x"}, ["none", "eagle3"], 3)
+    stage = SimpleNamespace(dir=tmp_path, kept_whole=lambda path: True)  # each file as the stage's manifest keeps it
+    back = read_served(stage, {"serve": "x"}, ["none", "eagle3"], 3)
     assert list(back) == ["none"] and back["none"] == json.loads(json.dumps(record))
     report = served_report(back, num_speculative_tokens=3, temperature=0.0)
     assert report["texts"] == {"none": ["a", "b", "c"]} and report["token_ids"]["none"][0] == (None, None)
-    assert read_served(tmp_path, {"serve": "y"}, ["none"], 3) == {}
-    assert read_served(tmp_path / "no", {"serve": "x"}, ["none"], 3) == {}
+    assert read_served(stage, {"serve": "y"}, ["none"], 3) == {}
+    assert read_served(SimpleNamespace(dir=tmp_path / "no"), {"serve": "x"}, ["none"], 3) == {}
 
 
 def test_report_lists_the_worst_prompts_the_engine_and_the_probe():

@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 from conftest import REPO, run_stage_in_process, write_config
-from test_serve_records import FakeServers, drafter_run
+from test_serve_records import FakeServers, drafter_run, stopped
 
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
@@ -245,12 +245,40 @@ def test_stage_06_sweeps_every_level_confirms_the_chosen_schedule_once_and_ends_
     assert "## Acceptance and speed-up across load" in md and "no collapse found" in md
 
     # A rerun of the same inputs serves nothing: the schedule's run is kept under the schedule it served.
-    (stage / "manifest.json").unlink()
+    stopped(stage)
     servers.started = []
     code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
     assert code == 0, err
     assert servers.started == [] and "confirmed by an earlier run" in out
 
+
+
+def test_a_confirming_server_that_does_not_start_leaves_the_plan_unconfirmed_and_the_stage_goes_on(
+        tmp_path, monkeypatch, capsys):
+    servers = FakeServers(monkeypatch)
+    servers.tpot_ms = {("none", 1): 10.0, ("none", 4): 10.0, ("eagle3", 1): 11.5 / 1.875, ("eagle3", 4): 30.0 / 1.875}
+    servers.fail = {"schedule"}
+    config, stage = drafter_run(tmp_path, concurrency=[1, 4])
+    code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
+    assert code == 0, err
+    assert servers.started == ["none", "eagle3", "schedule"] and "the chosen setting is not confirmed" in out
+    report = json.loads((stage / "report.json").read_text())
+    plan = report["serving_plan"]
+    assert plan["confirmed"] is None and "server-schedule.log" in plan["confirm_failed"]
+    assert plan["schedule"] == [[1, 2, 3], [3, 4, 0]] and "num_speculative_tokens_per_batch_size" in plan["command"]
+    assert "not confirmed (its server failed to start" in (stage / "report.md").read_text()
+    assert report["verdict"].startswith("PASS") and not (stage / "served" / "schedule.json").exists()
+
+
+def test_switching_the_confirmation_off_keeps_the_modes_already_served(tmp_path, monkeypatch, capsys):
+    servers = FakeServers(monkeypatch)
+    servers.fail = {"eagle3"}
+    config, stage = drafter_run(tmp_path, concurrency=[1, 4])
+    assert run_stage_in_process("06_serve_test.py", config, capsys)[0] == 1
+    servers.fail, servers.started = set(), []
+    code, out, err = run_stage_in_process("06_serve_test.py", config, capsys, "--set", "serve.confirm_schedule=false")
+    assert code == 0, err  # no --force: what none served is kept
+    assert servers.started == ["eagle3"] and "serving eagle3 only" in out
 
 def test_no_speculation_everywhere_is_said_and_served_without_a_drafter(tmp_path, monkeypatch, capsys):
     servers = FakeServers(monkeypatch)
@@ -304,7 +332,7 @@ def test_a_schedule_its_confirming_run_served_slower_is_not_the_command(tmp_path
     assert served["inputs"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 3], [3, 4, 0]]
 
     # A rerun withdraws the same levels from the kept confirming run, with no server.
-    (stage / "manifest.json").unlink()
+    stopped(stage)
     servers.started = []
     code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
     assert code == 0, err

@@ -42,7 +42,7 @@ class TensorSpec:
 @dataclass(frozen=True)
 class DraftDims:
     """The numbers that fix every tensor shape of an EAGLE-3 drafter: read from either config format
-    (`draft_dims`), or planned from a run config before stage 04 (disk_plan.planned_draft_dims)."""
+    (`draft_dims`), or planned from a run config before stage 04 (drafter/planned.py)."""
 
     format: str  # layouts.FLAT (LlamaForCausalLMEagle3) or layouts.SPECULATORS
     hidden_size: int

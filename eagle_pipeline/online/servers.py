@@ -22,6 +22,7 @@ from eagle_pipeline.config import RunConfig
 from eagle_pipeline.engine import server_kwargs, target_engine_fingerprint
 from eagle_pipeline.gpus import CUDA_CONTEXT_GIB, GIB, gpu_memory_bytes, visible_gpus
 from eagle_pipeline.layer_ids import capture_layer_ids
+from eagle_pipeline.online.memory import capture_share, run_plan
 from eagle_pipeline.online.settings import requests_in_flight
 from eagle_pipeline.serve.server import HOST, VllmServer, find_free_port
 from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums
@@ -32,13 +33,6 @@ LABEL_PREFIX = "eagle-capture"
 # How many times a server this host started is started again after it died; then training stops when its retries
 # run out (eagle_pipeline/online/failure.py).
 MAX_RESTARTS = 3
-
-
-def capture_share(cfg) -> float | None:
-    """The share of each GPU a capture server of this run asks vLLM for (gpu_memory_utilization); None off CUDA."""
-    if cfg.device != "cuda":
-        return None
-    return cfg.hidden_states.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
 
 
 def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | None) -> float:
@@ -54,7 +48,7 @@ def share_free_now(planned: float, free_bytes: int | None, total_bytes: int | No
 
 def free_share_reader(cfg) -> Callable[[], float] | None:
     """What `CaptureServer` asks before a restart on GPUs (None elsewhere): `share_free_now` of the run's share
-    over the GPUs this process may use, read with nvidia-smi (eagle_pipeline/plan/memory.py)."""
+    over the GPUs this process may use, read with nvidia-smi (eagle_pipeline/online/memory.py)."""
     planned = capture_share(cfg)
     if planned is None:
         return None
@@ -116,13 +110,13 @@ def run_label(cfg, verifier, layout) -> str:
 
 def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any], kv_transfer_config: dict[str, Any],
                           served_model_names: list[str], max_model_len: int,
-                          listen_host: str | None = None) -> dict[str, Any]:
+                          listen_host: str | None = None, max_num_seqs: int | None = None) -> dict[str, Any]:
     """`VllmServer` arguments for a hidden-state capture server of the target (online training): the served
     target's settings (`server_kwargs`) with the capture method and connector (eagle_pipeline/capture.py), no
     prefix caching (each request is a one-off prefill whose states must be its own), a batch of one longest
-    sequence, at most as many sequences as the training ranks ask for at once (hidden_states.online_window x
-    ranks), no CUDA graphs, the names it answers to (speculators asks for the first), and `listen_host` for servers
-    that other hosts reach."""
+    sequence, at most `max_num_seqs` sequences (default: as many as the training ranks ask for at once,
+    hidden_states.online_window x ranks), no CUDA graphs, the names it answers to (speculators asks for the first),
+    and `listen_host` for servers that other hosts reach."""
     kwargs = server_kwargs(cfg)
     flags = ["--kv-transfer-config", json.dumps(kv_transfer_config), "--no-enable-prefix-caching",
              "--served-model-name", *served_model_names]
@@ -130,9 +124,9 @@ def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any],
         flags += ["--max-num-batched-tokens", str(max_model_len)]
     # vLLM's default (256 or more sequences) sizes its sampler's profiling and its CUDA graphs for batches the
     # ranks never send; a capture is one prefill per request, which CUDA graphs (decode batches) never serve, so
-    # they would only hold memory the co-located trainer needs (eagle_pipeline/plan/memory.py).
+    # they would only hold memory the co-located trainer needs (eagle_pipeline/online/memory.py).
     if "max_num_seqs" not in cfg.verifier.engine_args:
-        flags += ["--max-num-seqs", str(requests_in_flight(cfg))]
+        flags += ["--max-num-seqs", str(max_num_seqs or requests_in_flight(cfg))]
     if not cfg.verifier.enforce_eager:  # server_args already passes it when the config sets it
         flags.append("--enforce-eager")
     share = cfg.hidden_states.capture_gpu_memory_utilization
@@ -148,13 +142,14 @@ def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any],
 def server_kwargs_for(cfg, verifier, layout, *, storage: Path | None, mooncake_client: dict[str, Any] | None,
                       longest_sequence: int, listen_host: str | None = None) -> dict[str, Any]:
     """`CaptureServer` arguments of a capture server for this run: the capture method and connector
-    (eagle_pipeline/capture.py) in the target's server (eagle_pipeline/engine.py), sized for `longest_sequence`,
-    answering to the verifier's path and the run's capture label."""
+    (eagle_pipeline/capture.py) in the target's server (eagle_pipeline/engine.py), sized for `longest_sequence` (and
+    what its cache holds beside the trainer, `run_plan`), answering to the verifier's path and the run's label."""
     return {"target_dir": verifier.path, **capture_server_kwargs(
         cfg, speculative_config=speculative_config(layout.layer_ids, layout.num_layers),
         kv_transfer_config=kv_transfer_config(storage, cfg.device, cfg.hidden_states.transfer, mooncake_client),
         served_model_names=[served_model_name(verifier), run_label(cfg, verifier, layout)],
-        max_model_len=capture_sizing(longest_sequence)["max_model_len"], listen_host=listen_host)}
+        max_model_len=capture_sizing(longest_sequence)["max_model_len"], listen_host=listen_host,
+        max_num_seqs=getattr(run_plan(cfg, verifier, layout), "server_sequences", None))}  # None: no plan made
 
 
 class CaptureServer:

@@ -6,7 +6,9 @@ what earlier stages recorded, without loading a model.
 - rehearsal.py      those engines configured by vLLM's own code (eagle_pipeline/vllm_config.py) before the first
                     model load
 - disk.py           the disk each stage writes, for the budget check, the dry run and stage 02's reservation
-- memory.py         the GPU memory of online training: co-located or time-sliced, the trainer's share
+
+The GPU memory of online training (co-located or time-sliced) is planned by online/memory.py, whose plan also
+sizes the capture server stage 04 starts.
 
 A new check of the config against the target or the host goes into preconditions.py when every stage should make
 it, and into the stage script's dry-run path when only that stage reads what it checks. A new estimate goes beside

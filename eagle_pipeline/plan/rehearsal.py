@@ -28,6 +28,7 @@ from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
 from eagle_pipeline.drafter.layouts import MLA, NORM_FLAGS, SPECULATORS_TYPE_KEY
+from eagle_pipeline.drafter.planned import planned_draft_dims
 from eagle_pipeline.drafter_checks.parity import acceptance_engine_kwargs
 from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
 from eagle_pipeline.embedded import not_converted_yet
@@ -42,7 +43,6 @@ from eagle_pipeline.engine import (
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.online.mooncake import client_config
 from eagle_pipeline.online.servers import server_kwargs_for
-from eagle_pipeline.plan.disk import planned_draft_dims
 from eagle_pipeline.plan.engines import Engine, engine_stages, stage_engines
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.serve.engine_facts import server_env
@@ -52,11 +52,16 @@ from eagle_pipeline.serve.plan import SCHEDULE_MODE, batch_ranges
 from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.train.draft_config import build_mla_draft_config
 from eagle_pipeline.verifier import Verifier
-from eagle_pipeline.vllm_config import check_engine
+from eagle_pipeline.vllm_config import check_engine, cuda_available
 
-# The config key that sets each kind of layer's backend and KV-cache dtype.
-FIX_KEYS = {"target": "verifier.attention_backend / verifier.kv_cache_dtype",
-            "drafter": "serve.drafter_attention_backend / serve.drafter_kv_cache_dtype"}
+# The config keys that set each kind of layer's backend and KV-cache dtype (an unset drafter dtype is the target's).
+FIX_KEYS = {"target": ("verifier.attention_backend", "verifier.kv_cache_dtype"),
+            "drafter": ("serve.drafter_attention_backend",
+                        "serve.drafter_kv_cache_dtype (unset, the drafter's is verifier.kv_cache_dtype)")}
+# What a machine without CUDA cannot rehearse (vllm_config.selection_platform: only the selector is CUDA's).
+NOT_REHEARSED = ("  not rehearsed without a GPU: CUDA graph sizes, chunked prefill, scheduler defaults (vLLM's CPU "
+                 "platform built these configs); a backend left to vLLM is chosen among those installed here (with an "
+                 "fp8 KV cache the GPU host may take FLASHINFER where a line says TRITON_ATTN)")
 
 
 @dataclass
@@ -68,7 +73,7 @@ class PlannedEngine:
     env: dict[str, str]
     engine_args: dict[str, Any] | None = None
     server_argv: list[str] | None = None
-    overrides: dict[str, str] = field(default_factory=dict)  # settings a variant changes, for the printed line
+    overrides: dict[str, str] = field(default_factory=dict)  # settings it changes (a variant's), for the printed line
     kv_cache: bool = True  # allocates a KV cache (the load check does not: it builds the drafter and loads weights)
 
 
@@ -226,9 +231,12 @@ class Rehearsed:
             where += f" ({self.engine.overrides['variant']})"
         for layer in r.layers:
             if layer.error is not None and not layer.notes:
+                backend, dtype = FIX_KEYS[layer.kind]
+                fix = (f"{dtype} to a KV-cache dtype its backend takes, or {backend} to a backend that takes "
+                       f"{layer.kv_cache_dtype}" if "kv_cache_dtype" in layer.error
+                       else f"{backend} to a backend that takes them")
                 return (f"{where}: vLLM on {r.platform} refuses the {layer.kind}'s {layer.attention} layers: "
-                        f"{layer.error}; set {FIX_KEYS[layer.kind]} to a backend that takes them "
-                        f"(docs/engines.md, \"The engine rehearsal\")")
+                        f"{layer.error}; set {fix} (docs/engines.md, \"The engine rehearsal\")")
         if r.error is not None:
             return (f"{where}: vLLM refuses the engine's settings on {r.platform}: {r.error}; change the setting it "
                     f"names (the verifier and serve sections, or verifier.engine_args)")
@@ -249,9 +257,18 @@ def rehearse(cfg: RunConfig, stages: tuple[int, ...] | list[int]) -> list[Rehear
                       f"{type(error).__name__}: {error}")
                 continue
             for engine in engines:
+                if engine.engine_args is not None and not engine.overrides:  # what it sets unlike the target's
+                    engine.overrides = own_settings(cfg, engine.engine_args)
                 done.append(Rehearsed(engine, check_engine(cfg.device, engine.engine_args, engine.server_argv,
                                                            engine.env, engine.kv_cache)))
     return done
+
+
+def own_settings(cfg: RunConfig, engine_args: dict[str, Any]) -> dict[str, str]:
+    """An offline engine's settings that differ from the run's target engine (`llm_kwargs`), for its printed line."""
+    target, named = llm_kwargs(cfg, engine_args["model"]), ("tokenizer", "speculative_config", "kv_transfer_config")
+    own = [f"{key}={value}" for key, value in engine_args.items() if key not in named and target.get(key) != value]
+    return {"variant": ", ".join(own)} if own else {}
 
 
 def check_engines(cfg: RunConfig, stages: tuple[int, ...] | list[int], *, show: bool = True) -> list[Rehearsed]:
@@ -260,6 +277,8 @@ def check_engines(cfg: RunConfig, stages: tuple[int, ...] | list[int], *, show: 
     if show:
         for item in done:
             print(item.line())
+        if done and cfg.device == "cuda" and not cuda_available():
+            print(NOT_REHEARSED)
     for item in done:
         problem = item.refusal()
         if problem is not None:

@@ -305,15 +305,17 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
                  confirmed: Mapping[str, Any] | None, server_kwargs: Mapping[str, Any], target) -> dict[str, Any]:
     """report.json's `serving_plan`: the estimate and the schedule (`plan_serving`), the `speculative_config` that
     serves it, what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served
-    the same setting; None when not confirmed) with its figures per level beside no speculation's, speed-up and
-    per-request acceptance against concurrency, the collapse findings, and the `vllm serve` command. Levels the
-    confirming run served slower than no speculation are back at k = 0 (`withdraw_slower`), in the schedule,
-    `speculative_config` and command alike."""
+    the same setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start) with its
+    figures per level beside no speculation's, speed-up and per-request acceptance against concurrency, the
+    collapse findings, and the `vllm serve` command. Levels the confirming run served slower than no speculation
+    are back at k = 0 (`withdraw_slower`), in the schedule, `speculative_config` and command alike."""
+
     s = cfg.serve
     levels, k_max = s.concurrency_levels, s.num_speculative_tokens
     modes = report["modes"]
     none = mode_levels(modes.get("none"), levels)
-    confirmed_rows, mismatches = None, None
+    confirmed_rows, mismatches, failed = None, None, (confirmed or {}).get("failed")
+    confirmed = None if failed else confirmed
     if confirmed is not None and confirmed.get("summary"):
         confirmed_rows = confirmed_levels(none, mode_levels(confirmed["summary"], levels))
         revised = withdraw_slower(plan, confirmed_rows) if confirmed_by == SCHEDULE_MODE else plan
@@ -337,22 +339,24 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
         "speedup_by_concurrency": speedup_by_concurrency(modes, levels, schedule_levels),
         "acceptance_by_concurrency": acceptance_by_concurrency(modes.get("eagle3"), levels),
         "findings": collapse_findings(modes.get("eagle3"), levels),
-        "note": plan_note(plan, k_max, confirmed_rows is not None, s.confirm_schedule),
+        "confirm_failed": failed,
+        "note": plan_note(plan, k_max, confirmed_rows is not None,
+                          failed or (None if s.confirm_schedule else "serve.confirm_schedule is off")),
         **command,
     }
 
 
-def plan_note(plan: Mapping[str, Any], k_max: int, confirmed: bool, confirm: bool) -> str:
-    """What the plan says, in one or two sentences (report.md's text above the command)."""
+def plan_note(plan: Mapping[str, Any], k_max: int, confirmed: bool, unconfirmed: str | None) -> str:
+    """What the plan says, in one or two sentences (report.md's text above the command), and why it is `unconfirmed`."""
     withdrawn = [row for row in plan.get("estimate") or [] if row.get("withdrawn_k")]
     slower = "" if not withdrawn else (
         " The confirming run served " + "; ".join(f"k = {row['withdrawn_k']} at concurrency {row['concurrency']} at "
                                                   f"{row['withdrawn_speedup']:.2f}x" for row in withdrawn)
         + " of no speculation's tokens/s, slower, so the schedule serves k = 0 there.")
-    return plan_sentence(plan, k_max, confirmed, confirm) + slower
+    return plan_sentence(plan, k_max, confirmed, unconfirmed) + slower
 
 
-def plan_sentence(plan: Mapping[str, Any], k_max: int, confirmed: bool, confirm: bool) -> str:
+def plan_sentence(plan: Mapping[str, Any], k_max: int, confirmed: bool, unconfirmed: str | None) -> str:
     """What the schedule serves and what stands behind it: the estimate, the config, a confirming run."""
     kind = plan.get("kind")
     if kind is None:
@@ -369,8 +373,7 @@ def plan_sentence(plan: Mapping[str, Any], k_max: int, confirmed: bool, confirm:
     where = ("chosen from the estimate" if plan.get("source") == "estimated" else "as configured "
              "(serve.num_speculative_tokens_per_batch_size)")
     state = ("confirmed by serving it (the figures above)" if confirmed
-             else "not confirmed (serve.confirm_schedule is off): the speed-ups are estimates" if not confirm
-             else "not confirmed")
+             else f"not confirmed ({unconfirmed}): the speed-ups are estimates" if unconfirmed else "not confirmed")
     return f"Speculation {where}, {state}; batches above the highest level keep its k (vLLM carries it forward)."
 
 

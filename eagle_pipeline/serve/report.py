@@ -30,21 +30,23 @@ def served_path(stage_dir: str | os.PathLike, mode: str) -> Path:
     return Path(stage_dir) / SERVED_DIR / f"{mode}.json"
 
 
-def write_served(stage_dir: str | os.PathLike, inputs: dict, mode: str, record: dict) -> None:
+def write_served(stage_dir: str | os.PathLike, inputs: dict, mode: str, record: dict) -> Path:
     path = served_path(stage_dir, mode)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(path, {"inputs": inputs, "mode": mode, "record": record})
+    return path
 
 
-def read_served(stage_dir: str | os.PathLike, inputs: dict, modes: Sequence[str], num_speculative_tokens: int,
+def read_served(stage, inputs: dict, modes: Sequence[str], num_speculative_tokens: int,
                 shaped_by: dict | None = None) -> dict[str, dict]:
-    """The records of those `modes` that an earlier run of exactly these inputs served, by mode.
+    """The records of those `modes` that an earlier run of exactly these inputs served, by mode, in `stage`'s folder.
 
-    Each mode's own file first. Where it is missing, torn or impossible, the same measurements are taken from
+    Each mode's own file first, as the stage's manifest keeps its digest (`Stage.kept_whole`; edited since, or its
+    manifest lost: served again). Where it is missing, torn or impossible, the same measurements are taken from
     what the stage wrote once every mode was served (report.json and responses.jsonl; for "none", baseline/
     answers.json when it was served with `shaped_by`), checked the same way, and written back to the mode's
-    file. A mode found nowhere is left out: it is served again."""
-    stage_dir = Path(stage_dir)
+    file (`Stage.keep_file`). A mode found nowhere is left out: it is served again."""
+    stage_dir = stage.dir
     found: dict[str, dict] = {}
     for mode in modes:
         path = served_path(stage_dir, mode)
@@ -56,6 +58,9 @@ def read_served(stage_dir: str | os.PathLike, inputs: dict, modes: Sequence[str]
                 kept, problem = None, f"unreadable or torn ({e})"
             if isinstance(kept, dict) and kept.get("inputs") != inputs:
                 problem = "recorded for other inputs"
+            elif isinstance(kept, dict) and not stage.kept_whole(path):
+                log.warning("%s: not as this stage wrote it (manifest.json's digest); serving %s again", path, mode)
+                continue
             elif isinstance(kept, dict) or problem == "missing":
                 problem = record_problem(kept.get("record") if isinstance(kept, dict) else None, num_speculative_tokens)
                 if problem is None:
@@ -64,7 +69,7 @@ def read_served(stage_dir: str | os.PathLike, inputs: dict, modes: Sequence[str]
         record, source = _recorded_elsewhere(stage_dir, mode, shaped_by)
         if record is not None and record_problem(record, num_speculative_tokens) is None:
             log.warning("%s: %s; the %s measurements are taken from %s instead", path, problem, mode, source)
-            write_served(stage_dir, inputs, mode, record)
+            stage.keep_file(write_served(stage_dir, inputs, mode, record))
             found[mode] = record
         elif path.exists():
             log.warning("%s: %s; serving %s again", path, problem, mode)

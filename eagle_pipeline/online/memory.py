@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle_pipeline.drafter.layouts import MLA
+from eagle_pipeline.drafter.planned import drafter_params, layer_params, planned_draft_dims
 from eagle_pipeline.gpus import CUDA_CONTEXT_GIB, GIB, gpu_memory_bytes
-from eagle_pipeline.online.servers import capture_share
-from eagle_pipeline.plan.disk import drafter_params, layer_params, planned_draft_dims
 
 # vLLM's prefill activations for one batch of the longest capture sequence, profiled by vLLM at start-up (an
 # MoE target of hidden 7168 at 4k tokens: a few GiB; CUDA graphs matter little to prefill-only capture).
@@ -180,6 +179,11 @@ class MemoryPlan:
         return max(0, int(self.vllm["KV and capture cache"] // self.per_sequence_bytes))
 
     @property
+    def server_sequences(self) -> int:
+        """The capture server's --max-num-seqs: what the ranks ask for at once that its cache holds, one at least."""
+        return max(1, min(self.sequences_in_cache, self.concurrent_requests))
+
+    @property
     def margin_bytes(self) -> float:
         return self.gpu_bytes - self.vllm_bytes - self.trainer_bytes
 
@@ -206,7 +210,8 @@ class MemoryPlan:
             f"(tensor parallel over {self.gpus}) and one of {self.gpus} training ranks:",
             f"    capture server, gpu_memory_utilization {self.utilization:.2f} = {self.vllm_bytes / GIB:.1f} GiB: "
             f"{parts(self.vllm)}; the cache holds {held} of the {self.concurrent_requests} longest sequences the ranks "
-            f"may ask for at once ({self.per_sequence_bytes / GIB:.2f} GiB each; the others wait)",
+            f"may ask for at once ({self.per_sequence_bytes / GIB:.2f} GiB each): the server takes "
+            f"{self.server_sequences} at once (--max-num-seqs), the others wait",
             f"    trainer (FSDP): {parts(self.trainer)} = {self.trainer_bytes / GIB:.1f} GiB",
             f"    left free: {self.margin_bytes / GIB:.1f} GiB (wanted: {MARGIN_FRACTION:.0%} = "
             f"{MARGIN_FRACTION * self.gpu_bytes / GIB:.1f} GiB)",
@@ -277,23 +282,35 @@ def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: Target
                       concurrent_requests=window * gpus)
 
 
-def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[str]:
-    """What stage 04's dry run prints about GPU memory for an online run whose capture server shares this host's
-    GPUs with the trainer (device cuda, no capture_endpoints); nothing for other runs."""
+def capture_share(cfg) -> float | None:
+    """The share of each GPU a capture server of this run asks vLLM for (gpu_memory_utilization); None off CUDA."""
+    if cfg.device != "cuda":
+        return None
+    return cfg.hidden_states.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
+
+
+def run_plan(cfg, verifier, layout, gpu_bytes: int | None = None) -> MemoryPlan | str | None:
+    """The plan of an online run whose capture server shares this host's GPUs with the trainer (device cuda, no
+    capture_endpoints), or the line that says why it cannot be made here; None for other runs."""
     hs = cfg.hidden_states
     if cfg.device != "cuda" or hs.capture_endpoints or cfg.train.num_gpus == 0:
-        return []
+        return None
     gpu_bytes = gpu_bytes or gpu_memory_bytes()
     if gpu_bytes is None:
-        return ["  memory plan: no nvidia-smi here to read the GPUs' memory from; run this dry run on the GPU host"]
+        return "  memory plan: no nvidia-smi here to read the GPUs' memory from; run this dry run on the GPU host"
     gpus = cfg.verifier.tensor_parallel_size
     if cfg.train.num_gpus != gpus:
-        return [f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
-                f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size"]
+        return (f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
+                f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size")
     share = capture_share(cfg)
-    plan = plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=share,
+    return plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=share,
                        target=target_shape(verifier.path, verifier.text_config(), gpus),
                        drafter=DrafterShape.for_run(cfg, verifier, len(layout.layer_ids)),
                        num_states=layout.num_hidden_states, longest_sequence=hs.max_seq_len,
                        total_seq_len=cfg.train.total_seq_len, ttt_steps=cfg.train.ttt_steps, window=hs.online_window)
-    return plan.lines()
+
+
+def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[str]:
+    """What stage 04's dry run prints about GPU memory (`run_plan`); nothing for runs without such a plan."""
+    plan = run_plan(cfg, verifier, layout, gpu_bytes)
+    return [] if plan is None else [plan] if isinstance(plan, str) else plan.lines()
