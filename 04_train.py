@@ -27,7 +27,7 @@ import contextlib
 from pathlib import Path
 
 from eagle_pipeline import released_drafter
-from eagle_pipeline.config import REPO_ROOT
+from eagle_pipeline.config.base import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
 from eagle_pipeline.drafter.layouts import MLA

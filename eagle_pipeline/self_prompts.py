@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline import atomic
-from eagle_pipeline.config import SelfWrittenPrompts
+from eagle_pipeline.config.data import SelfWrittenPrompts
 from eagle_pipeline.prompt_filter import PromptFilter, topic_key
 
 SELF_WRITTEN_DIR = "self_written"

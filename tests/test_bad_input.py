@@ -585,7 +585,7 @@ CASES += [
 # Engine arguments that would make the engine compute another target than the folder every manifest fingerprints.
 CASES += [(f"engine-arg-{key}", {"verifier": {"engine_args": {key: "x"}}}, None, "02_extract_hidden.py", ["--dry-run"],
            (f"verifier.engine_args.{key}: ", "remove it"))
-          for key in sorted(__import__("eagle_pipeline.config", fromlist=["x"]).ENGINE_ARGS_REFUSED)]
+          for key in sorted(__import__("eagle_pipeline.config.verifier", fromlist=["x"]).ENGINE_ARGS_REFUSED)]
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -905,7 +905,7 @@ def test_a_value_no_process_can_be_given_is_refused_before_force_deletes(tmp_pat
 
 
 def _merge(base: dict, overlay: dict) -> dict:
-    from eagle_pipeline.config_file import deep_merge
+    from eagle_pipeline.config.file import deep_merge
 
     return deep_merge(base, overlay)
 

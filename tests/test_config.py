@@ -273,7 +273,7 @@ def test_checking_vllm_names_does_not_import_vllm(tmp_path):
 @pytest.mark.parametrize("key", sorted(__import__("eagle_pipeline.config", fromlist=["x"]).ENGINE_ARGS_REFUSED))
 def test_engine_args_that_swap_the_targets_weights_config_or_tokenizer_are_refused(tmp_path, key):
     # Each is a real engine argument (so the refusal is this rule, not the spelling check), refused naming why.
-    from eagle_pipeline.config import ENGINE_ARGS_REFUSED
+    from eagle_pipeline.config.verifier import ENGINE_ARGS_REFUSED
     from eagle_pipeline.vllm_config import vllm_engine_arg_names
 
     assert vllm_engine_arg_names() is None or key in vllm_engine_arg_names()
@@ -353,7 +353,8 @@ def test_an_engine_variants_env_is_checked_like_the_runs(tmp_path):
 
 
 def test_a_capture_endpoints_password_is_never_printed_or_recorded(tmp_path):
-    from eagle_pipeline.config import dump_config, redact_url
+    from eagle_pipeline.config import dump_config
+    from eagle_pipeline.config.base import redact_url
     from eagle_pipeline.online.session import plan_lines
 
     assert redact_url("http://me:s3cret@10.0.0.5:8000/v1") == "http://me:***@10.0.0.5:8000/v1"

@@ -20,7 +20,7 @@ from conftest import write_config
 from eagle_pipeline.capture import kv_transfer_config
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.online import failure, kept, settings
+from eagle_pipeline.online import failure, kept, servers, settings
 from eagle_pipeline.online import memory as memory_plan
 from eagle_pipeline.online.disk import PeakWatch, sample_bytes, window_bound
 from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
@@ -612,7 +612,7 @@ def test_beside_the_trainer_the_capture_server_takes_the_sequences_its_cache_hol
     layout = SimpleNamespace(layer_ids=[1, 2], num_layers=4, hidden_size=8)
 
     def max_num_seqs(planned) -> str:
-        monkeypatch.setattr(memory_plan, "run_plan", lambda *args, **kwargs: planned)
+        monkeypatch.setattr(servers, "run_plan", lambda *args, **kwargs: planned)
         flags = server_kwargs_for(cfg, verifier, layout, storage=tmp_path, mooncake_client=None,
                                   longest_sequence=64)["extra_args"]
         return flags[flags.index("--max-num-seqs") + 1]
@@ -809,7 +809,7 @@ def test_an_online_run_starts_the_target_in_stage_04_not_stage_02():
 def test_mooncake_services_start_until_the_store_joins_and_stop_whole(tmp_path):
     """The master and store of stage 04 (or a capture host) for real: the store's capacity is in the master's
     metrics once started, and nothing of either process group is left after the block."""
-    from eagle_pipeline.config import MooncakeSettings
+    from eagle_pipeline.config.data import MooncakeSettings
     from eagle_pipeline.online import mooncake as mc
     from eagle_pipeline.process_tree import live_group_members
 

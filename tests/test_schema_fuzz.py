@@ -19,7 +19,8 @@ import pytest
 from conftest import run_stage, write_config
 from pydantic import BaseModel
 
-from eagle_pipeline.config import MAX_TOKENS, RunConfig, load_config
+from eagle_pipeline.config import RunConfig, load_config
+from eagle_pipeline.config.base import MAX_TOKENS
 from eagle_pipeline.errors import BadInput
 
 

@@ -674,7 +674,8 @@ def test_engine_facts_are_read_from_the_servers_last_start(tmp_path):
 def test_declared_engine_settings_are_the_engine_variant_keys_as_the_config_sets_them():
     from conftest import SMOKE_CONFIG
 
-    from eagle_pipeline.config import ENGINE_VARIANT_KEYS, load_config
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.config.serving import ENGINE_VARIANT_KEYS
     from eagle_pipeline.serve.engine_facts import declared_settings
 
     cfg = load_config(SMOKE_CONFIG, ["verifier.kv_cache_dtype=fp8", "serve.drafter_attention_backend=TRITON_ATTN",

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from eagle_pipeline.config import redact_url
+from eagle_pipeline.config.base import redact_url
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.online.servers import parse_label
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from eagle_pipeline import atomic
-from eagle_pipeline.config import redact_url
+from eagle_pipeline.config.base import redact_url
 from eagle_pipeline.online.settings import OnlineTraining
 
 FAILURE_FILE = "capture_failed.txt"

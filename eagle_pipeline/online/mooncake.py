@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.child_process import ChildProcess
-from eagle_pipeline.config import MooncakeSettings
+from eagle_pipeline.config.data import MooncakeSettings
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.server import find_free_port
 from eagle_pipeline.serve.spec_metrics import read_prometheus, sample_sums

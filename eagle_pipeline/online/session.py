@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.config import redact_url
+from eagle_pipeline.config.base import redact_url
 from eagle_pipeline.online import mooncake as mc
 from eagle_pipeline.online.client import CaptureClient, transfer_for
 from eagle_pipeline.online.disk import FILE_OVERHEAD_BYTES, PeakWatch, sample_bytes, window_bound

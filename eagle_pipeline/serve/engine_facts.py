@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.config import ENGINE_VARIANT_KEYS, RunConfig
+from eagle_pipeline.config import RunConfig
+from eagle_pipeline.config.serving import ENGINE_VARIANT_KEYS
 from eagle_pipeline.engine import MODEL_RUNNER_VARIABLE
 
 _INIT = re.compile(r"Initializing a V1 LLM engine \((?P<version>[^)]*)\) with config: (?P<config>.*)$")
@@ -47,7 +48,7 @@ def server_env(cfg: RunConfig, env: Mapping[str, str]) -> dict[str, str]:
 
 
 def declared_settings(cfg: RunConfig) -> dict[str, Any]:
-    """The engine keys (config.ENGINE_VARIANT_KEYS) as the config sets them (None: vLLM's own choice)."""
+    """The engine keys (config.serving.ENGINE_VARIANT_KEYS) as the config sets them (None: vLLM's own choice)."""
     declared: dict[str, Any] = {}
     for key in ENGINE_VARIANT_KEYS:
         if key == "env":

@@ -6,7 +6,7 @@ patches/speculators_cpu.py), which is how the launcher is tested on hosts withou
 
 launch.json carries the run's settings and paths to the ranks; it is rewritten at every launch and
 never compared (the stage manifest decides whether a run may resume). Run the command with the
-repository root as the working directory (config.REPO_ROOT), then call runner.finalize_training.
+repository root as the working directory (config.base.REPO_ROOT), then call runner.finalize_training.
 """
 
 from __future__ import annotations
