@@ -270,7 +270,7 @@ def test_checking_vllm_names_does_not_import_vllm(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout[-500:] + result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("key", sorted(__import__("eagle_pipeline.config", fromlist=["x"]).ENGINE_ARGS_REFUSED))
+@pytest.mark.parametrize("key", sorted(__import__("eagle_pipeline.config.verifier", fromlist=["x"]).ENGINE_ARGS_REFUSED))
 def test_engine_args_that_swap_the_targets_weights_config_or_tokenizer_are_refused(tmp_path, key):
     # Each is a real engine argument (so the refusal is this rule, not the spelling check), refused naming why.
     from eagle_pipeline.config.verifier import ENGINE_ARGS_REFUSED

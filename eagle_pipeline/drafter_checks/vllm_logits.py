@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.drafter_checks import vllm_load
+from eagle_pipeline.vllm_config import require_written_for
 
 # Float32 on both sides: implementations of the same formula agree to about 1e-6 of the largest logit; a RoPE
 # rotated over the other pairs or a softmax scale without YaRN's mscale moves logits by about 1e-3 of it.
@@ -85,6 +86,7 @@ def _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_
 
     if not current_platform.is_cpu():
         return {"skipped": f"vLLM's platform here is {current_platform.device_name}, not the CPU"}
+    require_written_for()
     engine_kwargs = dict(engine_kwargs or {})
     compilation = dict(engine_kwargs.pop("compilation_config", None) or {})
     # vLLM's own switch to its native rotary formula: the CPU build's kernel rotates a strided multi-head query
