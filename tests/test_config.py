@@ -226,7 +226,7 @@ def test_cross_field_and_type_rules(tmp_path, overrides, expected):
 
 
 def test_unknown_engine_arg_is_named_with_the_closest_valid_one(tmp_path):
-    from eagle_pipeline.vllm_config import vllm_engine_arg_names
+    from eagle_pipeline.config.vllm_names import vllm_engine_arg_names
 
     if vllm_engine_arg_names() is None:
         pytest.skip("vLLM is not installed: engine_args cannot be checked")
@@ -245,7 +245,7 @@ def test_engine_args_cannot_set_what_a_config_key_owns(tmp_path, key, owner):
 
 
 def test_engine_settings_are_checked_against_vllm(tmp_path):
-    from eagle_pipeline.vllm_config import vllm_attention_backends
+    from eagle_pipeline.config.vllm_names import vllm_attention_backends
 
     if vllm_attention_backends() is None:
         pytest.skip("vLLM is not installed: attention backends cannot be checked")
@@ -274,7 +274,7 @@ def test_checking_vllm_names_does_not_import_vllm(tmp_path):
 def test_engine_args_that_swap_the_targets_weights_config_or_tokenizer_are_refused(tmp_path, key):
     # Each is a real engine argument (so the refusal is this rule, not the spelling check), refused naming why.
     from eagle_pipeline.config.verifier import ENGINE_ARGS_REFUSED
-    from eagle_pipeline.vllm_config import vllm_engine_arg_names
+    from eagle_pipeline.config.vllm_names import vllm_engine_arg_names
 
     assert vllm_engine_arg_names() is None or key in vllm_engine_arg_names()
     with pytest.raises(BadInput, match=rf"verifier\.engine_args\.{key}: {re.escape(ENGINE_ARGS_REFUSED[key][:30])}.*remove it"):
