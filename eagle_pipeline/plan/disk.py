@@ -207,7 +207,7 @@ class DiskPlan:
         return sum(s.bytes for s in self.stages)
 
     def table(self, budget_gb: float | None) -> list[str]:
-        """A dry run's block (markdown, as scripts/pipeline_report.py prints): each stage, then the total against
+        """A dry run's block (markdown, as scripts/status.py prints): each stage, then the total against
         disk_budget_gb."""
         if budget_gb is None:
             budget = "no disk_budget_gb set"
@@ -301,7 +301,7 @@ def same_disk(a: Path, b: Path) -> bool:
 
 
 def plan_table(cfg) -> list[str]:
-    """The disk block of `scripts/run_pipeline.sh CONFIG --dry-run` (scripts/pipeline_report.py --plan)."""
+    """The disk block of `scripts/run_pipeline.sh CONFIG --dry-run` (scripts/status.py --plan)."""
     plan = plan_for_config(cfg)
     if plan is None:
         return ["(disk plan: the embedded target's shape is read once stage 01 has converted it)"]
