@@ -53,7 +53,7 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: if the thread that started it ends (this process killed outright), the child
     gets SIGTERM at once. Linux only; elsewhere a no-op. Not enough on its own: see Guard."""
     signal_on_parent_death(signal.SIGTERM)
@@ -90,7 +90,7 @@ class ChildProcess:
             log_file.flush()
             self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log_file,
                                             stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=die_with_parent)
         try:
             self._guard = Guard(self.process.pid, self.stop_grace_s, self.log_path)
         except BaseException:
