@@ -91,13 +91,14 @@ def key_figures(stage: str, counts: dict, stage_dir: Path) -> str:
 
 def stage_status(record: StageRecord, logs: Path) -> dict:
     stage, manifest, damage = record.name, record.manifest, record.damage
+    counts, engines = manifest.get("counts") or {}, manifest.get("engine_starts") or {}
     exit_file, pid_file = logs / f"{stage}.exit", logs / f"{stage}.pid"
     code = exit_file.read_text().strip() if exit_file.exists() else None
     if pid_file.exists() and alive(pid_file):
         state = "running"
     elif damage:
         state = "damaged"
-    elif manifest and record.status == "complete" and code in (None, "0"):
+    elif manifest.get("status") == "complete" and code in (None, "0"):
         state = "done"
     elif code not in (None, "0"):
         state = "failed"
@@ -105,18 +106,18 @@ def stage_status(record: StageRecord, logs: Path) -> dict:
         state = "interrupted"
     else:
         state = "pending"
-    seconds = record.wall_time_s if state != "running" else None
+    seconds = manifest.get("wall_time_s") if state != "running" else None
     note = f"exit {code}: {last_error(logs / f'{stage}.out')}" if state == "failed" else damage
     return {
         "stage": stage,
         "state": state,
-        "samples": record.counts.get("samples", ""),
+        "samples": counts.get("samples", ""),
         "time": str(dt.timedelta(seconds=int(seconds))) if seconds is not None else "",
         "wall_time_s": seconds,
-        "finished": record.finished_at[:19],
-        "target_starts": record.engine_starts.get("target_starts"),
-        "target_start_s": record.engine_starts.get("target_start_s"),
-        "figures": key_figures(stage, record.counts, record.folder) if state == "done" else "",
+        "finished": (manifest.get("finished_at") or "")[:19],
+        "target_starts": engines.get("target_starts"),
+        "target_start_s": engines.get("target_start_s"),
+        "figures": key_figures(stage, counts, record.folder) if state == "done" else "",
         "note": note,
     }
 

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_pipeline.atomic import nearest_existing
 from eagle_pipeline.capture import ENGINE_DTYPE_BYTES
 from eagle_pipeline.config import STAGES
 from eagle_pipeline.drafter.folder import is_speculators_drafter, read_flat_config
@@ -292,12 +293,7 @@ def later_stages_bytes(cfg, verifier, layout: SampleLayout) -> tuple[int, str]:
 
 def same_disk(a: Path, b: Path) -> bool:
     """Whether two paths (or the nearest folders above them that exist) lie on one file system."""
-    def existing(path: Path) -> Path:
-        while not path.exists():
-            path = path.parent
-        return path
-
-    return existing(Path(a)).stat().st_dev == existing(Path(b)).stat().st_dev
+    return nearest_existing(a).stat().st_dev == nearest_existing(b).stat().st_dev
 
 
 def plan_table(cfg) -> list[str]:
