@@ -194,21 +194,11 @@ def signal_group(group: int, sig: int) -> None:
         pass
 
 
-def group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # Members remain, but zombies among them have exited: only one that has not keeps the group alive.
-    return bool(live_group_members(group))
-
-
 def wait_group_gone(group: int, timeout: float) -> None:
-    """Wait for the group's members to exit; raise TimeoutExpired if they do not within `timeout`."""
+    """Wait for the group's members to exit (zombies count as gone); raise TimeoutExpired if they do not within
+    `timeout`."""
     deadline = time.monotonic() + timeout
-    while group_alive(group):
+    while live_group_members(group):
         if time.monotonic() > deadline:
             raise subprocess.TimeoutExpired(f"process group {group}", timeout)
         time.sleep(0.05)
