@@ -1,8 +1,8 @@
 """What every stage script shares: command line, exit codes, logging, and the stage folder's manifest.
 
 A stage folder `<data_root>/<run_name>/<NN_stage>/` holds `manifest.json`, written "running" when work starts
-and "complete" last; what a rerun then does (reuse, redo what is damaged, refuse a changed input, resume) is
-docs/contracts.md, "Rerun behaviour".
+and "complete" last; what a rerun then does (reuse, redo what is damaged, refuse a changed input, resume):
+docs/contracts.md, "Command line" (its rerun behaviour).
 """
 
 from __future__ import annotations
