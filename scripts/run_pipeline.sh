@@ -29,7 +29,5 @@ while [ $# -gt 0 ]; do
     *) shift ;;
   esac
 done
-# A dry run ends with how often a full pass starts the target (each start of a large target is a cold start) and
-# what each stage plans to write into the run folder (eagle_pipeline/plan/disk.py).
 echo "=== $([ ${#plan[@]} -eq 0 ] && echo summary || echo "target cold starts and disk planned")"
 .venv/bin/python scripts/status.py --config "$config" "${overrides[@]}" "${plan[@]}"
