@@ -78,7 +78,7 @@ def host_shortfall_last(report: bool = True) -> Iterator[None]:
     """Within it, what this host lacks for the run (GPUs, the Mooncake software) is collected instead of refused,
     so that a dry run prints its whole plan, on a laptop too; on leaving, the first is refused (its `error:` line
     is the dry run's last). `report=False` drops them: scripts/run_pipeline.sh --dry-run checks the host once,
-    after every stage's plan (scripts/pipeline_report.py --plan)."""
+    after every stage's plan (scripts/status.py --plan)."""
     global _shortfalls
     _shortfalls = []
     try:
