@@ -43,7 +43,6 @@ from eagle_pipeline.drafter.tensors import (
     draft_dims,
     read_tensor_specs,
     shape_problems,
-    split_fused_specs,
     split_fused_tensors,
 )
 from eagle_pipeline.errors import BadInput
@@ -247,7 +246,7 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
                                f"{name}: holds layer 0 twice (midlayer.* and layers.0.*); keep one")
         specs[flat_name(name)] = spec
     try:  # an MLA layer's fused_qkv_a_proj reads as its two projections
-        specs = split_fused_specs(specs, dims)
+        specs = split_fused_tensors(specs, dims)
     except BadInput as error:
         raise drafter.fail(drafter.weights_path, str(error)) from None
     embed = specs.pop(EMBED_KEY, None)
