@@ -261,11 +261,7 @@ def _convert(ckpt: SpeculatorsCheckpoint, out_dir: str | Path, *, engine: str, v
 def convert_for_vllm(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_size: int | None = None,
                      layer_ids: list[int] | tuple[int, ...] | None = None) -> dict[str, Any]:
     """Write a flat `LlamaForCausalLMEagle3` (or, for an MLA layer, `Eagle3DeepseekV2ForCausalLM`) drafter folder
-    for vLLM; returns a summary of what was written.
-
-    Tokenizer files are not copied: vLLM's draft model uses the target's tokenizer unless the
-    speculative config asks for a heterogeneous vocabulary.
-    """
+    for vLLM, without tokenizer files (the drafter uses the target's); returns a summary of what was written."""
     ckpt = read_speculators_checkpoint(ckpt_dir)
     vocab_size = target_vocab(ckpt, target_vocab_size)
     ids = resolve_layer_ids(ckpt, layer_ids)
