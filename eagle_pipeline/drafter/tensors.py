@@ -248,14 +248,10 @@ def read_tensor_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
     from safetensors import safe_open
 
     specs: dict[str, TensorSpec] = {}
-    files: dict[Path, list[str]] = {}
     for name, path in weight_files(Path(model_dir)).items():
-        files.setdefault(path, []).append(name)
-    for path, names in files.items():
         with safe_open(path, framework="pt") as f:
-            for name in names:
-                piece = f.get_slice(name)
-                specs[name] = TensorSpec(tuple(piece.get_shape()), piece.get_dtype())
+            piece = f.get_slice(name)
+            specs[name] = TensorSpec(tuple(piece.get_shape()), piece.get_dtype())
     return specs
 
 
