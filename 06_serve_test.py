@@ -361,7 +361,7 @@ def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     verifier = Verifier.from_config(cfg)
     num_layers = verifier.num_layers
     if foreign:
-        from eagle_pipeline.predict.flat_drafter import read_flat_config
+        from eagle_pipeline.drafter.folder import read_flat_config
 
         ids = (vllm_read_aux_ids(read_flat_config(drafter_dir))["v1" if cfg.device == "cpu" else "v2"]
                or default_layer_ids(num_layers))
@@ -396,12 +396,13 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
                            s.num_speculative_tokens)
     else:
         _, layout = require_sample_layout(cfg)
+        from eagle_pipeline.drafter.folder import read_flat_config
+        from eagle_pipeline.drafter.layouts import weight_files
         from eagle_pipeline.predict.diagnose import config_findings
-        from eagle_pipeline.predict.flat_drafter import flat_tensor_names, read_flat_config
 
         findings = config_findings(read_flat_config(drafter_dir), num_layers=num_layers,
                                    target_vocab_size=verifier.vocab_size,
-                                   has_d2t="d2t" in flat_tensor_names(drafter_dir))
+                                   has_d2t="d2t" in weight_files(drafter_dir))
         plan = trained_plan(served_checkpoint(cfg, require_complete(cfg, 4)), layout.layer_ids, num_layers, findings)
     answered = [i for i, (p, c) in enumerate(report["token_ids"]["none"]) if p is not None and c is not None]
     pairs = [(list(p), list(c)) for p, c in (report["token_ids"]["none"][i] for i in answered)]
