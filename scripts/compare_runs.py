@@ -2,8 +2,8 @@
 acceptance per position, output tokens/s and speed-up over no speculation at each load, and which method wins at
 each concurrency among every one served (each run's drafter, n-gram, none); training time and peak memory.
 
-    .venv/bin/python scripts/compare_runs.py --config configs/tiny.yaml --config configs/tiny-dflash.yaml \
-        [--out docs/benchmarks/families.md]
+    .venv/bin/python scripts/compare_runs.py --config configs/tiny.yaml --config configs/tiny-quality.yaml \
+        [--out FILE.md]
 With --out, the markdown goes there (headed by this command) and a PNG of tokens/s per load beside it.
 """
 

@@ -179,10 +179,16 @@ def check_drafters_against_target(cfg: RunConfig) -> None:
     for key, path in released.items():
         config = read_config(path)  # None where unreadable: the stage that reads the folder names why
         # A speculators folder is compared by stage 04; a malformed config is named where the folder is read whole.
+        if config is None or flat_architecture_of(config) is None:
+            continue
+        drafter = FlatDrafter(path, config, key)
+        try:
+            drafter.dims  # noqa: B018 - read first: only what a config describes is compared with the target
+        except BadInput:
+            continue
         with suppress(KeyError, TypeError, ValueError):
-            if config is not None and flat_architecture_of(config) is not None:
-                check_against_target(FlatDrafter(path, config, key), hidden_size=verifier.hidden_size,
-                                     vocab_size=verifier.vocab_size, target=verifier.text_config())
+            check_against_target(drafter, hidden_size=verifier.hidden_size, vocab_size=verifier.vocab_size,
+                                 target=verifier.text_config())
 
 
 # -- the host's GPUs ---------------------------------------------------------------------------------------
