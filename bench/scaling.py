@@ -80,10 +80,6 @@ def check_changes(config: str, overrides: list[str], changes: list[tuple[str, st
         load_config(config, [*overrides, f"{key}={value}"])
 
 
-# --------------------------------------------------------------------------------------------------------
-# One point: stages 02-04 on a prefix of the pipeline run, converted, served by stage 06
-
-
 def eval_answer_coverage(t2d_path: Path, answer_token_ids: list[list[int]]) -> float | None:
     """The share of the eval answers' tokens that the draft vocabulary holds: a drafter can never propose
     the rest, so this bounds its per-token acceptance on those prompts."""
@@ -177,10 +173,6 @@ def check_source(work: Path, manifests: dict[str, dict]) -> None:
     atomic.write_json(path, source)
 
 
-# --------------------------------------------------------------------------------------------------------
-# The study: every point, then the trend and the document (bench/scaling_report.py)
-
-
 def run(args: argparse.Namespace) -> Path:
     cfg = load_config(args.config, args.overrides)
     manifests = read_pipeline_run(cfg, args.config)
@@ -188,7 +180,7 @@ def run(args: argparse.Namespace) -> Path:
     changes = [change for text in args.vary for change in parse_vary(text)]
     check_changes(args.config, args.overrides, changes)
     plan = plan_points(parse_sizes(args.sizes), changes, args.at, available)
-    work = Path(args.work_dir).resolve() if args.work_dir else cfg.resolve_path(cfg.data_root) / f"{cfg.run_name}-scaling"
+    work = arms.work_dir(args, cfg, "scaling")
     if work.exists() and any(work.iterdir()) and not (work / SOURCE_FILE).is_file():
         raise BadInput(f"--work-dir: {work} exists and is not a scaling study's folder; choose an empty or new folder")
     check_source(work, manifests)
@@ -245,16 +237,11 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="the config of the finished pipeline run (e.g. configs/tiny.yaml)")
+    parser = arms.parser("python -m bench.scaling", __doc__, "scaling")
     parser.add_argument("--sizes", required=True, help="comma-separated sample counts to train on, e.g. 16,32,64,128,256,500")
     parser.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
                         help="a config key and values to try at one size (--at), e.g. train.epochs=2,8; repeatable")
     parser.add_argument("--at", type=int, help="the sample count the --vary points train on (default: the largest size)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, as for the stage scripts (applies to the run read and every point)")
-    parser.add_argument("--work-dir", help="folder for the points (default: <data_root>/<run_name>-scaling)")
     args = parser.parse_args(argv)
     return run_command(run, args, interrupted="finished points are kept; rerun to resume",
                        logs="each point's stage logs are in the work folder's logs/")

@@ -33,9 +33,9 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 
@@ -73,18 +73,6 @@ def bf16_arm_unavailable(train_dtype: str) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def swapped(owner: Any, name: str, replacement: Any, active: bool) -> Iterator[None]:
-    """`owner.name` is `replacement` inside the block when `active`: how an arm undoes one CPU patch."""
-    original = getattr(owner, name)
-    if active:
-        setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def packing_figures(split_dir: Path, train_data_ratio: float, total_seq_len: int, seed: int) -> dict[str, dict[str, float]]:
     """Batches per epoch and the share of their tokens that are real, per packing, for epoch 0's shuffle of
     the training rows (the split view's first `train_data_ratio` of its rows)."""
@@ -116,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("train.num_gpus: this benchmark measures CPU training; set it to 0")
     _, layout = require_sample_layout(cfg)
     require_complete(cfg, 3)
-    work = Path(args.work_dir) if args.work_dir else cfg.run_dir.parent / f"{cfg.run_name}-train-ab"
+    work = arms.work_dir(args, cfg, "train-ab")
     arms.prepare_work_dir(work, WORK_MARKER, "bench.train_ab", "training A/B folder")
     verifier = Verifier.from_config(cfg)
     vocab_dir = cfg.stage_dir("03_build_vocab_map")
@@ -137,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
             dtype = "bfloat16" if arm in BF16_ARMS else cfg.train.dtype
             settings = cfg.train.model_copy(update={"packing": PACKING[arm], "dtype": dtype, "early_stop_patience": None})
             print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
-            # speculators' padded batches (the `shipped` arm) and its SDPA attention over the dense TTT mask
-            with (swapped(speculators_packing, "trim_padding", lambda batch: batch, arm == "shipped"),
-                  swapped(speculators_ttt_attention, "uses_block_attention", lambda model: False, arm in SDPA_ARMS)):
+            with contextlib.ExitStack() as undone:  # the CPU patches an arm trains without
+                if arm == "shipped":  # speculators' padded batches
+                    undone.enter_context(patch.object(speculators_packing, "trim_padding", lambda batch: batch))
+                if arm in SDPA_ARMS:  # speculators' SDPA attention over the dense TTT mask
+                    undone.enter_context(patch.object(speculators_ttt_attention, "uses_block_attention", lambda m: False))
                 runner.train_drafter(settings, train_run(out_dir))
             rows = [row for row in read_metrics(out_dir / METRICS_CSV) if row["split"] == "train"]
             runs[arm].append({"tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),
@@ -204,13 +194,9 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="the config of the finished pipeline run (e.g. configs/tiny.yaml)")
+    parser = arms.parser("python -m bench.train_ab", __doc__, "train-ab")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per training run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, interleaved")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, as for the stage scripts")
-    parser.add_argument("--work-dir", help="folder for the runs (default: <data_root>/<run_name>-train-ab)")
     args = parser.parse_args(argv)
     return run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
                        logs="the trainer's own output is above")
