@@ -12,14 +12,7 @@ Stage 01 runs once; every arm copies its conversations and runs stages 02-04 for
 The engine runs in --engine-dtype (bfloat16 by default), so the file transfer carries the same bf16 states that
 offline stage 02 stores. Online arms use a window of one sample (the trainer asks for each in turn with its steps).
 
-Figures per arm: stage 02 and 04 wall time; trained tokens/s (speculators' per-step figure, whose step time
-includes fetching the batch: for online arms, the capture); capture tokens/s (offline: stage 02's engine; online:
-the capture server's own prompt tokens over its prefill seconds, and the tokens captured over stage 04's wall
-time); the states held at once (offline: all of them; online: the measured peak and the window's bound); the
-last checkpoint's validation loss and predicted acceptance length. "The same drafter": every arm's last
-checkpoint is replayed on the offline arm's validation conversations (its stored states) and compared with the
-offline drafter's conversation by conversation (mean difference of acceptance length and its 95% interval), and
-the trained weights' relative difference.
+What each figure is, and how "the same drafter" is judged, the document says beside its tables.
 
 Output: the Markdown document (--doc, default docs/benchmarks/online.md) headed by this command, and online.json
 with the raw figures in the work folder (--work-dir, default runs/online-bench, emptied by every run).
@@ -34,16 +27,18 @@ import shlex
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench import arms
+from bench.arms import REPO
 from bench.exit_codes import run_command
 from bench.run import machine
 from eagle_pipeline import atomic
+from eagle_pipeline.errors import BadInput
 from eagle_pipeline.stage import read_manifest
 
-REPO = Path(__file__).resolve().parent.parent
 WORK_MARKER = ".online-bench-work-dir"
 ARMS = {  # arm -> hidden_states overrides
     "offline": {"hidden_states.mode": "offline"},
@@ -234,13 +229,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(chosen) - set(ARMS))
     if unknown or "offline" not in chosen:
-        raise SystemExit(f"error: --arms: {unknown or 'offline is needed'}; choose among {', '.join(ARMS)}")
+        raise BadInput(f"--arms: {unknown or 'offline is needed'}; choose among {', '.join(ARMS)}")
     arms.prepare_work_dir(work, WORK_MARKER, made_by="bench.online", kind="online benchmark work folder")
     started, load_start = time.monotonic(), os.getloadavg()[0]
-
-    def log(message: str) -> None:
-        print(message, flush=True)
-
+    log = partial(print, flush=True)
     arms.run_stage("01_generate_data", args.config, overrides(args, "offline", work),
                    work / "logs" / "offline-01_generate_data.log", log)
     figures: dict[str, Any] = {}
@@ -252,7 +244,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     env = {**machine(), "load_start": load_start, "load_end": os.getloadavg()[0]}
     minutes = (time.monotonic() - started) / 60
     atomic.write_json(work / "online.json", {"figures": figures, "same_drafter": same, "machine": env, "minutes": minutes})
-    command = ".venv/bin/python -m bench.online " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = ".venv/bin/python -m bench.online " + shlex.join(argv if argv is not None else sys.argv[1:])
     atomic.write_text(Path(args.doc), render(command, args, figures, same, env, minutes))
     log(f"wrote {args.doc} ({minutes:.0f} minutes)")
 
