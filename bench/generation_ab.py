@@ -4,11 +4,9 @@
         --arm generation.batch_size=50 --arm generation.batch_size=200 \\
         --arm "generation.batch_size=200 verifier.cpu_kvcache_gib=4" --repeats 2
 
-Each arm is a set of config overrides (space-separated KEY=VALUE). Every repetition runs stage 01 once per
-arm, from nothing, on the same first `--samples` prompts, in an order rotated by one each repetition so that
-each arm leads in turn. The figure per run is the stage's own output tokens/s (generation time only, not the
-engine start); the ratio to the first arm is taken within each repetition. Greedy answers do not depend on
-the batch, so every arm must write the same answers: the table says whether they did.
+Each arm is a set of config overrides; how the arms run and what is compared: docs/benchmarks/generation.md.
+Greedy answers do not depend on the batch, so every arm must write the same answers: the table says whether
+they did.
 
 Output in <data_root>/<run_name>-generation-ab/ (or --work-dir): generation_ab.json, generation_ab.md and one
 run folder per arm and repetition (emptied by every run).

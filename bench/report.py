@@ -1,8 +1,5 @@
 """BENCHMARKS.md from the benchmark's results: every figure with its baseline beside it. The file is this
 module's output and nothing else; findings measured by other commands live in docs/benchmarks/.
-
-A figure the machine could not measure is the string "n/a (<reason>)" (bench.stats.not_available), which
-the formatting below writes as it is.
 """
 
 from __future__ import annotations

@@ -113,10 +113,6 @@ def relative(path: Path) -> str:
         return str(path)
 
 
-# --------------------------------------------------------------------------------------------------------
-# The parts
-
-
 def measure_capture(cfg: RunConfig, verifier, manifests: dict, settings: Settings, work: Path, log: Log) -> dict[str, Any]:
     """Parts 1-2: capture A/B with the matmul ceiling between its sides; the ceiling goes under "matmul"."""
     from datasets import load_from_disk
@@ -202,9 +198,6 @@ def measure_serving(cfg: RunConfig, target: Path, settings: Settings, work: Path
     return served, storage_served
 
 
-# --------------------------------------------------------------------------------------------------------
-
-
 def run(args: argparse.Namespace) -> None:
     cfg: RunConfig = load_config(args.config, args.overrides)
     manifests = figures.read_pipeline_run(cfg, args.config)
@@ -285,9 +278,8 @@ def run(args: argparse.Namespace) -> None:
 
 def write_and_check(results: dict[str, Any], json_path: Path, out_md: Path, *, published: str | None = None,
                     log=print) -> None:
-    """Both files, then how the figures compare with `published` (BENCHMARKS.md as it was before this run;
-    printed, never failing: bench/drift.py), then the checks: what is missing is named, with the files there to
-    look at."""
+    """Both files, then how the figures compare with `published` (BENCHMARKS.md as it was before this run:
+    bench/drift.py), then the checks: what is missing is named, with the files there to look at."""
     text = report.render_markdown(results)
     atomic.write_json(json_path, results)
     atomic.write_text(out_md, text)

@@ -5,14 +5,9 @@ change at one data size: one drafter per point, served by vLLM and replayed offl
     scripts/run_scaling.sh configs/tiny.yaml --sizes 128 --vary train.epochs=2,8 --vary train.ttt_steps=1
     python -m bench.scaling --config configs/tiny.yaml [...]       # what the script runs
 
-Needs the finished run of the same config (`scripts/run_pipeline.sh CONFIG`), which it only reads. Each
-point starts from that run's first N conversations and their captured states (no generation, no capture:
-stage 02 resumes with nothing left to do), builds its own draft vocabulary (stage 03), trains (stage 04), is
-converted for vLLM and served by stage 06 against the pipeline run's own no-speculation answers
-(`serve.baseline`), so a point costs one training and one server; stage 06 also replays the drafter on
-those answers (the predicted acceptance). The point at the pipeline run's own size with no change is the
-pipeline run itself. Data-scaling points are fitted with acceptance length = a + b ln(training tokens),
-which is extrapolated to 10,000 samples and to n-gram's acceptance length on the same prompts.
+Needs the finished run of the same config (`scripts/run_pipeline.sh CONFIG`), which it only reads; what a
+point runs (one training and one server, no generation or capture): docs/benchmarks/scaling.md; the point at
+the pipeline run's own size with no change is the pipeline run itself. The trend: bench/scaling_report.py.
 
 Output in <data_root>/<run_name>-scaling/ (or --work-dir): scaling.md, scaling.json, scaling.png and one
 run folder per point. A rerun keeps finished points and resumes torn ones; a work folder made from

@@ -2,25 +2,12 @@
 
     python -m bench.train_ab --config configs/tiny.yaml --steps 60 --repeats 2
 
-Up to six arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
-optimizer steps on the finished pipeline run's stage 02 data and stage 03 vocabulary:
-  - shipped: sequential packing, every batch padded to train.total_seq_len, attention through SDPA over
-    the dense TTT mask (speculators as released);
-  - unpadded: the same batches, cut after their last sample (patches/speculators_packing.py, CPU only),
-    attention by blocks (patches/speculators_ttt_attention.py, CPU only);
-  - best_fit: best-fit packing (train.packing: best_fit), unpadded;
-  - unpadded_bf16: unpadded, with bf16 autocast (train.dtype: bfloat16, fp32 master weights), when the run
-    trains in float32 and this CPU has a bf16 matmul kernel (n/a with the reason otherwise): every CPU
-    speed-up but best-fit packing;
-  - best_fit_bf16: best_fit with bf16 autocast, under the same condition: every speed-up at once;
-  - unpadded_bf16_sdpa: unpadded_bf16 with speculators' own SDPA attention, under the same condition: the
-    attention patch's own A/B (against unpadded_bf16).
-Every repetition runs each arm once, in an order rotated by one each repetition. The figure per run is the
-median over its steps of speculators' per-step tokens/s (real tokens, padding not counted, over the step's
-batch + forward + backward + optimizer time); ratios to `shipped` are taken within each repetition. The
-`shipped` and `unpadded` arms train on the same batches from the same start, so their step losses must
-agree: the table gives the largest relative difference. Batches per epoch and how full they are come from
-the samplers themselves, over the run's training split.
+The arms (ARMS; what each changes: the table of docs/benchmarks/training.md) each run speculators' own trainer
+with the run's train settings, from scratch, for `--steps` optimizer steps on the finished run's stage 02 data and
+stage 03 vocabulary, interleaved as that page says; the bf16 arms run where the run trains in float32 and this CPU
+has a bf16 matmul kernel (n/a with the reason otherwise). `shipped` and `unpadded` train on the same batches from
+the same start, so their step losses must agree: the table gives the largest relative difference. Batches per
+epoch and how full they are come from the samplers themselves, over the run's training split.
 
 Output in <data_root>/<run_name>-train-ab/ (or --work-dir): train_ab.json, train_ab.md and one training
 folder per arm and repetition (emptied by every run).
