@@ -33,7 +33,7 @@ from typing import Any
 
 from bench import arms
 from bench.arms import REPO
-from bench.exit_codes import run_command
+from bench.report import section
 from bench.run import machine
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
@@ -176,49 +176,38 @@ def render(command: str, args: argparse.Namespace, figures: dict, same: dict, en
         comparisons.append(f"| {arm} | {c['mean_difference']:+.3f} | ±{c['ci95_half_width']:.3f} | "
                            f"{'yes' if abs(c['mean_difference']) <= c['ci95_half_width'] else 'no'} | "
                            f"{c['weight_relative_difference']:.2%} |")
-    return "\n".join([
+    return "\n".join([*section(
         "# Online against offline training",
-        "",
-        "Regenerate (this file is the command's output; the raw figures are in `online.json` in its work folder,",
-        f"`{args.work_dir}`):",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        ["Regenerate (this file is the command's output; the raw figures are in `online.json` in its work folder,",
+         f"`{args.work_dir}`):"],
+        ["```bash", command, "```"],
         f"Measured on {env['cpu']} ({env['cores']} cores), {time.strftime('%Y-%m-%d')}, in {minutes:.0f} minutes, the "
         f"machine's load average {env['load_start']:.1f} at the start and {env['load_end']:.1f} at the end. One run per "
         "arm, in turn: on a shared 2-core machine timings move by tens of percent between runs, so read the timing "
         "columns as orders of magnitude and the drafter columns as the comparison.",
-        "",
         f"Setup: `{Path(args.config).name}` with {args.samples} conversations (stage 01 once, copied into every arm), "
         f"{args.epochs} epoch(s), the same seed and the same held-out topics ({same['conversations']} validation "
         f"conversations), the engine in {args.engine_dtype}. Online arms: one capture server started by stage 04 on "
         "this host, a window of one sample (the trainer asks for each in turn with its steps), every epoch "
         "capturing every sample again (`bench/online.py` says what each arm is).",
-        "",
-        "| arm | stage 02 s | stage 04 s | 02 + 04 s | trained tokens/s | capture tokens/s | states held at once | "
-        "val loss (last) | predicted acceptance (last) |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *rows,
-        "",
+        ["| arm | stage 02 s | stage 04 s | 02 + 04 s | trained tokens/s | capture tokens/s | states held at once | "
+         "val loss (last) | predicted acceptance (last) |",
+         "|---|---|---|---|---|---|---|---|---|",
+         *rows],
         "Trained tokens/s is speculators' per-step figure, whose step time includes fetching the batch: for the "
         "online arms that is the capture itself. Capture tokens/s online: the server's prompt tokens over its "
         "prefill seconds, and the tokens captured over stage 04's wall time (server start, kept rows and "
         "validation included).",
-        "",
+    ), *section(
         "## The same drafter?",
-        "",
         f"Each arm's last checkpoint replayed on the offline arm's {same['conversations']} validation conversations "
         "(its stored states), conversation by conversation against the offline drafter: the mean difference of "
         "predicted acceptance length and its 95% interval (1.96 standard errors of the paired differences), and "
         "the relative L2 difference of the trained weights.",
-        "",
-        "| arm | acceptance length − offline | 95% interval | within noise | weights differ by |",
-        "|---|---|---|---|---|",
-        *comparisons,
-        "",
-    ])
+        ["| arm | acceptance length − offline | 95% interval | within noise | weights differ by |",
+         "|---|---|---|---|---|",
+         *comparisons],
+    )])
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
@@ -251,7 +240,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return run_command(lambda parsed: run(parsed, argv), args, interrupted="online benchmark stopped",
+    return arms.run_command(lambda parsed: run(parsed, argv), args, interrupted="online benchmark stopped",
                        logs=f"logs in {args.work_dir}/logs")
 
 
