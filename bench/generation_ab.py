@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import arms
-from bench.exit_codes import run_command
 from bench.stats import interleaved_order, paired_ratios, spread
 from eagle_pipeline import atomic
 from eagle_pipeline.config import load_config
@@ -119,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one arm's config overrides; repeat for each arm (the first is the reference)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per arm (default 2)")
     args = parser.parse_args(argv)
-    return run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
-                       logs="each run's stage log is in the work folder's logs/")
+    return arms.run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
+                            logs="each run's stage log is in the work folder's logs/")
 
 
 if __name__ == "__main__":

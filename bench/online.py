@@ -241,7 +241,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     return arms.run_command(lambda parsed: run(parsed, argv), args, interrupted="online benchmark stopped",
-                       logs=f"logs in {args.work_dir}/logs")
+                            logs=f"logs in {args.work_dir}/logs")
 
 
 if __name__ == "__main__":

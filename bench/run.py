@@ -32,7 +32,6 @@ from typing import Any, Iterator
 from bench import arms, checks, drift, figures, flops, report
 from bench.arms import ARMS, REPO
 from bench.capture_ab import capture_ab
-from bench.exit_codes import IncompleteFigures, run_command
 from bench.serve_ab import serve_interleaved
 from bench.stats import ratio_or_none
 from eagle_pipeline import atomic
@@ -288,7 +287,7 @@ def write_and_check(results: dict[str, Any], json_path: Path, out_md: Path, *, p
             log(line)
     missing = checks.missing_figures(results) + checks.document_problems(text)
     if missing:
-        raise IncompleteFigures(f"{out_md} and {json_path} lack figures: " + "; ".join(missing))
+        raise arms.IncompleteFigures(f"{out_md} and {json_path} lack figures: " + "; ".join(missing))
 
 
 def command_line(args: argparse.Namespace, script: str = "scripts/run_benchmarks.sh") -> str:
@@ -314,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capture-samples", type=int, help="samples in the capture A/B (default 64; quick 2)")
     parser.add_argument("--arm-samples", type=int, help="conversations the two storage drafters train on (default 300; quick 6)")
     args = parser.parse_args(argv)
-    return run_command(run, args, interrupted="no figures written",
-                       logs="logs in the work folder's logs/ and benchmark.log")
+    return arms.run_command(run, args, interrupted="no figures written",
+                            logs="logs in the work folder's logs/ and benchmark.log")
 
 
 if __name__ == "__main__":

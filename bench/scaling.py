@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import arms
-from bench.exit_codes import run_command
 from bench.figures import read_pipeline_run
 from bench.scaling_report import Point, as_text, plot, render_markdown, summarize
 from eagle_pipeline import atomic
@@ -238,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a config key and values to try at one size (--at), e.g. train.epochs=2,8; repeatable")
     parser.add_argument("--at", type=int, help="the sample count the --vary points train on (default: the largest size)")
     args = parser.parse_args(argv)
-    return run_command(run, args, interrupted="finished points are kept; rerun to resume",
-                       logs="each point's stage logs are in the work folder's logs/")
+    return arms.run_command(run, args, interrupted="finished points are kept; rerun to resume",
+                            logs="each point's stage logs are in the work folder's logs/")
 
 
 if __name__ == "__main__":

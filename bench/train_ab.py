@@ -27,7 +27,6 @@ from unittest.mock import patch
 import numpy as np
 
 from bench import arms
-from bench.exit_codes import run_command
 from bench.stats import interleaved_order, paired_ratios, spread
 from eagle_pipeline import atomic
 from eagle_pipeline.config import load_config
@@ -112,11 +111,11 @@ def run(args: argparse.Namespace) -> int:
             dtype = "bfloat16" if arm in BF16_ARMS else cfg.train.dtype
             settings = cfg.train.model_copy(update={"packing": PACKING[arm], "dtype": dtype, "early_stop_patience": None})
             print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
-            with contextlib.ExitStack() as undone:  # the CPU patches an arm trains without
+            with contextlib.ExitStack() as undo:  # the CPU patches an arm trains without
                 if arm == "shipped":  # speculators' padded batches
-                    undone.enter_context(patch.object(speculators_packing, "trim_padding", lambda batch: batch))
+                    undo.enter_context(patch.object(speculators_packing, "trim_padding", lambda batch: batch))
                 if arm in SDPA_ARMS:  # speculators' SDPA attention over the dense TTT mask
-                    undone.enter_context(patch.object(speculators_ttt_attention, "uses_block_attention", lambda m: False))
+                    undo.enter_context(patch.object(speculators_ttt_attention, "uses_block_attention", lambda _: False))
                 runner.train_drafter(settings, train_run(out_dir))
             rows = [row for row in read_metrics(out_dir / METRICS_CSV) if row["split"] == "train"]
             runs[arm].append({"tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),
@@ -185,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per training run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, interleaved")
     args = parser.parse_args(argv)
-    return run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
-                       logs="the trainer's own output is above")
+    return arms.run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
+                            logs="the trainer's own output is above")
 
 
 if __name__ == "__main__":
