@@ -21,6 +21,7 @@ import json
 import shutil
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +131,8 @@ def run_point(point: Point, args: argparse.Namespace, cfg: RunConfig, work: Path
         log(f"{point.name}: {script}")
         arms.run_stage(script, config, overrides, work / "logs" / f"{point.name}-{script}.log", log)
     drafter = run_dir / "drafter-vllm"
-    if not (drafter / "config.json").is_file():
-        partial = run_dir / ".drafter-vllm.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        arms.convert_drafter(run_dir, partial, vocab_size)
-        shutil.rmtree(drafter, ignore_errors=True)
-        partial.rename(drafter)
+    if not (drafter / "config.json").is_file():  # the conversion writes the folder whole or not at all
+        arms.convert_drafter(run_dir, drafter, vocab_size)
     log(f"{point.name}: 06_serve_test (its drafter against the pipeline run's no-speculation answers)")
     serve = [f"serve.drafter={drafter}", f"serve.baseline={cfg.stage_dir('06_serve_test')}", "serve.ngram_baseline=false",
              # Every figure is wanted, small drafters' too: the floor is the pipeline's bar, not the study's.
@@ -180,10 +177,7 @@ def run(args: argparse.Namespace) -> Path:
     check_source(work, manifests)
     (work / "logs").mkdir(exist_ok=True)
     started = time.monotonic()
-
-    def log(message: str) -> None:
-        print(f"[scaling] {message}", flush=True)
-
+    log = partial(print, "[scaling]", flush=True)
     from eagle_pipeline.verifier import Verifier
 
     vocab_size = Verifier.from_config(cfg).vocab_size

@@ -27,7 +27,8 @@ from unittest.mock import patch
 import numpy as np
 
 from bench import arms
-from bench.stats import interleaved_order, paired_ratios, spread
+from bench.flops import unavailable_matmul_kernels
+from bench.stats import interleaved_order, not_available, paired_ratios, spread
 from eagle_pipeline import atomic
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
@@ -48,9 +49,6 @@ SDPA_ARMS = ("shipped", "unpadded_bf16_sdpa")  # speculators' own attention over
 
 def bf16_arm_unavailable(train_dtype: str) -> str | None:
     """Why the bf16 arms cannot run here ("n/a (...)"), or None when it can."""
-    from bench.flops import unavailable_matmul_kernels
-    from bench.stats import not_available
-
     if train_dtype != "float32":
         return not_available(f"the run already trains in {train_dtype}")
     missing = unavailable_matmul_kernels("bfloat16")
