@@ -48,20 +48,6 @@ ARMS = {  # arm -> hidden_states overrides
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="the run config the arms extend (configs/tiny.yaml)")
-    parser.add_argument("--samples", type=int, default=120, help="conversations (data.num_samples)")
-    parser.add_argument("--epochs", type=int, default=3, help="train.epochs")
-    parser.add_argument("--val-ratio", type=float, default=0.12, help="train.val_ratio: the conversations replayed")
-    parser.add_argument("--engine-dtype", default="bfloat16", help="verifier.dtype of every arm")
-    parser.add_argument("--work-dir", default=str(REPO / "runs" / "online-bench"))
-    parser.add_argument("--doc", default=str(REPO / "docs" / "benchmarks" / "online.md"))
-    parser.add_argument("--arms", default=",".join(ARMS), help="which arms, comma-separated")
-    return parser.parse_args(argv)
-
-
 def overrides(args: argparse.Namespace, arm: str, work: Path) -> list[str]:
     values = {"data_root": str(work), "run_name": arm, "data.num_samples": args.samples, "train.epochs": args.epochs,
               "train.val_ratio": args.val_ratio, "train.predict_conversations": args.samples,
@@ -239,7 +225,17 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the run config the arms extend (configs/tiny.yaml)")
+    parser.add_argument("--samples", type=int, default=120, help="conversations (data.num_samples)")
+    parser.add_argument("--epochs", type=int, default=3, help="train.epochs")
+    parser.add_argument("--val-ratio", type=float, default=0.12, help="train.val_ratio: the conversations replayed")
+    parser.add_argument("--engine-dtype", default="bfloat16", help="verifier.dtype of every arm")
+    parser.add_argument("--work-dir", default=str(REPO / "runs" / "online-bench"))
+    parser.add_argument("--doc", default=str(REPO / "docs" / "benchmarks" / "online.md"))
+    parser.add_argument("--arms", default=",".join(ARMS), help="which arms, comma-separated")
+    args = parser.parse_args(argv)
     return arms.run_command(lambda parsed: run(parsed, argv), args, interrupted="online benchmark stopped",
                             logs=f"logs in {args.work_dir}/logs")
 

@@ -25,18 +25,15 @@ def serve_interleaved(target_dir: str | os.PathLike, servers: dict[str, dict | N
 
     chunks = split_rounds(prompts, rounds)
     per_round: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
-    start_s: dict[str, float | None] = {}
     with ExitStack() as stack:
         live = {}
         for name, spec in servers.items():
             log(f"serving: starting the {name} server")
-            server = VllmServer(target_dir, speculative_config=spec, max_model_len=max_model_len, dtype=dtype,
-                                extra_args=extra_args, env=env, log_path=Path(log_dir) / f"server-{name}.log")
-            stack.enter_context(server)
-            start_s[name] = server.start_seconds
+            live[name] = server = stack.enter_context(VllmServer(
+                target_dir, speculative_config=spec, max_model_len=max_model_len, dtype=dtype, extra_args=extra_args,
+                env=env, log_path=Path(log_dir) / f"server-{name}.log"))
             run_prompts(server.base_url, server.model, [[{"role": "user", "content": "Say hello."}]],
                         max_tokens=8, temperature=temperature, concurrency=1, seed=seed)
-            live[name] = server
         for r, chunk in enumerate(chunks):
             for name in interleaved_order(list(live), r):
                 server = live[name]
@@ -49,6 +46,7 @@ def serve_interleaved(target_dir: str | os.PathLike, servers: dict[str, dict | N
                                         "metrics": metrics_delta(before, after)})
             log(f"serving round {r + 1}/{len(chunks)} ({len(chunk)} prompts): "
                 + ", ".join(f"{name} {per_round[name][-1]['tokens_per_s']:.1f} tok/s" for name in live))
+    start_s = {name: server.start_seconds for name, server in live.items()}
     return summarize_serving(per_round, servers, start_s, num_prompts=len(prompts), max_tokens=max_tokens,
                              temperature=temperature, concurrency=concurrency)
 
