@@ -42,8 +42,7 @@ WORK_MARKER = ".train-ab-work-dir"
 ARMS = ("shipped", "unpadded", "best_fit", "unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa")
 PACKING = {"shipped": "sequential", "unpadded": "sequential", "best_fit": "best_fit", "unpadded_bf16": "sequential",
            "best_fit_bf16": "best_fit", "unpadded_bf16_sdpa": "sequential"}
-# autocast; run only where the run trains in float32 and the CPU has bf16
-BF16_ARMS = ("unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa")
+BF16_ARMS = ("unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa")  # autocast, where bf16_arm_unavailable allows
 SDPA_ARMS = ("shipped", "unpadded_bf16_sdpa")  # speculators' own attention over the dense TTT mask
 
 
