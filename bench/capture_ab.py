@@ -10,7 +10,6 @@ from typing import Any
 
 from bench.flops import matmul_flops_per_s, peak_of, summarize_matmul
 from bench.stats import interleaved_order, is_available, paired_ratios, spread
-from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
 
 
 class HFHiddenStates:
@@ -65,12 +64,24 @@ def time_capture(capture: Callable[[Sequence[Sequence[int]]], list], sequences: 
     return time.perf_counter() - started
 
 
+def hidden_state_capture(verifier_dir: str | os.PathLike, layer_ids: Sequence[int], *, num_layers: int,
+                         engine_kwargs: dict[str, Any], storage_path: str | os.PathLike):
+    """Stage 02's engine from `eagle_pipeline.engine.llm_kwargs` (the config's vLLM arguments)."""
+    from eagle_pipeline.capture import HiddenStateCapture
+
+    extra = {k: v for k, v in engine_kwargs.items() if k != "model"}
+    named = {name: extra.pop(name) for name in ("dtype", "max_model_len", "tensor_parallel_size", "trust_remote_code")
+             if name in extra}
+    return HiddenStateCapture(verifier_dir, layer_ids, num_layers=num_layers, extra_engine_args=extra,
+                              storage_path=storage_path, **named)
+
+
 def capture_ab(verifier_dir: str | os.PathLike, layer_ids: Sequence[int], sequences: Sequence[Sequence[int]], *,
                num_layers: int, engine_kwargs: dict[str, Any], batch_size: int, repetitions: int,
                storage_path: str | os.PathLike, matmul_size: int, matmul_seconds: float,
                log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Capture tokens/s of vLLM (HiddenStateCapture built as stage 02 builds it, `engine_kwargs` being the run
-    config's `capture_engine_kwargs`) and of HF transformers, and the machine's matmul throughput (the ceiling)
+    """Capture tokens/s of vLLM (HiddenStateCapture, `engine_kwargs` being vLLM's arguments for the verifier:
+    `llm_kwargs` of the run config) and of HF transformers, and the machine's matmul throughput (the ceiling)
     between them in every repetition, in rotating order; first an untimed warm-up pass of each side, which also
     checks that the two return the same states. What is timed: BENCHMARKS.md section 1."""
     import torch
@@ -78,14 +89,14 @@ def capture_ab(verifier_dir: str | os.PathLike, layer_ids: Sequence[int], sequen
     dtype = engine_kwargs["dtype"]
     threads = torch.get_num_threads()
     started = time.perf_counter()
-    engine = HiddenStateCapture(verifier_dir, layer_ids, num_layers=num_layers, storage_path=storage_path,
-                                **capture_sizing(max(len(s) for s in sequences)), **engine_kwargs)
+    engine = hidden_state_capture(verifier_dir, layer_ids, num_layers=num_layers, engine_kwargs=engine_kwargs,
+                                  storage_path=storage_path)
     with engine:
         vllm_load_s = time.perf_counter() - started
         # Starting vLLM may change this process's torch thread count; HF must run on every core it had.
         torch.set_num_threads(threads)
         started = time.perf_counter()
-        hf = HFHiddenStates(verifier_dir, layer_ids, dtype, engine_kwargs["trust_remote_code"])
+        hf = HFHiddenStates(verifier_dir, layer_ids, dtype, engine_kwargs.get("trust_remote_code", False))
         hf_load_s = time.perf_counter() - started
         log(f"capture A/B: vLLM engine up in {vllm_load_s:.1f} s, HF model in {hf_load_s:.1f} s; warm-up")
 

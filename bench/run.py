@@ -116,14 +116,14 @@ def measure_capture(cfg: RunConfig, verifier, manifests: dict, settings: Setting
     """Parts 1-2: capture A/B with the matmul ceiling between its sides; the ceiling goes under "matmul"."""
     from datasets import load_from_disk
 
-    from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
+    from eagle_pipeline.engine import apply_engine_env, llm_kwargs
 
     data = load_from_disk(str(cfg.stage_dir("02_extract_hidden") / "data")).with_format(None)
     sequences = [[int(t) for t in row["input_ids"]] for row in data.select(range(min(settings.capture_samples, len(data))))]
     apply_engine_env(cfg)
     capture = capture_ab(
         verifier.path, manifests["02_extract_hidden"]["counts"]["layer_ids"], sequences,
-        num_layers=verifier.num_layers, engine_kwargs=capture_engine_kwargs(cfg),
+        num_layers=verifier.num_layers, engine_kwargs=llm_kwargs(cfg, str(verifier.path)),
         batch_size=cfg.hidden_states.batch_size, repetitions=settings.repetitions,
         storage_path=work / "capture_scratch", matmul_size=settings.matmul_size,
         matmul_seconds=settings.matmul_seconds, log=log)
