@@ -1,20 +1,5 @@
-"""vLLM's spec-decode counters on /metrics: parse, scrape, difference over a run, and acceptance figures.
-
-The counters are the ones vLLM exports from `vllm/v1/spec_decode/metrics.py` (`SpecDecodingProm`):
-
-    vllm:spec_decode_num_drafts_total                 one per verification step that carried a draft
-    vllm:spec_decode_num_draft_tokens_total           draft tokens proposed
-    vllm:spec_decode_num_accepted_tokens_total        draft tokens accepted
-    vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}   accepted at draft position i
-
-Mean acceptance length = 1 + accepted / drafts (the 1 is the token the target adds on every step);
-acceptance rate = accepted / draft tokens; per-position acceptance = accepted_per_pos[i] / drafts.
-
-Per request, a server started with `--per-request-spec-decode-metrics summary` answers each request with
-`metrics.speculative_decoding` (`vllm/entrypoints/generate/base/protocol.py`, SpeculativeDecodingMetrics, filled
-from `vllm/v1/metrics/stats.py` RequestSpecDecodeMetrics): `acceptance_histogram[j]` = verification steps that
-accepted exactly j drafts, `num_spec_steps` = drafts, `num_accepted_draft_tokens`; `request_acceptance` turns
-it into the same figures for that one request.
+"""vLLM's spec-decode counters on /metrics: parse, scrape, difference over a run, and acceptance figures, also per
+request; docs/engines.md#spec-decode-metrics says which counters and response fields, and the figures made of them.
 
 `read_prometheus` and `sample_sums` are the product's one reader of Prometheus text, also for the online capture
 servers' prefill counters (eagle_pipeline/online/servers.py) and the Mooncake master's gauges
