@@ -45,7 +45,6 @@ from eagle_pipeline.serve.baseline import (
     baseline_states,
     kept_baseline,
     load_baseline,
-    merge_baseline,
     save_baseline_answers,
     save_baseline_states,
 )
@@ -205,6 +204,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         if mode == "none":
             save_baseline_answers(stage.dir, shaped_by, record)
 
+    if baseline is not None:  # the kept answers without speculation go into the report as that mode's record
+        served, modes = {"none": baseline, **served}, ["none", *modes]
     report = serve_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs,
                          measured=served, on_measured=keep_served)
     if baseline is None and kept_baseline(stage.dir, shaped_by) is None:  # recovered from elsewhere
@@ -212,7 +213,7 @@ def run(stage: Stage, dry_run: bool) -> None:
                                                      "texts": report["texts"]["none"],
                                                      "token_ids": report["token_ids"]["none"]})
     if baseline is not None:
-        report = merge_baseline(report, baseline)
+        report["baseline"] = baseline["dir"]
     report["prompt_ids"] = [p["id"] for p in prompts]
     report["serving_plan"], confirmed_now = plan_and_confirm(cfg, stage, inputs, verifier.path, drafter_dir, messages,
                                                              template_kwargs, report)

@@ -19,8 +19,6 @@ from safetensors import safe_open
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
-from eagle_pipeline.serve.plan import greedy_mismatches
-from eagle_pipeline.serve.spec_metrics import ratio
 
 if TYPE_CHECKING:
     import torch
@@ -101,21 +99,3 @@ def baseline_states(baseline: dict[str, Any], layer_ids: Sequence[int]) -> tuple
     folder = Path(baseline["dir"])
     return [load_file(str(folder / f"hs_{i}.safetensors"))["hidden_states"]
             for i in range(len(baseline["token_ids"]))], list(stored)
-
-
-def merge_baseline(report: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """A report measured without the "none" mode, completed with the baseline's answers and speed."""
-    report["modes"] = {"none": baseline["summary"], **report["modes"]}
-    report["texts"] = {"none": baseline["texts"], **report["texts"]}
-    report["token_ids"] = {"none": [tuple(pair) for pair in baseline["token_ids"]], **report["token_ids"]}
-    none_tps = baseline["summary"]["tokens_per_s"]
-    report["tokens_per_s"]["none"] = none_tps
-    report["speedup_by_mode"] = {name: ratio(tps, none_tps) if tps is not None and none_tps else None
-                                 for name, tps in report["tokens_per_s"].items() if name != "none"}
-    report["speedup"] = report["speedup_by_mode"].get("eagle3")
-    if report.get("temperature") == 0:
-        report["greedy_mismatches"] = {name: greedy_mismatches(baseline["texts"], texts)
-                                       for name, texts in report["texts"].items() if name != "none"}
-        report["greedy_match"] = not report["greedy_mismatches"].get("eagle3")
-    report["baseline"] = baseline["dir"]
-    return report
