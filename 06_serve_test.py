@@ -32,7 +32,7 @@ import sys
 from eagle_pipeline.capture import capture_memory_line
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.drafter.folder import check_weights_whole
-from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
+from eagle_pipeline.engine import server_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
@@ -48,7 +48,6 @@ from eagle_pipeline.serve.baseline import (
     save_baseline_answers,
     save_baseline_states,
 )
-from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
 from eagle_pipeline.serve.engine_probe import describe, probe_engine, variant_config
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.plan import (
@@ -206,12 +205,10 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     if baseline is not None:  # the kept answers without speculation go into the report as that mode's record
         served, modes = {"none": baseline, **served}, ["none", *modes]
-    report = serve_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs,
-                         measured=served, on_measured=keep_served)
+    report = measure_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs,
+                           measured=served, on_measured=keep_served)
     if baseline is None and kept_baseline(stage.dir, shaped_by) is None:  # recovered from elsewhere
-        save_baseline_answers(stage.dir, shaped_by, {"summary": report["modes"]["none"],
-                                                     "texts": report["texts"]["none"],
-                                                     "token_ids": report["token_ids"]["none"]})
+        save_baseline_answers(stage.dir, shaped_by, served["none"])
     if baseline is not None:
         report["baseline"] = baseline["dir"]
     report["prompt_ids"] = [p["id"] for p in prompts]
@@ -265,37 +262,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         sys.exit(1)
 
 
-def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwargs, measured=None,
-                on_measured=None, levels=None, num_speculative_tokens=None, schedule=None) -> dict:
-    """Every mode served and measured under `cfg`'s engine settings at `levels` (default: serve.concurrency), but
-    those `measured` holds (records of an earlier run); the eagle3 server's engine facts beside, in its record too.
-    `on_measured(mode, record)`: as in `measure_modes`; `num_speculative_tokens` and `schedule` (the "schedule"
-    mode's) default to serve.num_speculative_tokens and none."""
-    s = cfg.serve
-    kwargs = server_kwargs(cfg)
-    kwargs["env"] = server_env(cfg, kwargs["env"])
-    records = dict(measured or {})
-
-    def keep(mode: str, record: dict) -> None:
-        if mode == "eagle3":
-            record["engine"] = read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg))
-        records[mode] = record
-        if on_measured is not None:
-            on_measured(mode, record)
-
-    report = measure_modes(
-        target, drafter_dir, messages, num_speculative_tokens=num_speculative_tokens or s.num_speculative_tokens,
-        modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
-        concurrency=levels or s.concurrency_levels, schedule=schedule, seed=cfg.seed, port=s.port,
-        log_dir=log_dir, **kwargs, startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
-        drafter_settings=drafter_engine_settings(cfg), measured=measured, on_measured=keep,
-    )
-    if "eagle3" in modes:
-        report["engine"] = (records["eagle3"].get("engine")
-                            or read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg)))
-    return report
-
-
 def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messages, template_kwargs,
                      report: dict) -> tuple[dict, bool]:
     """The serving plan chosen from the served levels (eagle_pipeline/serve/plan.py), its schedule served once to
@@ -320,9 +286,9 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
                 stage.keep_file(write_served(stage.dir, schedule_inputs, mode, record))
 
             try:
-                served = serve_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs",
-                                     template_kwargs, on_measured=keep, num_speculative_tokens=plan["k"],
-                                     schedule=spec.get("num_speculative_tokens_per_batch_size"))
+                served = measure_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs",
+                                       template_kwargs, on_measured=keep, num_speculative_tokens=plan["k"],
+                                       schedule=spec.get("num_speculative_tokens_per_batch_size"))
                 confirmed = {"summary": served["modes"][SCHEDULE_MODE], "texts": served["texts"][SCHEDULE_MODE]}
                 served_now = True
             except ServerFailed as error:  # what was measured stands: the plan goes on unconfirmed and says why
@@ -346,8 +312,8 @@ def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: 
     def serve_variant(index: int, variant) -> dict:
         folder = log_dir / f"engine-variant-{index}"
         # Acceptance is what a variant is served for: the headline level alone.
-        served = serve_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder,
-                             template_kwargs, levels=cfg.serve.concurrency_levels[:1])
+        served = measure_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder,
+                               template_kwargs, levels=cfg.serve.concurrency_levels[:1])
         return {**served["modes"]["eagle3"], "engine": served["engine"], "log": str(folder / "server-eagle3.log")}
 
     rows = probe_engine(cfg.serve.engine_variants, serve_variant, report.get("predicted_per_position_acceptance") or [],

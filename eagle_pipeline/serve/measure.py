@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from eagle_pipeline.engine import eagle3_speculative_config
+from eagle_pipeline.config import RunConfig
+from eagle_pipeline.engine import drafter_engine_settings, eagle3_speculative_config, server_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, run_prompts
+from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
 from eagle_pipeline.serve.plan import SCHEDULE_MODE, greedy_mismatches, requests_at
 from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.serve.spec_metrics import (
@@ -217,40 +219,35 @@ def mode_server(mode: str, target_dir: str | os.PathLike, drafter_dir: str | os.
     return VllmServer(target_dir, speculative_config=config, extra_args=flags, **server)
 
 
-def measure_modes(
-    target_dir: str | os.PathLike,
-    drafter_dir: str | os.PathLike | None,
-    prompts: Sequence[list[dict]],
-    *,
-    num_speculative_tokens: int,
-    modes: Iterable[str] = MODES,
-    max_tokens: int = 128,
-    temperature: float = 0.0,
-    concurrency: int | Sequence[int] = 1,
-    seed: int | None = 0,
-    log_dir: str | os.PathLike,
-    chat_template_kwargs: dict | None = None,
-    measured: Mapping[str, dict] | None = None,
-    on_measured: Callable[[str, dict], None] | None = None,
-    log=print,
-    **server,
-) -> dict:
-    """Serve the target once per mode (sequentially), measure, and return the report dict (`served_report`).
+def measure_modes(cfg: RunConfig, target_dir: str | os.PathLike, drafter_dir: str | os.PathLike | None,
+                 prompts: Sequence[list[dict]], modes: Sequence[str], log_dir: Path, chat_template_kwargs: dict | None,
+                 measured: Mapping[str, dict] | None = None, on_measured: Callable[[str, dict], None] | None = None,
+                 levels: Sequence[int] | None = None, num_speculative_tokens: int | None = None,
+                 schedule: Sequence[Sequence[int]] | None = None) -> dict:
+    """Serve the target once per mode (sequentially) under `cfg`'s engine settings, measure, and return the report
+    dict (`served_report`), the eagle3 server's engine facts (eagle_pipeline/serve/engine_facts.py) beside it and in
+    its record.
 
-    `concurrency`: one level, or the levels each server answers the prompts at in turn (`plan.requests_at` requests
-    each). `measured` holds the records (`sweep_record`) of modes an earlier run served: those are not served
-    again. `on_measured(mode, record)` gets each mode's record as soon as its prompts are answered at every level,
-    while its server still runs: what it keeps survives a later mode's failure. `server`: every mode's server
-    settings (`mode_server`'s keywords, the "schedule" mode's `schedule` among them).
+    `levels` (default serve.concurrency): the levels each server answers the prompts at in turn (`plan.requests_at`
+    requests each). `measured` holds the records (`sweep_record`) of modes an earlier run served: those are not
+    served again. `on_measured(mode, record)` gets each mode's record as soon as its prompts are answered at every
+    level, while its server still runs: what it keeps survives a later mode's failure. `num_speculative_tokens` and
+    `schedule` (the "schedule" mode's `num_speculative_tokens_per_batch_size`) default to
+    serve.num_speculative_tokens and none.
     """
-    modes = tuple(modes)
-    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
+    s = cfg.serve
+    levels = list(levels or s.concurrency_levels)
+    num_speculative_tokens = num_speculative_tokens or s.num_speculative_tokens
     if not prompts:
         raise BadInput("prompts: no prompts to measure with; give at least one")
     measured = dict(measured or {})
+    kwargs = server_kwargs(cfg)
+    kwargs["env"] = server_env(cfg, kwargs["env"])
     # Every server is built (a mode's bad setting refused) before the first one starts.
     servers = {mode: mode_server(mode, target_dir, drafter_dir, num_speculative_tokens=num_speculative_tokens,
-                                 log_path=Path(log_dir) / f"server-{mode}.log", **server)
+                                 log_path=log_dir / f"server-{mode}.log", port=s.port,
+                                 startup_timeout_s=s.startup_timeout_s, drafter_settings=drafter_engine_settings(cfg),
+                                 schedule=schedule, **kwargs)
                for mode in modes if mode not in measured}
     warmup_prompt = [{"role": "user", "content": "Say hello."}]
     records: dict[str, dict] = {}
@@ -259,28 +256,34 @@ def measure_modes(
             records[mode] = measured[mode]
             continue
         server = servers[mode]
-        log(f"[{mode}] starting vLLM server (log: {server.log_path})")
+        print(f"[{mode}] starting vLLM server (log: {server.log_path})")
         with server:
-            log(f"[{mode}] server healthy after {server.start_seconds:.1f} s; warm-up request")
-            run_prompts(server.base_url, server.model, [warmup_prompt], max_tokens=8, temperature=temperature,
-                        concurrency=1, seed=seed, chat_template_kwargs=chat_template_kwargs)
+            print(f"[{mode}] server healthy after {server.start_seconds:.1f} s; warm-up request")
+            run_prompts(server.base_url, server.model, [warmup_prompt], max_tokens=8, temperature=s.temperature,
+                        concurrency=1, seed=cfg.seed, chat_template_kwargs=chat_template_kwargs)
             swept = []
             for level in levels:
                 asked = [prompts[i % len(prompts)] for i in range(requests_at(level, len(prompts)))]
                 before = scrape_spec_metrics(server.base_url)
-                run = run_prompts(server.base_url, server.model, asked, max_tokens=max_tokens,
-                                  temperature=temperature, concurrency=level, seed=seed,
+                run = run_prompts(server.base_url, server.model, asked, max_tokens=s.max_tokens,
+                                  temperature=s.temperature, concurrency=level, seed=cfg.seed,
                                   chat_template_kwargs=chat_template_kwargs)
                 after = wait_for_counted_tokens(server.base_url, before, run.output_tokens)
                 swept.append(ModeMeasurement(mode=mode, speculative_config=server.speculative_config, run=run,
                                              metrics=metrics_delta(before, after), server_start_s=server.start_seconds))
                 summary = summarize_mode(swept[-1])
-                log(f"[{mode}] concurrency {level}: {summary['output_tokens']} tokens in {run.wall_s:.1f} s = "
-                    f"{summary['tokens_per_s']:.1f} tok/s"
-                    + (f", mean acceptance length {summary['mean_acceptance_length']:.2f}"
-                       if summary.get("mean_acceptance_length") is not None else ""))
+                print(f"[{mode}] concurrency {level}: {summary['output_tokens']} tokens in {run.wall_s:.1f} s = "
+                      f"{summary['tokens_per_s']:.1f} tok/s"
+                      + (f", mean acceptance length {summary['mean_acceptance_length']:.2f}"
+                         if summary.get("mean_acceptance_length") is not None else ""))
             records[mode] = sweep_record(swept, levels, len(prompts))
+            if mode == "eagle3":
+                records[mode]["engine"] = read_engine_facts(server.log_path, declared_settings(cfg))
             if on_measured is not None:
                 on_measured(mode, records[mode])
-    return served_report(records, num_speculative_tokens=num_speculative_tokens, temperature=temperature,
-                         max_tokens=max_tokens, concurrency=levels)
+    report = served_report(records, num_speculative_tokens=num_speculative_tokens, temperature=s.temperature,
+                           max_tokens=s.max_tokens, concurrency=levels)
+    if "eagle3" in modes:
+        report["engine"] = (records["eagle3"].get("engine")
+                            or read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg)))
+    return report
