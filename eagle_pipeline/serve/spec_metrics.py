@@ -1,5 +1,5 @@
 """vLLM's spec-decode counters on /metrics: parse, scrape, difference over a run, and acceptance figures, also per
-request; docs/engines.md#spec-decode-metrics says which counters and response fields, and the figures made of them.
+request (which counters and response fields, and the figures made of them: docs/engines.md, "Spec-decode metrics").
 
 `read_prometheus` and `sample_sums` are the product's one reader of Prometheus text, also for the online capture
 servers' prefill counters (eagle_pipeline/online/servers.py) and the Mooncake master's gauges
@@ -14,20 +14,18 @@ from typing import Any
 
 # Asks a speculating server for each request's own acceptance (vLLM refuses it on one that does not speculate).
 PER_REQUEST_FLAGS = ("--per-request-spec-decode-metrics", "summary")
-SPEC_COUNTERS = {
+COUNTERS = {
     "num_drafts": "vllm:spec_decode_num_drafts_total",
     "num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
     "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
-}
-ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-# Server-side counters and histogram sums used as cross-checks and for latency per output token.
-OTHER_COUNTERS = {
+    # Server-side counters and histogram sums used as cross-checks and for latency per output token.
     "generation_tokens": "vllm:generation_tokens_total",
     "tpot_sum_s": "vllm:request_time_per_output_token_seconds_sum",
     "tpot_count": "vllm:request_time_per_output_token_seconds_count",
     "ttft_sum_s": "vllm:time_to_first_token_seconds_sum",
     "ttft_count": "vllm:time_to_first_token_seconds_count",
 }
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 def read_prometheus(url: str, timeout_s: float = 30.0) -> str:
@@ -59,8 +57,8 @@ def parse_spec_metrics(text: str) -> dict:
     Values are summed over label sets other than `position` (one per engine when data-parallel).
     Counters vLLM does not export (no speculation configured) read as 0 and an empty per-position list.
     """
-    wanted = {**{v: k for k, v in SPEC_COUNTERS.items()}, **{v: k for k, v in OTHER_COUNTERS.items()}}
-    out: dict[str, Any] = {key: 0.0 for key in [*SPEC_COUNTERS, *OTHER_COUNTERS]}
+    wanted = {name: key for key, name in COUNTERS.items()}
+    out: dict[str, Any] = dict.fromkeys(COUNTERS, 0.0)
     per_pos: dict[int, float] = {}
     for name, labels, value in prometheus_samples(text):
         if name in wanted:
