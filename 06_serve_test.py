@@ -104,9 +104,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     # A drafter from elsewhere (serve.drafter) needs none of stages 02-05: its config says its ids and flags.
     foreign = s.drafter is not None
     if foreign:
-        drafter_dir = cfg.resolve_path(s.drafter)
-        if not (drafter_dir / "config.json").is_file():
-            raise BadInput(f"serve.drafter: {drafter_dir} has no config.json; point at a flat drafter folder")
+        drafter_dir = cfg.resolve_path(s.drafter)  # a folder with a config.json (eagle_pipeline/plan/preconditions.py)
         # Read in full once, dry run too: a torn or NaN drafter is named here, not after three server starts.
         check_weights_whole(drafter_dir, "serve.drafter")
         converted = None
