@@ -1,11 +1,7 @@
-"""The no-speculation baseline of a stage-06 run, kept for reuse: answers, their token ids, captured states.
-
-Serving a drafter from elsewhere, or several of them, against the same target and prompts needs the
-no-speculation answers (to compare texts and speed, and to replay the drafter on) only once. A finished
-stage 06 keeps them in `<run>/06_serve_test/baseline/`: `answers.json` (what they were served with, texts,
-prompt and answer token ids, the mode's summary, the captured layer ids) and `hs_<i>.safetensors` (the
-captured hidden states). `serve.baseline: <that 06_serve_test folder>` reuses them when every setting that
-shapes the answers matches; otherwise the stage refuses and names the setting.
+"""The no-speculation baseline of a stage-06 run, kept for reuse: answers, their token ids, captured states. A
+finished stage 06 keeps them in `<run>/06_serve_test/baseline/` (docs/formats.md, "The no-speculation baseline");
+`serve.baseline: <that 06_serve_test folder>` reuses them when every setting that shapes the answers matches,
+otherwise the stage refuses and names the setting.
 """
 
 from __future__ import annotations
@@ -30,11 +26,9 @@ ANSWERS = "answers.json"
 def save_baseline_answers(stage_dir: Path, shaped_by: dict[str, Any], record: dict[str, Any]) -> None:
     """The no-speculation answers (the "none" mode's record, `measure.mode_record`), written as soon as they are
     served (before a later mode or the prediction can fail)."""
-    folder = stage_dir / BASELINE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(folder / ANSWERS, {"shaped_by": shaped_by, "texts": record["texts"],
-                                         "token_ids": record["token_ids"], "summary": record["summary"],
-                                         "captured_layer_ids": None})
+    atomic.write_json(stage_dir / BASELINE_DIR / ANSWERS, {"shaped_by": shaped_by, "texts": record["texts"],
+                                                           "token_ids": record["token_ids"],
+                                                           "summary": record["summary"], "captured_layer_ids": None})
 
 
 def save_baseline_states(stage_dir: Path, captured: tuple[list[torch.Tensor], list[int]]) -> None:
