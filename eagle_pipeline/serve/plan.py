@@ -303,12 +303,10 @@ def stuck_requests(per_request: Sequence[Mapping[str, Any] | None]) -> dict[str,
 
 def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: dict | None, confirmed_by: str | None,
                  confirmed: Mapping[str, Any] | None, server_kwargs: Mapping[str, Any], target) -> dict[str, Any]:
-    """report.json's `serving_plan`: the estimate and the schedule (`plan_serving`), the `speculative_config` that
-    serves it, what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served
-    the same setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start) with its
-    figures per level beside no speculation's, speed-up and per-request acceptance against concurrency, the
-    collapse findings, and the `vllm serve` command. Levels the confirming run served slower than no speculation
-    are back at k = 0 (`withdraw_slower`), in the schedule, `speculative_config` and command alike."""
+    """report.json's `serving_plan` (docs/contracts.md, "Stage 06: report.json") of the plan (`plan_serving`) and
+    what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served the same
+    setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start). Levels the
+    confirming run served slower than no speculation are back at k = 0 (`withdraw_slower`) everywhere."""
 
     s = cfg.serve
     levels, k_max = s.concurrency_levels, s.num_speculative_tokens
