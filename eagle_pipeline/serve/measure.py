@@ -207,13 +207,12 @@ def served_report(records: Mapping[str, dict], **settings) -> dict:
 
 def mode_server(mode: str, target_dir: str | os.PathLike, drafter_dir: str | os.PathLike | None, *,
                 num_speculative_tokens: int, drafter_settings: dict | None = None,
-                schedule: Sequence[Sequence[int]] | None = None, prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
-                extra_args: Sequence[str] = (), **server) -> VllmServer:
+                schedule: Sequence[Sequence[int]] | None = None, extra_args: Sequence[str] = (),
+                **server) -> VllmServer:
     """The server (not started) that serves `mode`: the target's settings (`server`, VllmServer's keywords), the
     mode's `speculative_config`, and for a speculating mode each request's own acceptance (vLLM refuses that flag
     without speculation)."""
     config = speculative_config_for(mode, num_speculative_tokens=num_speculative_tokens, drafter_dir=drafter_dir,
-                                    prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min,
                                     drafter_settings=drafter_settings, schedule=schedule)
     flags = [*extra_args, *(PER_REQUEST_FLAGS if config is not None else ())]
     return VllmServer(target_dir, speculative_config=config, extra_args=flags, **server)
