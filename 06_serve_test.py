@@ -32,7 +32,6 @@ import sys
 from eagle_pipeline.capture import capture_memory_line
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.drafter.folder import check_weights_whole
-from eagle_pipeline.engine import server_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
@@ -294,7 +293,7 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
                 print(f"warning: the chosen setting is not confirmed: {error}")
         confirmed_by = SCHEDULE_MODE
 
-    return serving_plan(plan, report, cfg, spec, confirmed_by, confirmed, server_kwargs(cfg), target), served_now
+    return serving_plan(plan, report, cfg, spec, confirmed_by, confirmed, target), served_now
 
 
 def should_probe(s, diagnosis: dict) -> bool:
@@ -393,11 +392,8 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
     fields["predicted_num_drafts"] = prediction.get("num_drafts")
     # Per prompt, in the prompts' order (None where the server returned no ids to replay on).
     for key in ("per_prompt_mean_acceptance_length", "per_prompt_num_drafts"):
-        values = prediction.get(key) or []
-        by_prompt = [None] * len(report["token_ids"]["none"])
-        for i, value in zip(answered, values):
-            by_prompt[i] = value
-        fields[f"predicted_{key}"] = by_prompt
+        by_prompt = dict(zip(answered, prediction.get(key) or []))
+        fields[f"predicted_{key}"] = [by_prompt.get(i) for i in range(len(report["token_ids"]["none"]))]
     fields["prediction_readings"] = prediction.get("readings")
     fields["capture_check"] = checked or None
     fields["diagnosis"] = diagnosis(plan, report, prediction)
