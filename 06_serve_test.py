@@ -35,6 +35,7 @@ from eagle_pipeline.drafter.folder import check_weights_whole
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
+from eagle_pipeline.plan.engines import served_modes
 from eagle_pipeline.plan.preconditions import speculation_warnings
 from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.prompts import load_prompts
@@ -118,7 +119,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     if overlap and not foreign:
         raise BadInput(f"data.eval_prompts: {len(overlap)} evaluation prompts (e.g. {overlap[0]}) "
                        "also appear in data.prompts; held-out prompts must never be trained on")
-    modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
+    modes = served_modes(cfg)
 
     if dry_run:
         if s.baseline:  # its files read as the run reads them: a torn one is named before any serving

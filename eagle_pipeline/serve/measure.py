@@ -223,17 +223,12 @@ def measure_modes(cfg: RunConfig, target_dir: str | os.PathLike, drafter_dir: st
                  measured: Mapping[str, dict] | None = None, on_measured: Callable[[str, dict], None] | None = None,
                  levels: Sequence[int] | None = None, num_speculative_tokens: int | None = None,
                  schedule: Sequence[Sequence[int]] | None = None) -> dict:
-    """Serve the target once per mode (sequentially) under `cfg`'s engine settings, measure, and return the report
-    dict (`served_report`), the eagle3 server's engine facts (eagle_pipeline/serve/engine_facts.py) beside it and in
-    its record.
-
-    `levels` (default serve.concurrency): the levels each server answers the prompts at in turn (`plan.requests_at`
-    requests each). `measured` holds the records (`sweep_record`) of modes an earlier run served: those are not
-    served again. `on_measured(mode, record)` gets each mode's record as soon as its prompts are answered at every
-    level, while its server still runs: what it keeps survives a later mode's failure. `num_speculative_tokens` and
-    `schedule` (the "schedule" mode's `num_speculative_tokens_per_batch_size`) default to
-    serve.num_speculative_tokens and none.
-    """
+    """Serve the target once per mode (sequentially, as the module's docstring says) under `cfg`'s engine settings
+    and return the report dict (`served_report`), the eagle3 server's engine facts (`read_engine_facts`) beside it
+    and in its record. `levels` (default serve.concurrency): `plan.requests_at` requests each. `measured`: the
+    records (`sweep_record`) of modes an earlier run served, not served again. `on_measured(mode, record)`: each
+    mode's record once its prompts are answered. `num_speculative_tokens` and `schedule` (the "schedule" mode's
+    `num_speculative_tokens_per_batch_size`) default to serve.num_speculative_tokens and none."""
     s = cfg.serve
     levels = list(levels or s.concurrency_levels)
     num_speculative_tokens = num_speculative_tokens or s.num_speculative_tokens
