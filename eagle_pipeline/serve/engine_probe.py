@@ -1,7 +1,7 @@
 """The engine probe: the drafter served again under other engine settings, in turn, until one serves as predicted
 (docs/engines.md, "The SM120 trap"). Each entry of `serve.engine_variants` overrides some of the engine keys
-(config.serving.ENGINE_VARIANT_KEYS; `env` adds to the run's environment); each costs one server start and one pass over
-the evaluation prompts (docs/measurements.md).
+(config.serving.ENGINE_VARIANT_KEYS; `env` adds to the run's environment); each costs one server start and one
+pass over the evaluation prompts (docs/measurements.md).
 """
 
 from __future__ import annotations
