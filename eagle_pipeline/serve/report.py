@@ -293,6 +293,7 @@ def render_plan_md(plan: dict) -> list[str]:
     acceptance = {row["concurrency"]: row for row in plan.get("acceptance_by_concurrency") or []}
     estimate = {row["concurrency"]: row for row in plan.get("estimate") or []}
     confirmed = {row["concurrency"]: row for row in ((plan.get("confirmed") or {}).get("levels") or [])}
+    fastest = {row["concurrency"]: row["fastest"] for row in plan.get("method_by_concurrency") or []}
     k_max = plan["num_speculative_tokens"]
     names = [name for name in ("ngram", "eagle3") if name in speedups]
     lines = ["", "## Acceptance and speed-up across load", "",
@@ -302,8 +303,8 @@ def render_plan_md(plan: dict) -> list[str]:
              f"plan.py); the confirmed speed-up is the chosen setting served.", "",
              "| concurrency | " + " | ".join(f"{name} speed-up" for name in names)
              + " | eagle3 mean acceptance length | per request: median [min-max] | chosen k | estimated speed-up "
-               "| confirmed speed-up | confirmed draft tokens per draft |",
-             "|---|" + "---|" * len(names) + "---|---|---|---|---|---|"]
+               "| confirmed speed-up | confirmed draft tokens per draft | fastest |",
+             "|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|"]
     for i, level in enumerate(levels):
         row, est, conf = acceptance.get(level) or {}, estimate.get(level) or {}, confirmed.get(level) or {}
         lines.append(f"| {level} | " + " | ".join(format_speedup(speedups[name][i]) for name in names)
@@ -313,7 +314,7 @@ def render_plan_md(plan: dict) -> list[str]:
                        + (f" (k = {est['withdrawn_k']} served slower)" if est.get("withdrawn_k") else "")
                        + f" | {format_speedup(est.get('estimated_speedup'))} "
                        f"| {format_speedup(conf.get('speedup'))} "
-                       f"| {format_number(conf.get('draft_tokens_per_draft'))} |")
+                       f"| {format_number(conf.get('draft_tokens_per_draft'))} | {fastest.get(level, '-')} |")
     findings = plan.get("findings") or []
     lines += ["", "Acceptance across load: " + ("no collapse found." if not findings else "")]
     lines += [f"- FINDING: {finding['text']}" for finding in findings]
