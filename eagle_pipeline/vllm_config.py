@@ -1,17 +1,8 @@
 """One engine configured by vLLM's own code, without loading a model: its `VllmConfig`, the model runner, and the
 attention backend vLLM's selector returns for each kind of layer in it (the target's, the drafter's), with the
-KV-cache block size they must share.
-
-On the GPU host the platform is the real one. Where a config for CUDA is checked on a machine without CUDA (dry
-runs and the test suite on the CPU machine), the selection is CUDA's own: `vllm.platforms.cuda`'s platform class
-with its device capability set to the host's (`CUDA_CAPABILITY`). That module imports vLLM's compiled CUDA kernels
-only to register them; the CPU build has none, so a stand-in module takes their place while it is imported, and
-the kernels are never called. Each attention backend's `validate_configuration` then answers exactly as it does
-on the GPU (the reason CUDA refuses a named backend that the CPU platform silently replaces).
-
-It also holds the names the installed vLLM accepts (engine arguments, attention backends, KV-cache dtypes), which
-every config load checks (eagle_pipeline/config/): read from vLLM's source files, not imported, since importing
-vLLM takes seconds. Everything else imports vLLM inside its functions; eagle_pipeline.plan.rehearsal calls them.
+KV-cache block size they must share. On a machine without CUDA a config for CUDA is checked by CUDA's own selector
+at the GPU host's capability (`CUDA_CAPABILITY`; how, and why: docs/engines.md, "The engine rehearsal"). vLLM is
+imported inside the functions; eagle_pipeline.plan.rehearsal calls them.
 """
 
 from __future__ import annotations
@@ -113,21 +104,6 @@ def quiet_vllm() -> Iterator[None]:
         logger.setLevel(level)
         os.environ.clear()
         os.environ.update(saved_env)
-
-
-@contextlib.contextmanager
-def engine_environment(env: dict[str, str]) -> Iterator[None]:
-    """The engine's own environment (model runner, logging) in force while vLLM reads it."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def short_error(error: BaseException) -> str:
@@ -318,7 +294,8 @@ def check_engine(device: str, engine_args: dict[str, Any] | None = None, server_
     from vllm.config.cache import CacheConfig
     from vllm.v1.worker.utils import select_common_block_size
 
-    with quiet_vllm(), engine_environment(env or {}):
+    with quiet_vllm():  # which puts the environment back: the engine's own (model runner, logging) is set for vLLM
+        os.environ.update(env or {})
         try:
             vllm_config = create_config(engine_args, server_argv)
         except Exception as error:  # noqa: BLE001 - vLLM's refusal of the settings is the finding
