@@ -2,8 +2,7 @@
 per GPU on the host (two runs never load a model onto the same GPUs).
 
 A lock is an advisory `flock` on a file that also records its holder (pid, host, run, stage, start time,
-command). The kernel releases the flock when the holder dies however it dies, so a lock left by a dead
-process is taken over at once; its record is then reported as a note. A refusal names the live holder.
+command): docs/contracts.md, "Locks".
 
 The run lock of a detached job (scripts/launch.sh, scripts/jobs.sh: one job per run) is the same kind of lock,
 taken and read through this module's command line:

@@ -1,12 +1,7 @@
-"""Prompts the target writes itself (Magpie, Xu et al. 2024): its chat template rendered up to and
-including the user header, nothing after it, so that sampling from there writes a user turn. Any number
-of prompts without a download, in the target's own distribution of requests.
-
-Attempt k is sampled with its own seed (derived from the run's seed and k), so the kept prompts are the
-same however the attempts are batched, and raising data.num_samples appends prompts instead of changing
-the first ones. Every attempt is recorded in `self_written/part-*.jsonl` with the filter's verdict
-(eagle_pipeline/prompt_filter.py): a rerun continues after the last recorded attempt, and the rejection
-counts come from the records.
+"""Prompts the target writes itself (Magpie, Xu et al. 2024): its chat template rendered up to and including the
+user header, so that sampling from there writes a user turn; any number of prompts without a download, in the
+target's own distribution of requests. Each attempt's seed, and its record with the filter's verdict (a rerun
+continues after the last one recorded): docs/formats.md, "Prompts and their topics".
 """
 
 from __future__ import annotations

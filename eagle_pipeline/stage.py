@@ -187,17 +187,10 @@ class Stage:
 
     # -- the manifest protocol -----------------------------------------------------------------
     def start(self, inputs: dict[str, Any], samples: int | None = None, keep: tuple[str, ...] = ()) -> "Start":
-        """Start (or resume) the stage for these inputs, or say that it is already complete for them.
-
-        STARTED: the manifest now says "running" with these inputs and the stage does its work.
-        ALREADY_COMPLETE: nothing was written; the finished output is for exactly these inputs.
-
-        `samples` is how many samples this run wants: more than the finished output holds resumes the
-        stage to extend it (scaling up keeps finished work); fewer is refused, since later stages would
-        mix a smaller set with artifacts built from the larger one.
-
-        `keep`: names in the stage folder that --force leaves in place besides logs/ (what this run reads).
-        """
+        """Start (or resume) the stage for these inputs (STARTED: the manifest now says "running"), or say that it is
+        already complete for exactly them (ALREADY_COMPLETE: nothing was written). `samples`: how many this run
+        wants, more extending a finished output, fewer refused (later stages would mix a smaller set with artifacts
+        of the larger one). `keep`: names in the folder that --force leaves besides logs/ (what this run reads)."""
         self.inputs = inputs
         # --force does not read the old manifest: it is how a damaged one gets replaced.
         if self.force and (self.dir / "manifest.json").exists():

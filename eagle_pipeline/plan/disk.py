@@ -5,10 +5,9 @@ space before they write (eagle_pipeline.stage.check_disk).
 - stage 01: the conversations (token ids and text, CONVERSATION_BYTES_PER_TOKEN);
 - stage 02: every token's hidden states (samples.estimate_bytes); none in online mode;
 - stage 03: the vocabulary map (d2t int64, t2d bool);
-- stage 04: the checkpoints on disk at once (`kept_checkpoints`; speculators 0.9 saves every weight in bf16 and,
-  for the trained ones only, the optimizer's moments in bf16: AdamW's two, Muon's one; the embedding and the
-  draft lm_head are the target's, frozen (speculators.model.DraftVocabMixin), and have none), a flat
-  `train.init_from` rewritten in speculators' layout, and online the states in flight and the kept validation rows;
+- stage 04: the checkpoints on disk at once (`kept_checkpoints`, each `checkpoint_bytes`; the embedding and the
+  draft lm_head are the target's, frozen, with no optimizer moments), a flat `train.init_from` rewritten in
+  speculators' layout, and online the states in flight and the kept validation rows;
 - stage 05: the flat vLLM folder, and the SGLang folder with `convert.sglang`;
 - stage 06: the replay's captured states of the no-speculation answers (kept as its baseline): every layer any
   reading of the drafter needs (eagle_pipeline.predict.diagnose.capture_ids), not only the trained ones.
@@ -102,7 +101,6 @@ def _flat_init_from(cfg) -> bool:
     """Whether stage 04 rewrites train.init_from in speculators' layout: a flat folder, or one not readable here."""
     if not cfg.train.init_from:
         return False
-
     return not is_speculators_drafter(cfg.resolve_path(cfg.train.init_from))
 
 
