@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -104,9 +105,7 @@ def write_prompts(llm: Any, tokenizer: Any, settings: SelfWrittenPrompts, *, wan
 
 def attempt_stats(folder: Path, written_now: int = 0, seconds: float = 0.0) -> dict[str, Any]:
     attempts = read_attempts(folder)
-    verdicts: dict[str, int] = {}
-    for a in attempts:
-        verdicts[a["verdict"] or "kept"] = verdicts.get(a["verdict"] or "kept", 0) + 1
+    verdicts = Counter(a["verdict"] or "kept" for a in attempts)
     return {
         "attempts": len(attempts),
         "kept": verdicts.get("kept", 0),
