@@ -86,13 +86,5 @@ def materialize(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
 
 
 def resolve_verifier_path(path: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Turn `embedded:<name>` into a converted HF directory; leave other paths as they are."""
-    if path.startswith(EMBEDDED_PREFIX):
-        return materialize(path[len(EMBEDDED_PREFIX):], cache_dir)
-    return Path(path).expanduser()
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(materialize(sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"))
+    """Turn `embedded:<name>` into a converted HF directory (verifier.py resolves every other path)."""
+    return materialize(path.removeprefix(EMBEDDED_PREFIX), cache_dir)
