@@ -230,14 +230,12 @@ def main(argv: list[str]) -> int:
         link = None
         if options[:1] == ["--link"] and len(options) >= 2:
             link, options = Path(options[1]), options[2:]
-        if not all("=" in option for option in options):
-            print(f"error: {usage}", file=sys.stderr)
-            return 2
-        try:
-            return hold(lock, dict(option.split("=", 1) for option in options), command, link)
-        except BadInput as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        if all("=" in option for option in options):  # else the usage line below
+            try:
+                return hold(lock, dict(option.split("=", 1) for option in options), command, link)
+            except BadInput as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
     if action in ("state", "describe", "clear") and len(args) == 1 or action == "get" and len(args) == 2:
         lock = Path(args[0])
         if action == "clear":
@@ -248,8 +246,7 @@ def main(argv: list[str]) -> int:
         elif action == "describe":
             print(describe(record or {}))
         else:
-            value = (record or {}).get(args[1], "")
-            print(value)
+            print((record or {}).get(args[1], ""))
         return 0
     print(f"error: {usage}", file=sys.stderr)
     return 2
