@@ -200,9 +200,7 @@ def wait_group_gone(group: int, timeout: float) -> None:
 
 # The guard's program (python -c). Its stdin is a pipe whose write end only this process holds: it writes
 # "ready" once the child is ready and "stopped" once it has stopped the child itself, so EOF without "stopped"
-# means this process died (SIGKILL, the OOM killer). The guard then does what ChildProcess.stop() would have
-# done: SIGKILL to the child's whole process group at once if it never became ready, else SIGTERM to the
-# leader and, after the grace period, SIGKILL to the group.
+# means this process died (SIGKILL, the OOM killer), and the guard does what ChildProcess.stop() would have.
 _GUARD_PROGRAM = """
 import os, signal, sys, time
 

@@ -64,8 +64,7 @@ def _write_cache(cache: Path, entries: dict[str, dict[str, str]]) -> None:
 
 def cached_file_fingerprints(paths: list[Path], cache: Path | None = None) -> dict[Path, str]:
     """The sha256 of each file's bytes, taken from `cache` (default HASH_CACHE) where the file is still the one
-    that was hashed: same path, device, inode, size, mtime and ctime. A copy or a `touch` of the same bytes is
-    hashed once again and gives the same hash; a file rewritten with other bytes gives another."""
+    that was hashed (same path and `_identity`)."""
     cache = HASH_CACHE if cache is None else Path(cache)
     entries = _read_cache(cache)
     found: dict[Path, str] = {}
