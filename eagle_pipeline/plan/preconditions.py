@@ -253,9 +253,7 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
 
 def speculation_warnings(cfg: RunConfig) -> list[str]:
     """Settings that work but cost speculation what it is for, printed by stage 06's dry run (which serves the
-    target speculating): decode context parallelism on TRITON_MLA (vLLM's MLA backend on SM120), whose metadata
-    builder lacks `supports_dcp_with_varlen`, so that vLLM sends every verification of drafts through the prefill
-    path (vllm/v1/attention/backend.py, `_init_reorder_batch_threshold`)."""
+    target speculating): decode context parallelism on TRITON_MLA (docs/engines.md, "Engine settings")."""
     warnings = []
     dcp = cfg.verifier.engine_args.get("decode_context_parallel_size", 1)
     if isinstance(dcp, int) and dcp > 1 and cfg.verifier.attention_backend in (None, "TRITON_MLA"):
