@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import re
@@ -188,20 +189,14 @@ def requested_schedule(engine_args: dict[str, Any] | None, server_argv: list[str
     """The `num_speculative_tokens_per_batch_size` an engine's settings ask for (None where they ask for none)."""
     spec = (engine_args or {}).get("speculative_config")
     if server_argv is not None and "--speculative-config" in server_argv:
-        import json
-
         spec = json.loads(server_argv[server_argv.index("--speculative-config") + 1])
     return (spec or {}).get("num_speculative_tokens_per_batch_size") if isinstance(spec, dict) else None
 
 
 def schedule_problem(vllm_config, requested: Any) -> str | None:
-    """Why vLLM would not run the speculation schedule `requested` (None when it would, or none is asked for).
-
-    `create_engine_config` checks only its shape (entries of three integers); the ranges are checked when the
-    engine core builds its scheduler, which expands them with `build_dynamic_sd_schedule_lookup`
-    (`v1/core/sched/scheduler.py`, `v1/spec_decode/dynamic/utils.py`). The same call here refuses what the
-    scheduler would, before any model loads. With data parallelism vLLM drops the schedule and speculates with
-    `num_speculative_tokens` everywhere (`VllmConfig._maybe_disable_dynamic_sd_for_data_parallel`)."""
+    """Why vLLM would not run the speculation schedule `requested` (None when it would, or none is asked for): the
+    scheduler's own expansion of it, and vLLM dropping it under data parallelism (docs/engines.md, "Speculation
+    per batch size")."""
     if requested is None:
         return None
     spec = vllm_config.speculative_config
