@@ -121,22 +121,19 @@ def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None,
     return kwargs
 
 
-def as_server_flags(kwargs: dict[str, Any]) -> list[str]:
-    """Engine arguments as `vllm serve` flags: `key_name: value` -> `--key-name value`, a true flag alone."""
+def server_args(cfg: RunConfig) -> list[str]:
+    """The same engine settings as `llm_kwargs`, as `vllm serve` flags (model, dtype and max_model_len aside):
+    `key_name: value` -> `--key-name value`, a true flag alone."""
     args: list[str] = []
-    for key, value in kwargs.items():
+    for key, value in llm_kwargs(cfg, "").items():
         flag = "--" + key.replace("_", "-")
+        if key in ("model", "dtype", "max_model_len"):  # config keys own them: engine_args never holds one
+            continue
         if value is True:
             args.append(flag)
         elif value is not False and value is not None:
             args += [flag, value if isinstance(value, str) else json.dumps(value)]
     return args
-
-
-def server_args(cfg: RunConfig) -> list[str]:
-    """The same engine settings as `llm_kwargs`, as `vllm serve` flags (model, dtype and max_model_len aside)."""
-    aside = ("model", "dtype", "max_model_len")  # config keys own them: engine_args never holds one
-    return as_server_flags({key: value for key, value in llm_kwargs(cfg, "").items() if key not in aside})
 
 
 def server_kwargs(cfg: RunConfig) -> dict[str, Any]:
