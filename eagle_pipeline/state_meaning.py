@@ -179,5 +179,4 @@ def check_replay_states(states: Sequence[torch.Tensor], pairs: Sequence[tuple[Se
     samples = [CapturedSample(f"{where}, answer {i}", list(pairs[i][0]) + list(pairs[i][1]), states[i],
                               range(len(pairs[i][0]) - 1, len(pairs[i][0]) + len(pairs[i][1]) - 1)) for i in picked]
     return check_meaning(samples, head_loader(), slot_names(layer_ids, num_layers), greedy=greedy,
-                         fix="the engine captured wrong states; check its settings "
-                             "(docs/engines.md, \"Engine settings\") and rerun stage 06")
+                         fix=STAGE02_FIX.replace("stage 02 with --force", "stage 06"))
