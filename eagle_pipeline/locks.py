@@ -21,6 +21,7 @@ stale record (exit 1 while a live process holds the lock).
 
 from __future__ import annotations
 
+import datetime as dt
 import fcntl
 import json
 import os
@@ -67,8 +68,6 @@ class HeldLocks:
 
 
 def holder_record(**what: Any) -> dict[str, Any]:
-    import datetime as dt
-
     return {"pid": os.getpid(), "host": socket.gethostname(),
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv), **what}
