@@ -11,12 +11,10 @@ taken and read through this module's command line:
     python -m eagle_pipeline.locks state|describe|clear LOCK
     python -m eagle_pipeline.locks get LOCK KEY
 
-`hold` takes LOCK (exit 2 with one `error:` line naming the holder when a live process has it), records its own
-pid and process group with the KEY=VALUEs, links PATH to LOCK while it holds it, runs COMMAND and exits with
-its exit code; SIGTERM, SIGINT and SIGHUP are left to COMMAND (a stop signals the job's whole process group),
-so the lock is held until COMMAND has ended. `state` prints live, stale (a record left by a holder that ended
-without releasing) or free; `get` one field of the record, `describe` the record in one line; `clear` empties a
-stale record (exit 1 while a live process holds the lock).
+`hold` is `hold()` (exit 2 with one `error:` line naming a live holder; SIGTERM, SIGINT and SIGHUP are left to
+COMMAND, whose whole process group a stop signals, so the lock is held until COMMAND has ended); `state` prints
+live, stale or free (`probe`); `get` one field of the record, `describe` the record in one line; `clear` is
+`clear()` (exit 1 while a live process holds the lock).
 """
 
 from __future__ import annotations
@@ -198,8 +196,9 @@ def clear(path: Path) -> bool:
 
 
 def hold(path: Path, fields: dict[str, str], command: list[str], link: Path | None = None) -> int:
-    """Run `command` while holding the lock at `path` (recording this process, its process group and `fields`);
-    its exit code, 128 + the signal that ended it. BadInput naming the holder when a live process has the lock."""
+    """Run `command` while holding the lock at `path` (recording this process, its process group and `fields`;
+    `link`, where given, points at `path` meanwhile); its exit code, 128 + the signal that ended it. BadInput naming
+    the holder when a live process has the lock."""
     with HeldLocks() as held:
         take(path, holder_record(pgid=os.getpgrp(), **fields), held,
              busy="wait for it to end, or stop it with scripts/jobs.sh stop")
