@@ -148,7 +148,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     summary, points = results["summary"], results["points"]
     scaling = [points[e["name"]] for e in results["plan"] if e["change"] is None]
     tokens = [p["training_tokens"] for p in scaling]
-    plt, fig, ax = _figure()
+    plt, fig, ax = _figure(f"Data scaling: {results['meta']['config']}",
+                           "training tokens (assistant tokens of the conversations trained on)", "mean acceptance length")
     for kind, style in (("served", "o-"), ("predicted", "s--")):
         ys = [p[f"{kind}_mean_acceptance_length"] for p in scaling]
         if any(y is not None for y in ys):
@@ -161,9 +162,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
     if summary["ngram_mean_acceptance_length"] is not None:
         ax.axhline(summary["ngram_mean_acceptance_length"], color="grey", linestyle="-.", label="n-gram")
     ax.set_xscale("log")
-    ax.set_xlabel("training tokens (assistant tokens of the conversations trained on)")
-    ax.set_ylabel("mean acceptance length")
-    ax.set_title(f"Data scaling: {results['meta']['config']}")
     ax.grid(alpha=0.3)
     ax.legend()
     _save(plt, fig, path)
