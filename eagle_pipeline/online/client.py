@@ -1,11 +1,6 @@
 """One capture round trip through speculators' own code, as its online dataset makes it
-(`ArrowDataset._generate_hidden_states_once`): a completion request of `max_tokens=1` for the sample's token
-ids (`speculators.data_generation.vllm_client.generate_hidden_states`), the states fetched through the run's
-transfer (`hs_connectors`), checked (`check_hidden_states`: token ids, shape, finite values) and deleted.
-
-Stage 04 uses it where it needs states outside training: the probe of each capture server and the few
-validation rows it keeps (eagle_pipeline/online/endpoints.py, kept.py).
-"""
+(`ArrowDataset._generate_hidden_states_once`), for the states stage 04 needs outside training: each capture
+server's probe and the kept validation rows (eagle_pipeline/online/endpoints.py, kept.py)."""
 
 from __future__ import annotations
 
