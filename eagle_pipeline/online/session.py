@@ -1,15 +1,7 @@
-"""Stage 04's online part (hidden_states.mode: online), around the training it feeds:
-
-1. the Mooncake master and store, when the transfer is mooncake and no master is named (mooncake.py);
-2. the capture servers: those named in hidden_states.capture_endpoints, or one started on this host (servers.py);
-3. each server checked for the target, the layer ids and the connector, and probed with one sample (endpoints.py);
-4. the validation rows the replays read, captured once, kept (kept.py) and checked for meaning (state_meaning.py);
-5. while training runs, the bytes the states in flight hold, sampled (disk.py);
-6. afterwards: the peak, the servers' capture counters, restarts, and leftovers of the transfer folder removed.
-
-The ranks get what they need as `TrainRun.online` (settings.py) and ask the servers themselves, through
-speculators' online dataset.
-"""
+"""Stage 04's online part (hidden_states.mode: online) around the training it feeds, in the order of
+docs/online.md, "How to run it": services, servers, their checks, kept rows, the watch on the states in flight and
+the manifest's summary. The ranks get what they need as `TrainRun.online` (settings.py) and ask the servers
+themselves, through speculators' online dataset."""
 
 from __future__ import annotations
 
@@ -24,15 +16,7 @@ from eagle_pipeline.online.client import CaptureClient, transfer_for
 from eagle_pipeline.online.disk import FILE_OVERHEAD_BYTES, PeakWatch, sample_bytes, window_bound
 from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
 from eagle_pipeline.online.kept import KEPT_DIR, capture_kept, keep_count, kept_storage
-from eagle_pipeline.online.servers import (
-    CaptureServer,
-    capture_metrics,
-    free_share_reader,
-    parse_label,
-    run_label,
-    served_model_name,
-    server_kwargs_for,
-)
+from eagle_pipeline.online.servers import CaptureServer, capture_metrics, free_share_reader, server_kwargs_for
 from eagle_pipeline.online.settings import OnlineTraining, training_ranks
 from eagle_pipeline.outputs import folder_bytes
 from eagle_pipeline.samples import read_sample, sample_path
@@ -76,8 +60,7 @@ def check_named_endpoints(cfg, verifier, layout, rows: list[dict[str, Any]] | No
     them again, and probes them, once it runs). Without stage 02's rows (a dry run before it), each server must
     take the longest sample the config allows, as one started with this config does."""
     longest = max(r["seq_len"] for r in rows) if rows else cfg.hidden_states.max_seq_len
-    expected = ExpectedCapture(served_model=served_model_name(verifier),
-                               label=parse_label(run_label(cfg, verifier, layout)), longest_sequence=longest)
+    expected = ExpectedCapture.for_run(cfg, verifier, layout, longest)
     for endpoint in cfg.hidden_states.capture_endpoints:
         check_endpoint(endpoint, expected)
 
@@ -102,12 +85,6 @@ class OnlineSession:
         self.facts: dict[str, Any] = {}
         self.transfer_folders: set[Path] = set()
         self._stack = contextlib.ExitStack()
-
-    # -- what this run needs of a server ------------------------------------------------------------------
-    def expected(self) -> ExpectedCapture:
-        return ExpectedCapture(served_model=served_model_name(self.verifier),
-                               label=parse_label(run_label(self.cfg, self.verifier, self.layout)),
-                               longest_sequence=self.longest)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def __enter__(self) -> "OnlineSession":
@@ -151,7 +128,7 @@ class OnlineSession:
             endpoints = [server.endpoint]
         self.online = self.train_run.online or OnlineTraining.from_config(hs)
         self.online.endpoints, self.online.mooncake = endpoints, mooncake_client
-        expected = self.expected()
+        expected = ExpectedCapture.for_run(self.cfg, self.verifier, self.layout, self.longest)
         kept = {row: self.rows[row]["input_ids"] for row in self.val_rows[:keep_count(self.cfg)]}
         probe_ids = next(iter(kept.values()), self.rows[0]["input_ids"])
         transfer = transfer_for(self.online, self.train_run.split_dir / "hidden_states")
