@@ -3,10 +3,8 @@ target's vLLM server with the capture method and the config's transfer (and, for
 master or with one on this host, a Mooncake master and store beside it), checks nothing about data, and serves
 until SIGTERM or Ctrl-C, started again if it dies. `scripts/remote.sh capture CONFIG` runs it detached on a host.
 
-The trainer's host then names it in the same config: `hidden_states.capture_endpoints: [http://HOST:PORT/v1]`
-(and `hidden_states.mooncake.master: HOST:MASTER_PORT`); stage 04 checks that it captures this run's target,
-layer ids and transfer before training. With transfer file or fp8 both hosts must see the run folder at the same
-path (the states land in <run>/capture_server/states/ and the trainer reads the path the server answers with).
+The trainer's host names it in the same config, as it prints; with transfer file or fp8 both hosts must see the
+run folder at the same path (docs/online.md, "Capture servers on another host").
 
 On `device: cuda` it holds the locks of the GPUs it may use, as the stages do (eagle_pipeline/locks.py), until it
 stops. Exit codes as the stages': 2 for bad input (one `error:` line), 1 for a failure, 0 when stopped.
@@ -31,14 +29,6 @@ from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.verifier import Verifier
 
 STATES_DIR = Path("capture_server") / "states"
-
-
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop()
 
 
 def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port: int) -> None:
@@ -93,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
     parser.add_argument("--mooncake-port", type=int, default=50051, help="the Mooncake master's port when started here")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stops as Ctrl-C does
     try:
         serve(args.config, args.overrides, args.port, args.host, args.mooncake_port)
     except BadInput as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
-    except (_Stop, KeyboardInterrupt):
+    except KeyboardInterrupt:
         print("capture server stopped", file=sys.stderr)
         return 0
     except Exception as e:  # noqa: BLE001 - one line, exit 1, like the stages
