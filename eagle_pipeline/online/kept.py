@@ -1,9 +1,5 @@
-"""The validation rows whose states an online run captures once and keeps: the replay that picks the best
-checkpoint (train.predict_conversations) and stage 05's parity replay (convert.parity_prompts) read stored
-states of the first validation rows, as in an offline run. They live in `04_train/kept_states/hs_<row>.safetensors`
-(stage 02's row numbers, stage 02's format), and the training view links them in, so speculators reads them as
-cached samples instead of asking a server again each epoch (its file and fp8 backends look there first).
-"""
+"""The validation rows whose states an online run captures once and keeps for the replays (docs/online.md, "How to
+run it", step 4), in `04_train/kept_states/hs_<row>.safetensors` (stage 02's row numbers and format)."""
 
 from __future__ import annotations
 
