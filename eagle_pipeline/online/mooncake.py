@@ -1,12 +1,6 @@
 """The Mooncake store that carries hidden states from capture servers to trainers (hidden_states.transfer:
-mooncake): a master, which places objects, and a store, a process that holds the memory they live in, both
-from the `mooncake-transfer-engine-non-cuda` wheel (requirements/online.txt). The capture server's connector puts
-each sample there and the trainer's client gets and removes it; neither contributes memory of its own (a global
-segment of 0), so a capture server that dies and restarts takes no sample with it.
-
-Stage 04 starts a master and a store on this host when `hidden_states.mooncake.master` is not set; otherwise they
-run elsewhere (started by `python -m eagle_pipeline.online.serve_capture` on the capture host, or by the user).
-"""
+mooncake; docs/online.md, "The transfers"): a master, which places objects, and a store, the process that holds
+the memory they live in, both from the `mooncake-transfer-engine-non-cuda` wheel (requirements/online.txt)."""
 
 from __future__ import annotations
 
