@@ -1,20 +1,9 @@
 """Whether this host can run the pipeline's GPU build, checked before and after scripts/setup_env.sh installs it.
 
-- Before installing (`python3 -m eagle_pipeline.preflight --before-install`): the Python version, the NVIDIA
-  driver against the CUDA version of the pinned wheels (requirements/gpu.txt), the GPUs' compute capability,
-  a C compiler, free room on /dev/shm, the GPUs nvidia-smi lists, and, where .venv is still to be made, that
-  this Python can make it (`python3 -m venv` needs ensurepip: Debian's python3-venv) and that its disk has room.
-  This half runs on whatever Python will build .venv, before any package is there: this module imports only the
-  standard library at the top (the config reader and torch are imported inside the after-install half) and keeps
-  to Python 3.7's syntax, so that an old system Python gets an error line instead of a syntax error.
-- After installing (`.venv/bin/python -m eagle_pipeline.preflight [--config FILE]`): the same, then what the
-  installed torch sees (CUDA available, its CUDA version against the driver, enough devices for the GPUs the
-  config uses, kernels built for these GPUs), then one NCCL all-reduce across those GPUs
-  (eagle_pipeline/allreduce_check.py), in a process group of its own that is killed after a time limit. The
-  config's `env` applies to both, as to the stages: its CUDA_VISIBLE_DEVICES picks the GPUs.
-
-Every requirement that fails is one `error:` line naming it and its fix; all of them are printed, then the exit
-code is 2. Success prints one summary line. docs/gpu_host.md describes the requirements.
+docs/gpu_host.md, "The preflight", says what each half checks. The half before installing
+(`--before-install`) runs on whatever Python will build .venv, before any package is there: this module imports
+only the standard library at the top (the config reader and torch are imported inside the after-install half) and
+keeps to Python 3.7's syntax, so that an old system Python gets an error line instead of a syntax error.
 """
 
 from __future__ import annotations
@@ -136,7 +125,8 @@ def _capability(text: str) -> Optional[Capability]:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _mebibytes(text: str) -> Optional[int]:
+def _leading_int(text: str) -> Optional[int]:
+    """The number a field starts with: a memory figure's MiB, a driver version's branch."""
     match = re.match(r"\s*(\d+)", text)
     return int(match.group(1)) if match else None
 
@@ -145,14 +135,14 @@ def query_gpus() -> Tuple[Tuple[Gpu, ...], Optional[str]]:
     """The GPUs nvidia-smi lists, or why it listed none."""
     rows, problem = query_nvidia_smi(GPU_QUERY)
     if problem is None:
-        return tuple(Gpu(name=name, driver=driver, compute=_capability(cap), memory_mib=_mebibytes(memory))
+        return tuple(Gpu(name=name, driver=driver, compute=_capability(cap), memory_mib=_leading_int(memory))
                      for driver, cap, memory, name in rows), None
     if problem == NOT_ON_PATH:
         return (), problem
     rows, old_problem = query_nvidia_smi(OLD_DRIVER_QUERY)
     if old_problem is not None:
         return (), problem
-    return tuple(Gpu(name=name, driver=driver, compute=None, memory_mib=_mebibytes(memory))
+    return tuple(Gpu(name=name, driver=driver, compute=None, memory_mib=_leading_int(memory))
                  for driver, memory, name in rows), None
 
 
@@ -227,11 +217,6 @@ def _size(n: int) -> str:
     return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
-def _driver_branch(driver: str) -> Optional[int]:
-    match = re.match(r"\s*(\d+)", driver)
-    return int(match.group(1)) if match else None
-
-
 def _cuda_major(cuda: str) -> int:
     return int(cuda.split(".")[0])
 
@@ -247,6 +232,7 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
     """What the host lacks for wheels built for CUDA `cuda` (the pinned wheels' before installing, the installed
     torch's after); None where that version is not known, which skips the driver and capability checks."""
     problems = []
+    least = MIN_DRIVER.get(_cuda_major(cuda)) if cuda else None
     if host.python[:2] < req.python:
         have = ".".join(map(str, host.python))
         need = f"{req.python[0]}.{req.python[1]}"
@@ -257,7 +243,6 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
         problems.append(f"Python {have} ({host.python_path}) is older than {need}, which pyproject.toml "
                         f"(requires-python) and vllm {req.vllm} need: {fix}")
     if host.nvidia_smi_problem is not None:
-        least = MIN_DRIVER.get(_cuda_major(cuda)) if cuda else None
         driver = f"NVIDIA driver (R{least} or newer)" if least else "NVIDIA driver"
         problems.append(f"{host.nvidia_smi_problem}, so no NVIDIA GPU or driver can be found: install the {driver} "
                         f"and check that `nvidia-smi` lists the GPUs, or set up a CPU host "
@@ -267,7 +252,7 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
                         "(docker run --gpus all), or set up a CPU host with scripts/setup_env.sh cpu")
     if host.gpus and cuda is not None:
         driver = host.gpus[0].driver
-        branch, least = _driver_branch(driver), MIN_DRIVER.get(_cuda_major(cuda))
+        branch = _leading_int(driver)
         if branch is not None and least is not None and branch < least:
             problems.append(f"NVIDIA driver {driver} is older than R{least}, which {req.wheels(cuda)} need: update the "
                             f"driver to R{least} or newer (the distribution's nvidia-driver-{least} package or "
