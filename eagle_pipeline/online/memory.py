@@ -97,7 +97,6 @@ class TargetShape:
 
 @dataclass(frozen=True)
 class DrafterShape:
-    hidden: int
     draft_vocab: int
     layer_activations: int  # activation elements per token and TTT step of its decoder layer (`layer_activations`)
     trainable_params: int
@@ -116,7 +115,7 @@ class DrafterShape:
         # speculators 0.9 trains neither the embedding nor the drafter's lm_head (speculators/model.py sets both
         # requires_grad False: the head keeps the verifier's draft-vocabulary rows, or a release's).
         head = verifier_head = draft_vocab * hidden
-        return cls(hidden=hidden, draft_vocab=draft_vocab, layer_activations=layer_activations(dims),
+        return cls(draft_vocab=draft_vocab, layer_activations=layer_activations(dims),
                    trainable_params=params - embedding - head, frozen_params=embedding + head + verifier_head,
                    layer_params=layer, root_params=params - layer + verifier_head)
 
