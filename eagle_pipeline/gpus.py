@@ -1,9 +1,6 @@
 """The host's NVIDIA GPUs as nvidia-smi reports them, and the ones this process may use: the one place that runs
-nvidia-smi (the GPU preflight, the GPU locks, the GPU count a config is checked against, the memory plan).
-
-The GPU preflight imports this module before any package is installed, on whatever Python will build .venv: it
-imports only the standard library and keeps to Python 3.7's syntax (eagle_pipeline/preflight.py).
-"""
+nvidia-smi. The GPU preflight imports it before any package is installed, so it imports only the standard library
+and keeps to Python 3.7's syntax (eagle_pipeline/preflight.py)."""
 
 from __future__ import annotations
 
