@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from eagle_pipeline.samples import SAMPLES_DIR, StorageDtype, sample_matches, sample_path, write_sample
+from eagle_pipeline.samples import SAMPLES_DIR, StorageDtype, sample_files, sample_matches, sample_path, write_sample
 
 KEPT_DIR = "kept_states"
 
@@ -36,8 +36,8 @@ def capture_kept(client, rows: dict[int, list[int]], kept_dir: Path, *, num_stat
     captured now. Rows no longer asked for are removed."""
     kept_dir = Path(kept_dir)
     kept_dir.mkdir(parents=True, exist_ok=True)
-    for stale in kept_dir.glob("hs_*.safetensors"):
-        if stale.stem.removeprefix("hs_").isdigit() and int(stale.stem.removeprefix("hs_")) not in rows:
+    for row, stale in sample_files(kept_dir).items():
+        if row not in rows:
             stale.unlink()
     captured = 0
     for row, input_ids in rows.items():
@@ -57,8 +57,7 @@ def link_kept_states(view_dir: Path, order: list[int], kept_dir: Path) -> int:
     linked = 0
     for new_row, old_row in enumerate(order):
         link = sample_path(samples, new_row)
-        if link.is_symlink() or link.exists():
-            link.unlink()
+        link.unlink(missing_ok=True)
         kept = sample_path(kept_dir, old_row)
         if kept.is_file():
             os.symlink(os.path.relpath(kept, samples), link)
