@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -70,8 +71,6 @@ def probe_endpoint(client, input_ids: list[int], *, num_states: int, hidden_size
                    transfer: str) -> tuple[float, dict[str, Any]]:
     """Capture one sample through `client` (a CaptureClient of the run's transfer) and check what arrives; return
     the seconds the round trip took and the server's transfer parameters."""
-    import time
-
     started = time.monotonic()
     try:
         sample, params = client.capture(input_ids)

@@ -91,9 +91,6 @@ class TargetShape:
     kv_bytes_per_token: int  # the target's KV cache per token on one GPU (MLA: latent + rope, every layer)
     replicated_bytes: int = 0  # of weights_bytes, what every GPU holds whole (`replicated_params`)
 
-    def weights_per_gpu(self, gpus: int) -> float:
-        return (self.weights_bytes - self.replicated_bytes) / gpus + self.replicated_bytes
-
 
 @dataclass(frozen=True)
 class DrafterShape:
@@ -249,7 +246,7 @@ def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: Target
     """The co-located plan: what the capture server and one training rank hold on each GPU."""
     hidden_state_bytes = num_states * target.hidden_size * 2  # the capture's own cache group, bf16
     fixed = {
-        "weights": target.weights_per_gpu(gpus),
+        "weights": (target.weights_bytes - target.replicated_bytes) / gpus + target.replicated_bytes,
         "prefill activations": VLLM_ACTIVATIONS_GIB * GIB,
         "CUDA graphs": 0.0,  # none: capture servers run eager (a capture is one prefill, never a decode batch)
         "CUDA context": CUDA_CONTEXT_GIB * GIB,

@@ -189,9 +189,9 @@ class CaptureServer:
             server.start()
         except BaseException as error:  # noqa: BLE001 - handed to the thread that waits for the start
             self.error = error
-            self._ready.set()
             return
-        self._ready.set()
+        finally:
+            self._ready.set()
         try:
             while not self._stop.wait(self.poll_s):
                 code = server.returncode()
