@@ -35,14 +35,10 @@ WHEEL_CUDA = {"2.13.0": "13.0"}
 MIN_DRIVER = {12: 525, 13: 580}
 # CUDA 13 dropped Maxwell, Pascal and Volta: its libraries, and so the wheels built with it, start at Turing.
 MIN_COMPUTE = {12: (5, 0), 13: (7, 5)}
-# GPUs without NVLink exchange data through NCCL's shared-memory transport, and vLLM's worker message queues
-# and the training data loaders live in /dev/shm too. Docker's default of 64 MB makes NCCL fail while it sets
-# up; 2 GiB is the least this check lets through, not a measured need.
+# The least free /dev/shm this check lets through, not a measured need (docs/gpu_host.md says what uses it).
 MIN_SHM_BYTES = 2 * 1024**3
 SHM_PATH = "/dev/shm"
-# .venv's CUDA build installed: torch and its CUDA 13 libraries (cuDNN, cuBLAS, NCCL, cuSPARSE, ...), vLLM,
-# FlashInfer, Triton and the rest. An estimate from PyPI's wheel sizes (~4 GB of wheels, which unpack to two or
-# three times that), not a measured install; the CPU build takes ~4 GB.
+# .venv's CUDA build installed: an estimate from PyPI's wheel sizes, not a measured install (docs/gpu_host.md).
 MIN_VENV_BYTES = 12 * 1024**3
 # Starting one process per GPU, importing torch in each and setting NCCL up takes seconds to a minute; a hang
 # in NCCL's set-up would otherwise never end.
