@@ -130,16 +130,12 @@ def _leading_int(text: str) -> Optional[int]:
 def query_gpus() -> Tuple[Tuple[Gpu, ...], Optional[str]]:
     """The GPUs nvidia-smi lists, or why it listed none."""
     rows, problem = query_nvidia_smi(GPU_QUERY)
-    if problem is None:
-        return tuple(Gpu(name=name, driver=driver, compute=_capability(cap), memory_mib=_leading_int(memory))
-                     for driver, cap, memory, name in rows), None
-    if problem == NOT_ON_PATH:
-        return (), problem
-    rows, old_problem = query_nvidia_smi(OLD_DRIVER_QUERY)
-    if old_problem is not None:
-        return (), problem
-    return tuple(Gpu(name=name, driver=driver, compute=None, memory_mib=_leading_int(memory))
-                 for driver, memory, name in rows), None
+    if problem is not None and problem != NOT_ON_PATH:
+        old_rows, old_problem = query_nvidia_smi(OLD_DRIVER_QUERY)
+        if old_problem is None:  # no compute capability to report
+            rows, problem = [[driver, "", memory, name] for driver, memory, name in old_rows], None
+    return tuple(Gpu(name=name, driver=driver, compute=_capability(cap), memory_mib=_leading_int(memory))
+                 for driver, cap, memory, name in rows), problem
 
 
 def find_c_compiler() -> Optional[str]:
@@ -432,16 +428,15 @@ def after_install(host: HostFacts, req: Requirements, config: Optional[str], rea
     try:
         torch = read_torch()
     except ImportError as e:
-        problems += host_problems(host, req, req.wheel_cuda)
-        problems.append(f"torch cannot be imported by {sys.executable} ({e}): "
-                        f"build .venv with scripts/setup_env.sh gpu")
-        return problems, None
+        failed = f"torch cannot be imported by {sys.executable} ({e}): build .venv with scripts/setup_env.sh gpu"
     except RuntimeError as e:  # CUDA started but a device could not be queried
-        problems += host_problems(host, req, req.wheel_cuda)
-        problems.append(f"torch failed while asking the GPUs for their name and capability "
-                        f"({' '.join(str(e).split())}): check the GPUs with nvidia-smi -q (Xid errors in dmesg, a GPU "
-                        f"fallen off the bus) and reboot if needed")
-        return problems, None
+        failed = (f"torch failed while asking the GPUs for their name and capability ({' '.join(str(e).split())}): "
+                  f"check the GPUs with nvidia-smi -q (Xid errors in dmesg, a GPU fallen off the bus) and reboot if "
+                  f"needed")
+    else:
+        failed = None
+    if failed is not None:
+        return problems + host_problems(host, req, req.wheel_cuda) + [failed], None
     problems += host_problems(host, req, torch.cuda or req.wheel_cuda)
     problems += torch_problems(torch, req, needed, needed_by)
     world = needed if config else len(torch.devices)
