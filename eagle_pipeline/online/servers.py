@@ -145,14 +145,13 @@ class CaptureServer:
     (eagle_pipeline/child_process.py); this class decides when to start it again."""
 
     def __init__(self, server_kwargs: dict[str, Any], log_path: Path, *, port: int | None = None,
-                 startup_timeout_s: float = 1200.0, max_restarts: int = MAX_RESTARTS, poll_s: float = 1.0,
+                 startup_timeout_s: float = 1200.0, poll_s: float = 1.0,
                  restart_share: Callable[[], float] | None = None):
         self.server_kwargs = server_kwargs
         self.restart_share = restart_share
         self.log_path = Path(log_path)
         self.port = port or find_free_port()
         self.startup_timeout_s = startup_timeout_s
-        self.max_restarts = max_restarts
         self.poll_s = poll_s
         self.restarts = 0
         self.gave_up = False
@@ -199,7 +198,7 @@ class CaptureServer:
                     continue
                 log.warning("capture server %s exited with %s; see %s", self.endpoint, code, self.log_path)
                 server.stop()
-                if self.restarts >= self.max_restarts:
+                if self.restarts >= MAX_RESTARTS:
                     self.gave_up = True
                     log.error("capture server %s died %d times; not starting it again", self.endpoint,
                               self.restarts + 1)
@@ -213,7 +212,7 @@ class CaptureServer:
                                     self.endpoint, share)
                     server.start()
                     log.warning("capture server %s started again (restart %d of %d)", self.endpoint, self.restarts,
-                                self.max_restarts)
+                                MAX_RESTARTS)
                 except Exception as error:  # noqa: BLE001 - the trainer's retries then run out and name the server
                     log.error("capture server %s did not start again: %s", self.endpoint, error)
                     self.gave_up = True
