@@ -76,15 +76,10 @@ def local_address(settings: MooncakeSettings, master: str) -> str:
 def names_this_host(address: str) -> bool:
     """Whether host:port names this machine (an address of it that a socket can bind), so that the capture host
     starts the master the config names."""
-    host = address.rpartition(":")[0]
-    try:
-        ip = socket.gethostbyname(host)
-    except OSError:
-        return False
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((ip, 0))
-    except OSError:
+            sock.bind((socket.gethostbyname(address.rpartition(":")[0]), 0))
+    except OSError:  # a name that does not resolve, or an address of another machine
         return False
     return True
 
@@ -137,11 +132,10 @@ class MooncakeServices:
                                                      f"--rpc_address={bind}", f"--metrics_port={metrics_port}"])
             master.wait_ready(lambda: read_metrics(self.metrics_url) is not None, self.start_timeout_s,
                               "the Mooncake master to answer")
-            store_gib = self.settings.store_gib
             store = self._start("mooncake-store", [
                 str(program_path(STORE_PROGRAM)), f"--master_server_address={self.master}",
                 f"--metadata_server={METADATA_SERVER}", f"--host={local_address(self.settings, self.master)}",
-                f"--port={store_port}", f"--global_segment_size={int(store_gib * 2**30)}",
+                f"--port={store_port}", f"--global_segment_size={int(self.settings.store_gib * 2**30)}",
                 f"--protocol={self.settings.protocol}", f"--device_names={self.settings.device}",
             ])
             store.wait_ready(lambda: read_metrics(self.metrics_url).get("master_total_capacity_bytes", 0) > 0,
