@@ -19,10 +19,8 @@ def transfer_for(online: OnlineTraining, samples_dir: Path) -> Any:
     from hs_connectors import FileTransfer, FP8Transfer, MooncakeTransfer
     from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 
-    if online.transfer == "file":
-        return FileTransfer(Path(samples_dir))
-    if online.transfer == "fp8":
-        return FP8Transfer(Path(samples_dir))
+    if online.transfer != "mooncake":
+        return {"file": FileTransfer, "fp8": FP8Transfer}[online.transfer](Path(samples_dir))
     store = MooncakeHiddenStatesStore(MooncakeStoreConfig.from_dict(online.mooncake))
     return MooncakeTransfer(store)
 
