@@ -279,8 +279,7 @@ def run_plan(cfg, verifier, layout) -> MemoryPlan | str | None:
     if cfg.train.num_gpus != gpus:
         return (f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
                 f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size")
-    share = capture_share(cfg)
-    return plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=share,
+    return plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=capture_share(cfg),
                        target=target_shape(verifier.path, verifier.text_config(), gpus),
                        drafter=DrafterShape.from_dims(planned_draft_dims(cfg, verifier, len(layout.layer_ids))),
                        num_states=layout.num_hidden_states, longest_sequence=hs.max_seq_len,

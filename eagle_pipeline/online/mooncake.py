@@ -24,7 +24,6 @@ STORE_PROGRAM = "mooncake_client"
 METADATA_SERVER = "P2PHANDSHAKE"
 # The trainer's and the connector's own staging memory for one transfer; the states themselves live in the store.
 CLIENT_BUFFER_BYTES = 256 * 2**20
-INSTALL_HINT = "pip install -r requirements/online.txt (and apt-get install libibverbs1, which its binaries load)"
 
 
 def mooncake_problem() -> str | None:
@@ -44,8 +43,8 @@ def mooncake_problem() -> str | None:
 def mooncake_refusal() -> str | None:
     """The error line for a host without the Mooncake transfer (mooncake_problem), or None."""
     problem = mooncake_problem()
-    return (f"hidden_states.transfer: mooncake, but {problem}; {INSTALL_HINT}, or use transfer: file"
-            if problem else None)
+    return (f"hidden_states.transfer: mooncake, but {problem}; pip install -r requirements/online.txt (and apt-get "
+            f"install libibverbs1, which its binaries load), or use transfer: file" if problem else None)
 
 
 def require_mooncake() -> None:

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from eagle_pipeline import locks
@@ -32,8 +33,6 @@ STATES_DIR = Path("capture_server") / "states"
 
 
 def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port: int) -> None:
-    from contextlib import ExitStack
-
     cfg = load_config(config, overrides)
     hs = cfg.hidden_states
     if hs.mode != "online":
