@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,7 @@ def check_endpoint(endpoint: str, expected: ExpectedCapture, timeout: float = 10
     try:
         with urllib.request.urlopen(endpoint.rstrip("/") + "/models", timeout=timeout) as response:
             models = json.loads(response.read().decode())["data"]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:  # urllib's URLError is an OSError
         raise BadInput(f"{KEY}: {shown} does not answer as a vLLM server ({type(e).__name__}: {e}); {FIX}, or "
                        f"remove it") from None
     names = [str(card.get("id")) for card in models if isinstance(card, dict)]
