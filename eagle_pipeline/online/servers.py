@@ -75,8 +75,7 @@ CAPTURE_COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total",
 
 
 def capture_metrics(endpoint: str, timeout: float = 10.0) -> dict[str, float]:
-    """Prompt tokens a server has captured and the seconds its prefills took, from its Prometheus metrics (since
-    it last started)."""
+    """CAPTURE_COUNTERS of the server at `endpoint` (its /v1 base URL)."""
     base = endpoint.removesuffix("/").removesuffix("/v1")
     sums = sample_sums(read_prometheus(f"{base}/metrics", timeout))
     return {key: sums.get(name, 0.0) for key, name in CAPTURE_COUNTERS.items()}
@@ -141,8 +140,7 @@ class CaptureServer:
     """`with CaptureServer(server_kwargs, log_path) as server:` starts a capture server on a free port (or
     `port`) and keeps it up until the block ends: a server that dies is started again on the same port, up to
     MAX_RESTARTS times, asking vLLM for `restart_share()` of each GPU when that is given (`free_share_reader`).
-    `server.endpoint` is the base URL speculators asks. Starting, watching and stopping the server is VllmServer's
-    (eagle_pipeline/child_process.py); this class decides when to start it again."""
+    `server.endpoint` is the base URL speculators asks; starting and stopping the server is VllmServer's."""
 
     def __init__(self, server_kwargs: dict[str, Any], log_path: Path, *, port: int | None = None,
                  startup_timeout_s: float = 1200.0, poll_s: float = 1.0,
