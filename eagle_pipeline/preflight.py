@@ -272,14 +272,8 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
                         f"loaders need: in Docker start the container with --shm-size=16g or --ipc=host; on a host "
                         f"remount it larger (sudo mount -o remount,size=16G {host.shm_path}) or delete stale files of "
                         f"crashed runs from it")
-    if not host.in_venv:
-        problems += venv_problems(host, req)
-    return problems
-
-
-def venv_problems(host: HostFacts, req: Requirements) -> List[str]:
-    """What stops scripts/setup_env.sh from making .venv with this Python: no venv module, too little disk."""
-    problems = []
+    if host.in_venv:  # .venv is made already: what would stop setup_env.sh from making it is moot
+        return problems
     if host.venv_problem is not None:
         version = f"{host.python[0]}.{host.python[1]}"
         problems.append(f"`{Path(host.python_path).name} -m venv` cannot make .venv: {host.venv_problem}: install "
