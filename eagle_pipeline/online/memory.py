@@ -1,10 +1,8 @@
-"""Whether an online run's target and trainer fit on the same GPUs (co-located), from arithmetic a dry run prints:
-the capture server holds `hidden_states.capture_gpu_memory_utilization` of every GPU and the trainer, its drafter
-sharded with FSDP over the same GPUs, lives in the rest. docs/online.md, "Kimi-K2.5 on the one 8-GPU host", shows
-the arithmetic for Kimi-K2.5 and why time-slicing the GPUs instead does not fit speculators' online dataset.
-
-Every figure is an estimate whose parts are printed; the constants below are the assumptions, sized for a
-Kimi-K2.5-class target on Blackwell GPUs and meant to be checked against `nvidia-smi` on the first run.
+"""Whether an online run's target and trainer fit on the same GPUs (co-located): the capture server holds
+`hidden_states.capture_gpu_memory_utilization` of every GPU and the trainer, sharded with FSDP over the same GPUs,
+the rest. Every figure is an estimate whose parts a dry run prints; the constants below are its assumptions, sized
+for a Kimi-K2.5-class target on Blackwell GPUs (docs/online.md, "Kimi-K2.5 on the one 8-GPU host", shows the
+arithmetic, why time-slicing the GPUs does not fit, and that the first run should check it with `nvidia-smi`).
 """
 
 from __future__ import annotations
