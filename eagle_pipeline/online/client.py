@@ -28,11 +28,10 @@ def transfer_for(online: OnlineTraining, samples_dir: Path) -> Any:
 class CaptureClient:
     """Hidden states of token id sequences from one capture server."""
 
-    def __init__(self, endpoint: str, model: str, transfer: Any, request_timeout_s: float = 120.0, retries: int = 0):
+    def __init__(self, endpoint: str, model: str, transfer: Any):
         import openai
 
         self.endpoint, self.model, self.transfer = endpoint, model, transfer
-        self.request_timeout_s, self.retries = request_timeout_s, retries
         self._client = openai.OpenAI(base_url=endpoint, api_key="EMPTY", max_retries=0)
         self._setup = False
 
@@ -47,7 +46,7 @@ class CaptureClient:
             self._setup = True
         ids = [int(i) for i in input_ids]
         handle, params = generate_hidden_states(self._client, self.model, {"input_ids": ids},
-                                                timeout=self.request_timeout_s, max_retries=self.retries)
+                                                timeout=120.0, max_retries=0)  # one try: stage 04 names the server
         try:
             sample = self.transfer.get_generated(params)
             if sample is None:
