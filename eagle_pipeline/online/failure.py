@@ -33,7 +33,6 @@ def online_rank(online: OnlineTraining | None, out_dir: Path, rank: int) -> Iter
     if online is None:
         yield
         return
-    # One line per capture request would bury the training log.
     for name in ("httpx", "httpx2"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if online.mooncake and online.mooncake.get("local_hostname"):
