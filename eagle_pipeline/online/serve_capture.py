@@ -18,7 +18,6 @@ import socket
 import sys
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 from eagle_pipeline import locks
 from eagle_pipeline.config import load_config
@@ -28,8 +27,6 @@ from eagle_pipeline.online import mooncake as mc
 from eagle_pipeline.online.servers import CaptureServer, free_share_reader, server_kwargs_for
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.verifier import Verifier
-
-STATES_DIR = Path("capture_server") / "states"
 
 
 def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port: int) -> None:
@@ -41,7 +38,8 @@ def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port
     verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     address = host if host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
-    logs = cfg.run_dir / "capture_server" / "logs"
+    own = cfg.run_dir / "capture_server"  # its logs, and the states in flight of the file and fp8 transfers
+    logs = own / "logs"
     with ExitStack() as stack:
         if cfg.device == "cuda":  # the GPUs the stages lock: a server left running is named to stage 06, not hit
             held = stack.enter_context(locks.HeldLocks())
@@ -58,7 +56,7 @@ def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port
                       f"hidden_states.mooncake.master: {master} on the trainer's host", flush=True)
             mooncake_client = mc.client_config(hs.mooncake, master)
         else:
-            storage = cfg.run_dir / STATES_DIR
+            storage = own / "states"
             storage.mkdir(parents=True, exist_ok=True)
         kwargs = server_kwargs_for(cfg, verifier, layout, storage=storage, mooncake_client=mooncake_client,
                                    longest_sequence=hs.max_seq_len, listen_host=host)
