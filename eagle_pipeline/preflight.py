@@ -185,7 +185,6 @@ def read_host_facts(shm_path: str = SHM_PATH, statvfs: Callable = os.statvfs) ->
 
 
 def read_torch_facts() -> TorchFacts:
-    """Ask the installed torch; only the after-install half calls this."""
     import warnings
 
     import torch
@@ -304,16 +303,15 @@ def torch_problems(torch: TorchFacts, req: Requirements, gpus_needed: int, neede
     if torch.cuda is None:
         return [f".venv's torch {torch.version} is a CPU build (torch.version.cuda is None), so it cannot use the "
                 f"GPUs: rebuild .venv for this GPU host: {rebuild}"]
-    problems = []
     if not torch.available:
         why = f" ({torch.unavailable_reason})" if torch.unavailable_reason else ""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f"CUDA_VISIBLE_DEVICES is {visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES is unset"
-        problems.append(f"torch.cuda.is_available() is False for torch {torch.version} (CUDA {torch.cuda}){why}: check "
-                        f"that nvidia-smi works for this user, that the driver is "
-                        f"R{MIN_DRIVER.get(_cuda_major(torch.cuda), '?')} or newer, "
-                        f"and that {shown} names GPUs that exist")
-        return problems
+        return [f"torch.cuda.is_available() is False for torch {torch.version} (CUDA {torch.cuda}){why}: check "
+                f"that nvidia-smi works for this user, that the driver is "
+                f"R{MIN_DRIVER.get(_cuda_major(torch.cuda), '?')} or newer, "
+                f"and that {shown} names GPUs that exist"]
+    problems = []
     if len(torch.devices) < gpus_needed:
         problems.append(f"{needed_by} uses {gpus_needed} GPUs but torch sees {len(torch.devices)}: make more visible "
                         f"(CUDA_VISIBLE_DEVICES, docker run --gpus all) or free them, or lower "
