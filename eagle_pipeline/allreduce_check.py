@@ -1,10 +1,8 @@
 """One all-reduce across the GPUs, the collective that tensor parallelism and multi-GPU training depend on.
 
-`python -m eagle_pipeline.allreduce_check WORLD_SIZE` starts one process per GPU (torch.multiprocessing), each
-adds rank+1 into a tensor on its GPU with NCCL, and compares every element with the expected sum. It prints
-one line and exits 0 when every rank got that sum, 1 otherwise. eagle_pipeline/preflight.py runs it after
-installing, under a time limit. `--backend gloo` runs the same on CPU processes, which is how it is tested
-on hosts without GPUs.
+`python -m eagle_pipeline.allreduce_check WORLD_SIZE` does what docs/gpu_host.md, "The preflight", describes and
+prints one line: exit 0 when every rank got the expected sum, 1 otherwise. `--backend gloo` runs the same on CPU
+processes, which is how it is tested on hosts without GPUs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The host's NVIDIA GPUs as nvidia-smi reports them, and the ones this process may use: the one place that runs
-nvidia-smi (the GPU preflight, the GPU locks, the GPU count a config is checked against, the memory plan).
-
-The GPU preflight imports this module before any package is installed, on whatever Python will build .venv: it
-imports only the standard library and keeps to Python 3.7's syntax (eagle_pipeline/preflight.py).
-"""
+nvidia-smi. The GPU preflight imports it before any package is installed, so it imports only the standard library
+and keeps to Python 3.7's syntax (eagle_pipeline/preflight.py)."""
 
 from __future__ import annotations
 
@@ -43,11 +40,9 @@ def query(fields: Sequence[str], gpus: Optional[Sequence[str]] = None,
     args = ["--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"]
     if gpus:
         args += ["-i", ",".join(gpus)]
-    out, problem = run_nvidia_smi(args, timeout)
-    if problem is not None:
-        return [], problem
+    out, problem = run_nvidia_smi(args, timeout)  # no output when there is a problem
     rows = [[part.strip() for part in line.split(",", len(fields) - 1)] for line in out.splitlines() if line.strip()]
-    return [row for row in rows if len(row) == len(fields)], None
+    return [row for row in rows if len(row) == len(fields)], problem
 
 
 def listed_count(timeout: float = 30) -> Tuple[int, Optional[str]]:
@@ -69,8 +64,8 @@ def visible_gpus() -> Optional[List[str]]:
 def gpu_memory_bytes(field: str = "memory.total", gpus: Sequence[str] | None = None) -> int | None:
     """The smallest figure among the GPUs `gpus` (nvidia-smi's indices or UUIDs; all of them when None) of
     nvidia-smi's `field` (memory.total, memory.free), None without nvidia-smi."""
-    rows, problem = query([field], gpus, timeout=30)
+    rows, _ = query([field], gpus, timeout=30)
     try:
-        return min(int(row[0]) for row in rows) * 2**20 if problem is None else None
-    except ValueError:  # no GPU listed, or a figure that is not a number ("[N/A]")
+        return min(int(row[0]) for row in rows) * 2**20
+    except ValueError:  # no GPU listed (or no nvidia-smi), or a figure that is not a number ("[N/A]")
         return None

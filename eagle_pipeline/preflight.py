@@ -1,20 +1,9 @@
 """Whether this host can run the pipeline's GPU build, checked before and after scripts/setup_env.sh installs it.
 
-- Before installing (`python3 -m eagle_pipeline.preflight --before-install`): the Python version, the NVIDIA
-  driver against the CUDA version of the pinned wheels (requirements/gpu.txt), the GPUs' compute capability,
-  a C compiler, free room on /dev/shm, the GPUs nvidia-smi lists, and, where .venv is still to be made, that
-  this Python can make it (`python3 -m venv` needs ensurepip: Debian's python3-venv) and that its disk has room.
-  This half runs on whatever Python will build .venv, before any package is there: this module imports only the
-  standard library at the top (the config reader and torch are imported inside the after-install half) and keeps
-  to Python 3.7's syntax, so that an old system Python gets an error line instead of a syntax error.
-- After installing (`.venv/bin/python -m eagle_pipeline.preflight [--config FILE]`): the same, then what the
-  installed torch sees (CUDA available, its CUDA version against the driver, enough devices for the GPUs the
-  config uses, kernels built for these GPUs), then one NCCL all-reduce across those GPUs
-  (eagle_pipeline/allreduce_check.py), in a process group of its own that is killed after a time limit. The
-  config's `env` applies to both, as to the stages: its CUDA_VISIBLE_DEVICES picks the GPUs.
-
-Every requirement that fails is one `error:` line naming it and its fix; all of them are printed, then the exit
-code is 2. Success prints one summary line. docs/gpu_host.md describes the requirements.
+docs/gpu_host.md, "The preflight", says what each half checks. The half before installing
+(`--before-install`) runs on whatever Python will build .venv, before any package is there: this module imports
+only the standard library at the top (the config reader and torch are imported inside the after-install half) and
+keeps to Python 3.7's syntax, so that an old system Python gets an error line instead of a syntax error.
 """
 
 from __future__ import annotations
@@ -46,14 +35,10 @@ WHEEL_CUDA = {"2.13.0": "13.0"}
 MIN_DRIVER = {12: 525, 13: 580}
 # CUDA 13 dropped Maxwell, Pascal and Volta: its libraries, and so the wheels built with it, start at Turing.
 MIN_COMPUTE = {12: (5, 0), 13: (7, 5)}
-# GPUs without NVLink exchange data through NCCL's shared-memory transport, and vLLM's worker message queues
-# and the training data loaders live in /dev/shm too. Docker's default of 64 MB makes NCCL fail while it sets
-# up; 2 GiB is the least this check lets through, not a measured need.
+# The least free /dev/shm this check lets through, not a measured need (docs/gpu_host.md says what uses it).
 MIN_SHM_BYTES = 2 * 1024**3
 SHM_PATH = "/dev/shm"
-# .venv's CUDA build installed: torch and its CUDA 13 libraries (cuDNN, cuBLAS, NCCL, cuSPARSE, ...), vLLM,
-# FlashInfer, Triton and the rest. An estimate from PyPI's wheel sizes (~4 GB of wheels, which unpack to two or
-# three times that), not a measured install; the CPU build takes ~4 GB.
+# .venv's CUDA build installed: an estimate from PyPI's wheel sizes, not a measured install (docs/gpu_host.md).
 MIN_VENV_BYTES = 12 * 1024**3
 # Starting one process per GPU, importing torch in each and setting NCCL up takes seconds to a minute; a hang
 # in NCCL's set-up would otherwise never end.
@@ -136,7 +121,8 @@ def _capability(text: str) -> Optional[Capability]:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _mebibytes(text: str) -> Optional[int]:
+def _leading_int(text: str) -> Optional[int]:
+    """The number a field starts with: a memory figure's MiB, a driver version's branch."""
     match = re.match(r"\s*(\d+)", text)
     return int(match.group(1)) if match else None
 
@@ -144,16 +130,12 @@ def _mebibytes(text: str) -> Optional[int]:
 def query_gpus() -> Tuple[Tuple[Gpu, ...], Optional[str]]:
     """The GPUs nvidia-smi lists, or why it listed none."""
     rows, problem = query_nvidia_smi(GPU_QUERY)
-    if problem is None:
-        return tuple(Gpu(name=name, driver=driver, compute=_capability(cap), memory_mib=_mebibytes(memory))
-                     for driver, cap, memory, name in rows), None
-    if problem == NOT_ON_PATH:
-        return (), problem
-    rows, old_problem = query_nvidia_smi(OLD_DRIVER_QUERY)
-    if old_problem is not None:
-        return (), problem
-    return tuple(Gpu(name=name, driver=driver, compute=None, memory_mib=_mebibytes(memory))
-                 for driver, memory, name in rows), None
+    if problem is not None and problem != NOT_ON_PATH:
+        old_rows, old_problem = query_nvidia_smi(OLD_DRIVER_QUERY)
+        if old_problem is None:  # no compute capability to report
+            rows, problem = [[driver, "", memory, name] for driver, memory, name in old_rows], None
+    return tuple(Gpu(name=name, driver=driver, compute=_capability(cap), memory_mib=_leading_int(memory))
+                 for driver, cap, memory, name in rows), problem
 
 
 def find_c_compiler() -> Optional[str]:
@@ -203,7 +185,6 @@ def read_host_facts(shm_path: str = SHM_PATH, statvfs: Callable = os.statvfs) ->
 
 
 def read_torch_facts() -> TorchFacts:
-    """Ask the installed torch; only the after-install half calls this."""
     import warnings
 
     import torch
@@ -227,11 +208,6 @@ def _size(n: int) -> str:
     return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
-def _driver_branch(driver: str) -> Optional[int]:
-    match = re.match(r"\s*(\d+)", driver)
-    return int(match.group(1)) if match else None
-
-
 def _cuda_major(cuda: str) -> int:
     return int(cuda.split(".")[0])
 
@@ -247,6 +223,7 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
     """What the host lacks for wheels built for CUDA `cuda` (the pinned wheels' before installing, the installed
     torch's after); None where that version is not known, which skips the driver and capability checks."""
     problems = []
+    least = MIN_DRIVER.get(_cuda_major(cuda)) if cuda else None
     if host.python[:2] < req.python:
         have = ".".join(map(str, host.python))
         need = f"{req.python[0]}.{req.python[1]}"
@@ -257,7 +234,6 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
         problems.append(f"Python {have} ({host.python_path}) is older than {need}, which pyproject.toml "
                         f"(requires-python) and vllm {req.vllm} need: {fix}")
     if host.nvidia_smi_problem is not None:
-        least = MIN_DRIVER.get(_cuda_major(cuda)) if cuda else None
         driver = f"NVIDIA driver (R{least} or newer)" if least else "NVIDIA driver"
         problems.append(f"{host.nvidia_smi_problem}, so no NVIDIA GPU or driver can be found: install the {driver} "
                         f"and check that `nvidia-smi` lists the GPUs, or set up a CPU host "
@@ -267,7 +243,7 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
                         "(docker run --gpus all), or set up a CPU host with scripts/setup_env.sh cpu")
     if host.gpus and cuda is not None:
         driver = host.gpus[0].driver
-        branch, least = _driver_branch(driver), MIN_DRIVER.get(_cuda_major(cuda))
+        branch = _leading_int(driver)
         if branch is not None and least is not None and branch < least:
             problems.append(f"NVIDIA driver {driver} is older than R{least}, which {req.wheels(cuda)} need: update the "
                             f"driver to R{least} or newer (the distribution's nvidia-driver-{least} package or "
@@ -295,14 +271,8 @@ def host_problems(host: HostFacts, req: Requirements, cuda: Optional[str]) -> Li
                         f"loaders need: in Docker start the container with --shm-size=16g or --ipc=host; on a host "
                         f"remount it larger (sudo mount -o remount,size=16G {host.shm_path}) or delete stale files of "
                         f"crashed runs from it")
-    if not host.in_venv:
-        problems += venv_problems(host, req)
-    return problems
-
-
-def venv_problems(host: HostFacts, req: Requirements) -> List[str]:
-    """What stops scripts/setup_env.sh from making .venv with this Python: no venv module, too little disk."""
-    problems = []
+    if host.in_venv:  # .venv is made already: what would stop setup_env.sh from making it is moot
+        return problems
     if host.venv_problem is not None:
         version = f"{host.python[0]}.{host.python[1]}"
         problems.append(f"`{Path(host.python_path).name} -m venv` cannot make .venv: {host.venv_problem}: install "
@@ -333,16 +303,15 @@ def torch_problems(torch: TorchFacts, req: Requirements, gpus_needed: int, neede
     if torch.cuda is None:
         return [f".venv's torch {torch.version} is a CPU build (torch.version.cuda is None), so it cannot use the "
                 f"GPUs: rebuild .venv for this GPU host: {rebuild}"]
-    problems = []
     if not torch.available:
         why = f" ({torch.unavailable_reason})" if torch.unavailable_reason else ""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         shown = f"CUDA_VISIBLE_DEVICES is {visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES is unset"
-        problems.append(f"torch.cuda.is_available() is False for torch {torch.version} (CUDA {torch.cuda}){why}: check "
-                        f"that nvidia-smi works for this user, that the driver is "
-                        f"R{MIN_DRIVER.get(_cuda_major(torch.cuda), '?')} or newer, "
-                        f"and that {shown} names GPUs that exist")
-        return problems
+        return [f"torch.cuda.is_available() is False for torch {torch.version} (CUDA {torch.cuda}){why}: check "
+                f"that nvidia-smi works for this user, that the driver is "
+                f"R{MIN_DRIVER.get(_cuda_major(torch.cuda), '?')} or newer, "
+                f"and that {shown} names GPUs that exist"]
+    problems = []
     if len(torch.devices) < gpus_needed:
         problems.append(f"{needed_by} uses {gpus_needed} GPUs but torch sees {len(torch.devices)}: make more visible "
                         f"(CUDA_VISIBLE_DEVICES, docker run --gpus all) or free them, or lower "
@@ -451,16 +420,15 @@ def after_install(host: HostFacts, req: Requirements, config: Optional[str], rea
     try:
         torch = read_torch()
     except ImportError as e:
-        problems += host_problems(host, req, req.wheel_cuda)
-        problems.append(f"torch cannot be imported by {sys.executable} ({e}): "
-                        f"build .venv with scripts/setup_env.sh gpu")
-        return problems, None
+        failed = f"torch cannot be imported by {sys.executable} ({e}): build .venv with scripts/setup_env.sh gpu"
     except RuntimeError as e:  # CUDA started but a device could not be queried
-        problems += host_problems(host, req, req.wheel_cuda)
-        problems.append(f"torch failed while asking the GPUs for their name and capability "
-                        f"({' '.join(str(e).split())}): check the GPUs with nvidia-smi -q (Xid errors in dmesg, a GPU "
-                        f"fallen off the bus) and reboot if needed")
-        return problems, None
+        failed = (f"torch failed while asking the GPUs for their name and capability ({' '.join(str(e).split())}): "
+                  f"check the GPUs with nvidia-smi -q (Xid errors in dmesg, a GPU fallen off the bus) and reboot if "
+                  f"needed")
+    else:
+        failed = None
+    if failed is not None:
+        return problems + host_problems(host, req, req.wheel_cuda) + [failed], None
     problems += host_problems(host, req, torch.cuda or req.wheel_cuda)
     problems += torch_problems(torch, req, needed, needed_by)
     world = needed if config else len(torch.devices)

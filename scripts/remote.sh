@@ -104,9 +104,7 @@ case "$cmd" in
     [ $# -ge 1 ] || { echo "error: usage: remote.sh status CONFIG" >&2; exit 2; }
     on_host ".venv/bin/python scripts/status.py --config $(quote "$@")" ;;
 
-  capture)
-    # A vLLM capture server for a trainer on another host (hidden_states.mode: online, docs/online.md); its log says
-    # the endpoint to put in hidden_states.capture_endpoints there.
+  capture)  # docs/online.md, "Capture servers on another host"
     [ $# -ge 1 ] || { echo "error: usage: remote.sh capture CONFIG [--port P] [--set k=v ...]" >&2; exit 2; }
     config="$1"; shift
     name="$(basename "$config" .yaml)"; extra=""

@@ -1,11 +1,6 @@
 """One capture round trip through speculators' own code, as its online dataset makes it
-(`ArrowDataset._generate_hidden_states_once`): a completion request of `max_tokens=1` for the sample's token
-ids (`speculators.data_generation.vllm_client.generate_hidden_states`), the states fetched through the run's
-transfer (`hs_connectors`), checked (`check_hidden_states`: token ids, shape, finite values) and deleted.
-
-Stage 04 uses it where it needs states outside training: the probe of each capture server and the few
-validation rows it keeps (eagle_pipeline/online/endpoints.py, kept.py).
-"""
+(`ArrowDataset._generate_hidden_states_once`), for the states stage 04 needs outside training: each capture
+server's probe and the kept validation rows (eagle_pipeline/online/endpoints.py, kept.py)."""
 
 from __future__ import annotations
 
@@ -24,10 +19,8 @@ def transfer_for(online: OnlineTraining, samples_dir: Path) -> Any:
     from hs_connectors import FileTransfer, FP8Transfer, MooncakeTransfer
     from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 
-    if online.transfer == "file":
-        return FileTransfer(Path(samples_dir))
-    if online.transfer == "fp8":
-        return FP8Transfer(Path(samples_dir))
+    if online.transfer != "mooncake":
+        return {"file": FileTransfer, "fp8": FP8Transfer}[online.transfer](Path(samples_dir))
     store = MooncakeHiddenStatesStore(MooncakeStoreConfig.from_dict(online.mooncake))
     return MooncakeTransfer(store)
 
@@ -35,11 +28,10 @@ def transfer_for(online: OnlineTraining, samples_dir: Path) -> Any:
 class CaptureClient:
     """Hidden states of token id sequences from one capture server."""
 
-    def __init__(self, endpoint: str, model: str, transfer: Any, request_timeout_s: float = 120.0, retries: int = 0):
+    def __init__(self, endpoint: str, model: str, transfer: Any):
         import openai
 
         self.endpoint, self.model, self.transfer = endpoint, model, transfer
-        self.request_timeout_s, self.retries = request_timeout_s, retries
         self._client = openai.OpenAI(base_url=endpoint, api_key="EMPTY", max_retries=0)
         self._setup = False
 
@@ -54,7 +46,7 @@ class CaptureClient:
             self._setup = True
         ids = [int(i) for i in input_ids]
         handle, params = generate_hidden_states(self._client, self.model, {"input_ids": ids},
-                                                timeout=self.request_timeout_s, max_retries=self.retries)
+                                                timeout=120.0, max_retries=0)  # one try: stage 04 names the server
         try:
             sample = self.transfer.get_generated(params)
             if sample is None:

@@ -1,7 +1,5 @@
 """What the states in flight hold while an online run trains: the bound the window sets (`window_bound`, which the
-disk plan counts), and the peak, sampled on a thread of the stage process: the bytes under the capture servers'
-storage folder (file and fp8 transfers) or allocated in the Mooncake store. The peak goes in stage 04's manifest
-beside the bound (eagle_pipeline/online/session.py)."""
+disk plan counts), and the peak stage 04's manifest records beside it, sampled on a thread of the stage process."""
 
 from __future__ import annotations
 

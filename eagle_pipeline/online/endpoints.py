@@ -1,26 +1,17 @@
-"""Each capture server checked before training starts, with one `error:` line naming it and what differs:
-
-1. it answers and serves the target under the name the trainer asks for (speculators' dataset requests the
-   verifier's path and refuses any other model);
-2. its capture label (eagle_pipeline/online/servers.py) names this run's target (content fingerprint), layer ids
-   (aux ids + the final layer), transfer, hidden size and engine settings, and its context holds the longest
-   sample;
-3. one sample captured through it and the run's transfer (eagle_pipeline/online/client.py) arrives whole, with
-   the token ids sent and [seq, n_aux + 1, H] states, by the connector the transfer reads (a file path, or a
-   Mooncake manifest).
-"""
+"""Each capture server checked before training starts, as docs/online.md says (stage 04's step 3), with one
+`error:` line naming it and what differs."""
 
 from __future__ import annotations
 
 import json
-import urllib.error
+import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 from eagle_pipeline.config.base import redact_url
 from eagle_pipeline.errors import BadInput
-from eagle_pipeline.online.servers import parse_label
+from eagle_pipeline.online.servers import parse_label, run_label, served_model_name
 
 KEY = "hidden_states.capture_endpoints"
 FIX = ("start it with this run's config "
@@ -38,10 +29,10 @@ class ExpectedCapture:
     label: dict[str, str]  # parse_label(capture_label(...)) of this run
     longest_sequence: int  # tokens of the longest sample the server must take (plus the one it samples)
 
-
-def get_json(url: str, timeout: float) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read().decode())
+    @classmethod
+    def for_run(cls, cfg, verifier, layout, longest_sequence: int) -> "ExpectedCapture":
+        return cls(served_model=served_model_name(verifier), label=parse_label(run_label(cfg, verifier, layout)),
+                   longest_sequence=longest_sequence)
 
 
 def check_endpoint(endpoint: str, expected: ExpectedCapture, timeout: float = 10.0) -> dict[str, Any]:
@@ -49,8 +40,9 @@ def check_endpoint(endpoint: str, expected: ExpectedCapture, timeout: float = 10
     what it said about itself."""
     shown = redact_url(endpoint)  # what error lines and the manifest say: never a password
     try:
-        models = get_json(endpoint.rstrip("/") + "/models", timeout)["data"]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
+        with urllib.request.urlopen(endpoint.rstrip("/") + "/models", timeout=timeout) as response:
+            models = json.loads(response.read().decode())["data"]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # urllib's URLError is an OSError
         raise BadInput(f"{KEY}: {shown} does not answer as a vLLM server ({type(e).__name__}: {e}); {FIX}, or "
                        f"remove it") from None
     names = [str(card.get("id")) for card in models if isinstance(card, dict)]
@@ -78,8 +70,6 @@ def probe_endpoint(client, input_ids: list[int], *, num_states: int, hidden_size
                    transfer: str) -> tuple[float, dict[str, Any]]:
     """Capture one sample through `client` (a CaptureClient of the run's transfer) and check what arrives; return
     the seconds the round trip took and the server's transfer parameters."""
-    import time
-
     started = time.monotonic()
     try:
         sample, params = client.capture(input_ids)

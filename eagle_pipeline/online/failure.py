@@ -1,14 +1,7 @@
-"""A capture server that stays away stops training with one message naming it.
-
-speculators' online dataset retries each sample (eagle_pipeline/online/settings.py sizes the retries by
-hidden_states.capture_retry_s); when a sample's retries are spent its circuit breaker raises a RuntimeError
-("Hidden-state generation circuit breaker tripped ...", at once: patches/speculators_capture_stop.py) that names
-neither the server nor what to do. Each rank
-turns it into CaptureUnavailable naming its endpoint, and writes the message into the run folder so that the
-stage, which only sees torch.distributed.run's exit code on GPUs, can say it too. A rerun resumes from the last
-complete checkpoint (eagle_pipeline/train/checkpoints.py): the epoch in progress is trained again, no finished
-one is lost.
-"""
+"""A capture server that stays away stops training with one message naming it (docs/online.md, "A capture server
+that goes away"). speculators' circuit breaker names neither the server nor what to do: each rank turns it into
+CaptureUnavailable naming its endpoint, and writes the message into the run folder so that the stage, which only
+sees torch.distributed.run's exit code on GPUs, can say it too."""
 
 from __future__ import annotations
 
@@ -32,13 +25,6 @@ class CaptureUnavailable(RuntimeError):
     """Training stopped because a capture server did not deliver hidden states."""
 
 
-def failure_message(endpoint: str, retry_s: float, detail: str) -> str:
-    last = detail.strip().splitlines()[-1] if detail.strip() else ""
-    return (f"capture server {redact_url(endpoint)} delivered no hidden states for a sample within its retries "
-            f"(hidden_states.capture_retry_s {retry_s:g} s): {last[:400]}; start it again (or fix "
-            f"hidden_states.capture_endpoints) and rerun stage 04: it resumes from the last complete checkpoint")
-
-
 @contextlib.contextmanager
 def online_rank(online: OnlineTraining | None, out_dir: Path, rank: int) -> Iterator[None]:
     """Around one rank's online training (a no-op offline): speculators' circuit breaker becomes
@@ -47,7 +33,6 @@ def online_rank(online: OnlineTraining | None, out_dir: Path, rank: int) -> Iter
     if online is None:
         yield
         return
-    # One line per capture request would bury the training log.
     for name in ("httpx", "httpx2"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if online.mooncake and online.mooncake.get("local_hostname"):
@@ -58,7 +43,12 @@ def online_rank(online: OnlineTraining | None, out_dir: Path, rank: int) -> Iter
     except RuntimeError as error:
         if CIRCUIT_BREAKER not in str(error):
             raise
-        message = failure_message(online.endpoint_for(rank), online.retry_s, str(error))
+        detail = str(error).strip()
+        last = detail.splitlines()[-1] if detail else ""
+        message = (f"capture server {redact_url(online.endpoint_for(rank))} delivered no hidden states for a sample "
+                   f"within its retries (hidden_states.capture_retry_s {online.retry_s:g} s): {last[:400]}; start it "
+                   f"again (or fix hidden_states.capture_endpoints) and rerun stage 04: it resumes from the last "
+                   f"complete checkpoint")
         with contextlib.suppress(OSError):
             atomic.write_text(Path(out_dir) / FAILURE_FILE, message + "\n")
         raise CaptureUnavailable(message) from error

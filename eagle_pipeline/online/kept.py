@@ -1,16 +1,12 @@
-"""The validation rows whose states an online run captures once and keeps: the replay that picks the best
-checkpoint (train.predict_conversations) and stage 05's parity replay (convert.parity_prompts) read stored
-states of the first validation rows, as in an offline run. They live in `04_train/kept_states/hs_<row>.safetensors`
-(stage 02's row numbers, stage 02's format), and the training view links them in, so speculators reads them as
-cached samples instead of asking a server again each epoch (its file and fp8 backends look there first).
-"""
+"""The validation rows whose states an online run captures once and keeps for the replays (docs/online.md, "How to
+run it", step 4), in `04_train/kept_states/hs_<row>.safetensors` (stage 02's row numbers and format)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from eagle_pipeline.samples import SAMPLES_DIR, StorageDtype, sample_matches, sample_path, write_sample
+from eagle_pipeline.samples import SAMPLES_DIR, StorageDtype, sample_files, sample_matches, sample_path, write_sample
 
 KEPT_DIR = "kept_states"
 
@@ -40,8 +36,8 @@ def capture_kept(client, rows: dict[int, list[int]], kept_dir: Path, *, num_stat
     captured now. Rows no longer asked for are removed."""
     kept_dir = Path(kept_dir)
     kept_dir.mkdir(parents=True, exist_ok=True)
-    for stale in kept_dir.glob("hs_*.safetensors"):
-        if stale.stem.removeprefix("hs_").isdigit() and int(stale.stem.removeprefix("hs_")) not in rows:
+    for row, stale in sample_files(kept_dir).items():
+        if row not in rows:
             stale.unlink()
     captured = 0
     for row, input_ids in rows.items():
@@ -61,8 +57,7 @@ def link_kept_states(view_dir: Path, order: list[int], kept_dir: Path) -> int:
     linked = 0
     for new_row, old_row in enumerate(order):
         link = sample_path(samples, new_row)
-        if link.is_symlink() or link.exists():
-            link.unlink()
+        link.unlink(missing_ok=True)
         kept = sample_path(kept_dir, old_row)
         if kept.is_file():
             os.symlink(os.path.relpath(kept, samples), link)

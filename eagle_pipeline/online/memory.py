@@ -1,23 +1,8 @@
-"""Whether an online run's target and trainer fit on the same GPUs (co-located), from arithmetic a dry run prints.
-
-Co-located: the capture server holds `hidden_states.capture_gpu_memory_utilization` of every GPU (the target's
-weights, its prefill activations, its CUDA context and a KV cache that holds the capture sequences in flight) and
-the trainer, its drafter sharded with FSDP over the same GPUs, lives in the rest. The alternative, time-sliced
-(vLLM's sleep mode parking the target between capture and training chunks), is not what speculators' online
-dataset does: it asks the server for each sample while training runs, so a parked target would stall it. When
-co-location does not fit, the capture belongs on another host (hidden_states.capture_endpoints, docs/online.md).
-
-Every figure is an estimate whose parts are printed; the constants below are the assumptions, sized for a
-Kimi-K2.5-class target on Blackwell GPUs and meant to be checked against `nvidia-smi` on the first run. What the
-parts count (docs/online.md shows the arithmetic for Kimi-K2.5):
-
-- the target's weights per GPU: what tensor parallelism splits, divided by the GPUs, plus what every GPU holds
-  whole (`replicated_params`: for an MLA target the low-rank q/kv projections, their norms and the MoE router);
-- no CUDA graphs: capture servers run eager (eagle_pipeline/online/servers.py, `capture_server_kwargs`);
-- the trainer (speculators' FSDP2, bf16 compute, fp32 gradient reduction): fp32 master weights, gradients and
-  AdamW moments sharded over the ranks; the root unit (everything outside the decoder layers: embedding, fc,
-  lm_heads) gathered whole in bf16 for the whole step, since FSDP2 does not reshard the root after forward; and
-  the largest unit's gradients in flight, bf16 as computed plus the fp32 copy that is reduce-scattered.
+"""Whether an online run's target and trainer fit on the same GPUs (co-located): the capture server holds
+`hidden_states.capture_gpu_memory_utilization` of every GPU and the trainer, sharded with FSDP over the same GPUs,
+the rest. Every figure is an estimate whose parts a dry run prints; the constants below are its assumptions, sized
+for a Kimi-K2.5-class target on Blackwell GPUs (docs/online.md, "Kimi-K2.5 on the one 8-GPU host", shows the
+arithmetic, why time-slicing the GPUs does not fit, and that the first run should check it with `nvidia-smi`).
 """
 
 from __future__ import annotations
@@ -32,9 +17,6 @@ from eagle_pipeline.gpus import CUDA_CONTEXT_GIB, GIB, gpu_memory_bytes
 # vLLM's prefill activations for one batch of the longest capture sequence, profiled by vLLM at start-up (an
 # MoE target of hidden 7168 at 4k tokens: a few GiB; CUDA graphs matter little to prefill-only capture).
 VLLM_ACTIVATIONS_GIB = 3.0
-# Capture servers run eager: no CUDA graphs, so none of the memory vLLM would give them (decode batches only; a
-# capture is one prefill per request).
-CAPTURE_CUDA_GRAPHS_GIB = 0.0
 # Room left free on every GPU for fragmentation and what the estimate misses.
 MARGIN_FRACTION = 0.05
 
@@ -94,6 +76,10 @@ def replicated_params(text_config: dict) -> int:
     return layers * per_layer + moe_layers * experts * (hidden + 1) + hidden
 
 
+def named(parts: dict[str, float]) -> str:
+    return " + ".join(f"{name} {value / GIB:.1f}" for name, value in parts.items())
+
+
 @dataclass(frozen=True)
 class TargetShape:
     weights_bytes: int  # the checkpoint's weight files on disk
@@ -103,23 +89,15 @@ class TargetShape:
     kv_bytes_per_token: int  # the target's KV cache per token on one GPU (MLA: latent + rope, every layer)
     replicated_bytes: int = 0  # of weights_bytes, what every GPU holds whole (`replicated_params`)
 
-    def weights_per_gpu(self, gpus: int) -> float:
-        return (self.weights_bytes - self.replicated_bytes) / gpus + self.replicated_bytes
-
 
 @dataclass(frozen=True)
 class DrafterShape:
-    hidden: int
     draft_vocab: int
     layer_activations: int  # activation elements per token and TTT step of its decoder layer (`layer_activations`)
     trainable_params: int
     frozen_params: int  # the target's embedding, the drafter's lm_head and the target's draft-vocabulary rows
     layer_params: int  # the largest decoder layer: an FSDP unit of its own
     root_params: int  # everything outside the decoder layers (embedding, fc, lm_head, verifier_lm_head): the root unit
-
-    @classmethod
-    def for_run(cls, cfg, verifier, n_aux: int) -> "DrafterShape":
-        return cls.from_dims(planned_draft_dims(cfg, verifier, n_aux))
 
     @classmethod
     def from_dims(cls, dims) -> "DrafterShape":
@@ -132,7 +110,7 @@ class DrafterShape:
         # speculators 0.9 trains neither the embedding nor the drafter's lm_head (speculators/model.py sets both
         # requires_grad False: the head keeps the verifier's draft-vocabulary rows, or a release's).
         head = verifier_head = draft_vocab * hidden
-        return cls(hidden=hidden, draft_vocab=draft_vocab, layer_activations=layer_activations(dims),
+        return cls(draft_vocab=draft_vocab, layer_activations=layer_activations(dims),
                    trainable_params=params - embedding - head, frozen_params=embedding + head + verifier_head,
                    layer_params=layer, root_params=params - layer + verifier_head)
 
@@ -200,19 +178,16 @@ class MemoryPlan:
         return high if high >= low else None
 
     def lines(self) -> list[str]:
-        def parts(named: dict[str, float]) -> str:
-            return " + ".join(f"{name} {value / GIB:.1f}" for name, value in named.items())
-
         verdict = "co-located: fits" if self.fits else "co-located: does NOT fit"
         held = min(self.sequences_in_cache, self.concurrent_requests)
         out = [
             f"  memory plan ({verdict}), per GPU of {self.gpu_bytes / GIB:.1f} GiB, each shared by the capture server "
             f"(tensor parallel over {self.gpus}) and one of {self.gpus} training ranks:",
             f"    capture server, gpu_memory_utilization {self.utilization:.2f} = {self.vllm_bytes / GIB:.1f} GiB: "
-            f"{parts(self.vllm)}; the cache holds {held} of the {self.concurrent_requests} longest sequences the ranks "
+            f"{named(self.vllm)}; the cache holds {held} of the {self.concurrent_requests} longest sequences the ranks "
             f"may ask for at once ({self.per_sequence_bytes / GIB:.2f} GiB each): the server takes "
             f"{self.server_sequences} at once (--max-num-seqs), the others wait",
-            f"    trainer (FSDP): {parts(self.trainer)} = {self.trainer_bytes / GIB:.1f} GiB",
+            f"    trainer (FSDP): {named(self.trainer)} = {self.trainer_bytes / GIB:.1f} GiB",
             f"    left free: {self.margin_bytes / GIB:.1f} GiB (wanted: {MARGIN_FRACTION:.0%} = "
             f"{MARGIN_FRACTION * self.gpu_bytes / GIB:.1f} GiB)",
         ]
@@ -253,14 +228,14 @@ def trainer_memory_line(cfg, verifier, n_aux: int) -> str:
     by part, for this run's drafter (Llama-shaped or MLA) and pack length."""
     t = cfg.train
     gpus = max(1, t.num_gpus)
-    parts = trainer_memory(DrafterShape.for_run(cfg, verifier, n_aux), gpus=gpus, sharded=t.fsdp_shard,
-                           vocab=verifier.vocab_size, total_seq_len=t.total_seq_len, ttt_steps=t.ttt_steps)
+    drafter = DrafterShape.from_dims(planned_draft_dims(cfg, verifier, n_aux))
+    parts = trainer_memory(drafter, gpus=gpus, sharded=t.fsdp_shard, vocab=verifier.vocab_size,
+                           total_seq_len=t.total_seq_len, ttt_steps=t.ttt_steps)
     if t.num_gpus == 0:
         parts.pop("CUDA context")
     where = "per GPU" if t.num_gpus else "on the CPU"
     how = f"FSDP over {gpus} ranks" if t.fsdp_shard else ("replicated on each rank" if gpus > 1 else "one process")
-    named = " + ".join(f"{name} {value / GIB:.1f}" for name, value in parts.items())
-    return (f"  memory {where} (trainer, {how}, packs of {t.total_seq_len} tokens, estimate): {named} = "
+    return (f"  memory {where} (trainer, {how}, packs of {t.total_seq_len} tokens, estimate): {named(parts)} = "
             f"{sum(parts.values()) / GIB:.1f} GiB")
 
 
@@ -269,9 +244,9 @@ def plan_memory(*, gpu_bytes: int, gpus: int, utilization: float, target: Target
     """The co-located plan: what the capture server and one training rank hold on each GPU."""
     hidden_state_bytes = num_states * target.hidden_size * 2  # the capture's own cache group, bf16
     fixed = {
-        "weights": target.weights_per_gpu(gpus),
+        "weights": (target.weights_bytes - target.replicated_bytes) / gpus + target.replicated_bytes,
         "prefill activations": VLLM_ACTIVATIONS_GIB * GIB,
-        "CUDA graphs": CAPTURE_CUDA_GRAPHS_GIB * GIB,
+        "CUDA graphs": 0.0,  # none: capture servers run eager (a capture is one prefill, never a decode batch)
         "CUDA context": CUDA_CONTEXT_GIB * GIB,
     }
     vllm = {**fixed, "KV and capture cache": max(0.0, utilization * gpu_bytes - sum(fixed.values()))}
@@ -289,28 +264,27 @@ def capture_share(cfg) -> float | None:
     return cfg.hidden_states.capture_gpu_memory_utilization or cfg.verifier.gpu_memory_utilization
 
 
-def run_plan(cfg, verifier, layout, gpu_bytes: int | None = None) -> MemoryPlan | str | None:
+def run_plan(cfg, verifier, layout) -> MemoryPlan | str | None:
     """The plan of an online run whose capture server shares this host's GPUs with the trainer (device cuda, no
     capture_endpoints), or the line that says why it cannot be made here; None for other runs."""
     hs = cfg.hidden_states
     if cfg.device != "cuda" or hs.capture_endpoints or cfg.train.num_gpus == 0:
         return None
-    gpu_bytes = gpu_bytes or gpu_memory_bytes()
+    gpu_bytes = gpu_memory_bytes()
     if gpu_bytes is None:
         return "  memory plan: no nvidia-smi here to read the GPUs' memory from; run this dry run on the GPU host"
     gpus = cfg.verifier.tensor_parallel_size
     if cfg.train.num_gpus != gpus:
         return (f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
                 f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size")
-    share = capture_share(cfg)
-    return plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=share,
+    return plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=capture_share(cfg),
                        target=target_shape(verifier.path, verifier.text_config(), gpus),
-                       drafter=DrafterShape.for_run(cfg, verifier, len(layout.layer_ids)),
+                       drafter=DrafterShape.from_dims(planned_draft_dims(cfg, verifier, len(layout.layer_ids))),
                        num_states=layout.num_hidden_states, longest_sequence=hs.max_seq_len,
                        total_seq_len=cfg.train.total_seq_len, ttt_steps=cfg.train.ttt_steps, window=hs.online_window)
 
 
-def run_plan_lines(cfg, verifier, layout, gpu_bytes: int | None = None) -> list[str]:
+def run_plan_lines(cfg, verifier, layout) -> list[str]:
     """What stage 04's dry run prints about GPU memory (`run_plan`); nothing for runs without such a plan."""
-    plan = run_plan(cfg, verifier, layout, gpu_bytes)
+    plan = run_plan(cfg, verifier, layout)
     return [] if plan is None else [plan] if isinstance(plan, str) else plan.lines()

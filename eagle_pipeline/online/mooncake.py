@@ -1,12 +1,6 @@
 """The Mooncake store that carries hidden states from capture servers to trainers (hidden_states.transfer:
-mooncake): a master, which places objects, and a store, a process that holds the memory they live in, both
-from the `mooncake-transfer-engine-non-cuda` wheel (requirements/online.txt). The capture server's connector puts
-each sample there and the trainer's client gets and removes it; neither contributes memory of its own (a global
-segment of 0), so a capture server that dies and restarts takes no sample with it.
-
-Stage 04 starts a master and a store on this host when `hidden_states.mooncake.master` is not set; otherwise they
-run elsewhere (started by `python -m eagle_pipeline.online.serve_capture` on the capture host, or by the user).
-"""
+mooncake; docs/online.md, "The transfers"): a master, which places objects, and a store, the process that holds
+the memory they live in, both from the `mooncake-transfer-engine-non-cuda` wheel (requirements/online.txt)."""
 
 from __future__ import annotations
 
@@ -30,7 +24,6 @@ STORE_PROGRAM = "mooncake_client"
 METADATA_SERVER = "P2PHANDSHAKE"
 # The trainer's and the connector's own staging memory for one transfer; the states themselves live in the store.
 CLIENT_BUFFER_BYTES = 256 * 2**20
-INSTALL_HINT = "pip install -r requirements/online.txt (and apt-get install libibverbs1, which its binaries load)"
 
 
 def mooncake_problem() -> str | None:
@@ -50,8 +43,8 @@ def mooncake_problem() -> str | None:
 def mooncake_refusal() -> str | None:
     """The error line for a host without the Mooncake transfer (mooncake_problem), or None."""
     problem = mooncake_problem()
-    return (f"hidden_states.transfer: mooncake, but {problem}; {INSTALL_HINT}, or use transfer: file"
-            if problem else None)
+    return (f"hidden_states.transfer: mooncake, but {problem}; pip install -r requirements/online.txt (and apt-get "
+            f"install libibverbs1, which its binaries load), or use transfer: file" if problem else None)
 
 
 def require_mooncake() -> None:
@@ -82,15 +75,10 @@ def local_address(settings: MooncakeSettings, master: str) -> str:
 def names_this_host(address: str) -> bool:
     """Whether host:port names this machine (an address of it that a socket can bind), so that the capture host
     starts the master the config names."""
-    host = address.rpartition(":")[0]
-    try:
-        ip = socket.gethostbyname(host)
-    except OSError:
-        return False
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((ip, 0))
-    except OSError:
+            sock.bind((socket.gethostbyname(address.rpartition(":")[0]), 0))
+    except OSError:  # a name that does not resolve, or an address of another machine
         return False
     return True
 
@@ -143,11 +131,10 @@ class MooncakeServices:
                                                      f"--rpc_address={bind}", f"--metrics_port={metrics_port}"])
             master.wait_ready(lambda: read_metrics(self.metrics_url) is not None, self.start_timeout_s,
                               "the Mooncake master to answer")
-            store_gib = self.settings.store_gib
             store = self._start("mooncake-store", [
                 str(program_path(STORE_PROGRAM)), f"--master_server_address={self.master}",
                 f"--metadata_server={METADATA_SERVER}", f"--host={local_address(self.settings, self.master)}",
-                f"--port={store_port}", f"--global_segment_size={int(store_gib * 2**30)}",
+                f"--port={store_port}", f"--global_segment_size={int(self.settings.store_gib * 2**30)}",
                 f"--protocol={self.settings.protocol}", f"--device_names={self.settings.device}",
             ])
             store.wait_ready(lambda: read_metrics(self.metrics_url).get("master_total_capacity_bytes", 0) > 0,

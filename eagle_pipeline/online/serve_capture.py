@@ -3,10 +3,8 @@ target's vLLM server with the capture method and the config's transfer (and, for
 master or with one on this host, a Mooncake master and store beside it), checks nothing about data, and serves
 until SIGTERM or Ctrl-C, started again if it dies. `scripts/remote.sh capture CONFIG` runs it detached on a host.
 
-The trainer's host then names it in the same config: `hidden_states.capture_endpoints: [http://HOST:PORT/v1]`
-(and `hidden_states.mooncake.master: HOST:MASTER_PORT`); stage 04 checks that it captures this run's target,
-layer ids and transfer before training. With transfer file or fp8 both hosts must see the run folder at the same
-path (the states land in <run>/capture_server/states/ and the trainer reads the path the server answers with).
+The trainer's host names it in the same config, as it prints; with transfer file or fp8 both hosts must see the
+run folder at the same path (docs/online.md, "Capture servers on another host").
 
 On `device: cuda` it holds the locks of the GPUs it may use, as the stages do (eagle_pipeline/locks.py), until it
 stops. Exit codes as the stages': 2 for bad input (one `error:` line), 1 for a failure, 0 when stopped.
@@ -19,7 +17,7 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
+from contextlib import ExitStack
 
 from eagle_pipeline import locks
 from eagle_pipeline.config import load_config
@@ -30,20 +28,8 @@ from eagle_pipeline.online.servers import CaptureServer, free_share_reader, serv
 from eagle_pipeline.samples import planned_sample_layout
 from eagle_pipeline.verifier import Verifier
 
-STATES_DIR = Path("capture_server") / "states"
-
-
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop()
-
 
 def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port: int) -> None:
-    from contextlib import ExitStack
-
     cfg = load_config(config, overrides)
     hs = cfg.hidden_states
     if hs.mode != "online":
@@ -52,7 +38,8 @@ def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port
     verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     address = host if host not in ("0.0.0.0", "") else socket.gethostbyname(socket.gethostname())
-    logs = cfg.run_dir / "capture_server" / "logs"
+    own = cfg.run_dir / "capture_server"  # its logs, and the states in flight of the file and fp8 transfers
+    logs = own / "logs"
     with ExitStack() as stack:
         if cfg.device == "cuda":  # the GPUs the stages lock: a server left running is named to stage 06, not hit
             held = stack.enter_context(locks.HeldLocks())
@@ -69,7 +56,7 @@ def serve(config: str, overrides: list[str], port: int, host: str, mooncake_port
                       f"hidden_states.mooncake.master: {master} on the trainer's host", flush=True)
             mooncake_client = mc.client_config(hs.mooncake, master)
         else:
-            storage = cfg.run_dir / STATES_DIR
+            storage = own / "states"
             storage.mkdir(parents=True, exist_ok=True)
         kwargs = server_kwargs_for(cfg, verifier, layout, storage=storage, mooncake_client=mooncake_client,
                                    longest_sequence=hs.max_seq_len, listen_host=host)
@@ -93,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
     parser.add_argument("--mooncake-port", type=int, default=50051, help="the Mooncake master's port when started here")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stops as Ctrl-C does
     try:
         serve(args.config, args.overrides, args.port, args.host, args.mooncake_port)
     except BadInput as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
-    except (_Stop, KeyboardInterrupt):
+    except KeyboardInterrupt:
         print("capture server stopped", file=sys.stderr)
         return 0
     except Exception as e:  # noqa: BLE001 - one line, exit 1, like the stages

@@ -1,13 +1,6 @@
-"""Capture servers this host starts for an online run: vLLM's OpenAI server of the target with the
-`extract_hidden_states` method and the run's connector (eagle_pipeline/capture.py owns both configs,
-eagle_pipeline/engine.py the server's arguments, eagle_pipeline/serve/server.py its lifecycle).
-
-Each server answers to two names: the target's path, which speculators' dataset asks for, and a capture label
-that says what it captures (target, layer ids, transfer, engine settings), which eagle_pipeline/online/endpoints.py
-checks before training. A supervisor thread restarts a server that dies while training runs, on the same port,
-so the trainer's retries find it again; on GPUs it asks, at each restart, for no more of each GPU than is free
-then (the co-located trainer keeps its share while the server is down).
-"""
+"""Capture servers this host starts for an online run (docs/online.md, "How to run it", step 2): vLLM's server of
+the target with the capture method and the run's connector, answering to the target's path and to a capture label
+that eagle_pipeline/online/endpoints.py checks, and restarted by a supervisor thread when it dies."""
 
 from __future__ import annotations
 
@@ -75,11 +68,6 @@ def parse_label(name: str) -> dict[str, str] | None:
     return dict(part.split("=", 1) for part in parts[1:] if "=" in part)
 
 
-def engine_fingerprint(cfg) -> str:
-    """How the server computes the target (dtype and engine settings): stage 02's `engine` input."""
-    return target_engine_fingerprint(cfg, cfg.verifier.dtype)
-
-
 # What a capture server's prefills took since it last started (vLLM's Prometheus counters, summed over engines).
 CAPTURE_COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total",
                     "prefill_seconds": "vllm:request_prefill_time_seconds_sum",
@@ -87,8 +75,7 @@ CAPTURE_COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total",
 
 
 def capture_metrics(endpoint: str, timeout: float = 10.0) -> dict[str, float]:
-    """Prompt tokens a server has captured and the seconds its prefills took, from its Prometheus metrics (since
-    it last started)."""
+    """CAPTURE_COUNTERS of the server at `endpoint` (its /v1 base URL)."""
     base = endpoint.removesuffix("/").removesuffix("/v1")
     sums = sample_sums(read_prometheus(f"{base}/metrics", timeout))
     return {key: sums.get(name, 0.0) for key, name in CAPTURE_COUNTERS.items()}
@@ -105,18 +92,16 @@ def run_label(cfg, verifier, layout) -> str:
     return capture_label(target=verifier.fingerprints()["verifier"],
                          capture_ids=capture_layer_ids(layout.layer_ids, layout.num_layers),
                          transfer=cfg.hidden_states.transfer, hidden_size=layout.hidden_size,
-                         engine=engine_fingerprint(cfg))
+                         engine=target_engine_fingerprint(cfg, cfg.verifier.dtype))  # stage 02's `engine` input
 
 
 def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any], kv_transfer_config: dict[str, Any],
                           served_model_names: list[str], max_model_len: int,
                           listen_host: str | None = None, max_num_seqs: int | None = None) -> dict[str, Any]:
-    """`VllmServer` arguments for a hidden-state capture server of the target (online training): the served
-    target's settings (`server_kwargs`) with the capture method and connector (eagle_pipeline/capture.py), no
-    prefix caching (each request is a one-off prefill whose states must be its own), a batch of one longest
-    sequence, at most `max_num_seqs` sequences (default: as many as the training ranks ask for at once,
-    hidden_states.online_window x ranks), no CUDA graphs, the names it answers to (speculators asks for the first),
-    and `listen_host` for servers that other hosts reach."""
+    """`VllmServer` arguments for a hidden-state capture server of the target: the served target's settings
+    (`server_kwargs`) with the capture method and connector, no prefix caching (each request is a one-off prefill
+    whose states must be its own), a batch of one longest sequence, no CUDA graphs, and the names it answers to
+    (speculators asks for the first)."""
     kwargs = server_kwargs(cfg)
     flags = ["--kv-transfer-config", json.dumps(kv_transfer_config), "--no-enable-prefix-caching",
              "--served-model-name", *served_model_names]
@@ -141,9 +126,8 @@ def capture_server_kwargs(cfg: RunConfig, *, speculative_config: dict[str, Any],
 
 def server_kwargs_for(cfg, verifier, layout, *, storage: Path | None, mooncake_client: dict[str, Any] | None,
                       longest_sequence: int, listen_host: str | None = None) -> dict[str, Any]:
-    """`CaptureServer` arguments of a capture server for this run: the capture method and connector
-    (eagle_pipeline/capture.py) in the target's server (eagle_pipeline/engine.py), sized for `longest_sequence` (and
-    what its cache holds beside the trainer, `run_plan`), answering to the verifier's path and the run's label."""
+    """`CaptureServer` arguments of a capture server for this run, sized for `longest_sequence` (and what its cache
+    holds beside the trainer, `run_plan`), answering to the verifier's path and the run's label."""
     return {"target_dir": verifier.path, **capture_server_kwargs(
         cfg, speculative_config=speculative_config(layout.layer_ids, layout.num_layers),
         kv_transfer_config=kv_transfer_config(storage, cfg.device, cfg.hidden_states.transfer, mooncake_client),
@@ -156,23 +140,20 @@ class CaptureServer:
     """`with CaptureServer(server_kwargs, log_path) as server:` starts a capture server on a free port (or
     `port`) and keeps it up until the block ends: a server that dies is started again on the same port, up to
     MAX_RESTARTS times, asking vLLM for `restart_share()` of each GPU when that is given (`free_share_reader`).
-    `server.endpoint` is the base URL speculators asks. Starting, watching and stopping the server is VllmServer's
-    (eagle_pipeline/child_process.py); this class decides when to start it again."""
+    `server.endpoint` is the base URL speculators asks; starting and stopping the server is VllmServer's."""
 
     def __init__(self, server_kwargs: dict[str, Any], log_path: Path, *, port: int | None = None,
-                 startup_timeout_s: float = 1200.0, max_restarts: int = MAX_RESTARTS, poll_s: float = 1.0,
+                 startup_timeout_s: float = 1200.0, poll_s: float = 1.0,
                  restart_share: Callable[[], float] | None = None):
         self.server_kwargs = server_kwargs
         self.restart_share = restart_share
         self.log_path = Path(log_path)
         self.port = port or find_free_port()
         self.startup_timeout_s = startup_timeout_s
-        self.max_restarts = max_restarts
         self.poll_s = poll_s
         self.restarts = 0
         self.gave_up = False
         self.error: BaseException | None = None
-        self._server: VllmServer | None = None
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=f"capture-server-{self.port}", daemon=True)
@@ -180,13 +161,6 @@ class CaptureServer:
     @property
     def endpoint(self) -> str:
         return f"http://{HOST}:{self.port}/v1"
-
-    @property
-    def pid(self) -> int | None:
-        """The API server's process id (its process group holds the engine), None while it is down."""
-        server = self._server
-        process = server.process if server is not None else None
-        return process.pid if process is not None else None
 
     def __enter__(self) -> "CaptureServer":
         # The supervisor thread starts the server and lives as long as it does: the server's parent-death signal
@@ -207,14 +181,14 @@ class CaptureServer:
                           startup_timeout_s=self.startup_timeout_s)
 
     def _supervise(self) -> None:
-        server = self._server = self._new_server()
+        server = self._new_server()
         try:
             server.start()
         except BaseException as error:  # noqa: BLE001 - handed to the thread that waits for the start
             self.error = error
-            self._ready.set()
             return
-        self._ready.set()
+        finally:
+            self._ready.set()
         try:
             while not self._stop.wait(self.poll_s):
                 code = server.returncode()
@@ -222,7 +196,7 @@ class CaptureServer:
                     continue
                 log.warning("capture server %s exited with %s; see %s", self.endpoint, code, self.log_path)
                 server.stop()
-                if self.restarts >= self.max_restarts:
+                if self.restarts >= MAX_RESTARTS:
                     self.gave_up = True
                     log.error("capture server %s died %d times; not starting it again", self.endpoint,
                               self.restarts + 1)
@@ -236,7 +210,7 @@ class CaptureServer:
                                     self.endpoint, share)
                     server.start()
                     log.warning("capture server %s started again (restart %d of %d)", self.endpoint, self.restarts,
-                                self.max_restarts)
+                                MAX_RESTARTS)
                 except Exception as error:  # noqa: BLE001 - the trainer's retries then run out and name the server
                     log.error("capture server %s did not start again: %s", self.endpoint, error)
                     self.gave_up = True

@@ -1,15 +1,7 @@
-"""Stage 04's online part (hidden_states.mode: online), around the training it feeds:
-
-1. the Mooncake master and store, when the transfer is mooncake and no master is named (mooncake.py);
-2. the capture servers: those named in hidden_states.capture_endpoints, or one started on this host (servers.py);
-3. each server checked for the target, the layer ids and the connector, and probed with one sample (endpoints.py);
-4. the validation rows the replays read, captured once, kept (kept.py) and checked for meaning (state_meaning.py);
-5. while training runs, the bytes the states in flight hold, sampled (disk.py);
-6. afterwards: the peak, the servers' capture counters, restarts, and leftovers of the transfer folder removed.
-
-The ranks get what they need as `TrainRun.online` (settings.py) and ask the servers themselves, through
-speculators' online dataset.
-"""
+"""Stage 04's online part (hidden_states.mode: online) around the training it feeds, in the order of
+docs/online.md, "How to run it": services, servers, their checks, kept rows, the watch on the states in flight and
+the manifest's summary. The ranks get what they need as `TrainRun.online` (settings.py) and ask the servers
+themselves, through speculators' online dataset."""
 
 from __future__ import annotations
 
@@ -24,15 +16,7 @@ from eagle_pipeline.online.client import CaptureClient, transfer_for
 from eagle_pipeline.online.disk import FILE_OVERHEAD_BYTES, PeakWatch, sample_bytes, window_bound
 from eagle_pipeline.online.endpoints import ExpectedCapture, check_endpoint, probe_endpoint
 from eagle_pipeline.online.kept import KEPT_DIR, capture_kept, keep_count, kept_storage
-from eagle_pipeline.online.servers import (
-    CaptureServer,
-    capture_metrics,
-    free_share_reader,
-    parse_label,
-    run_label,
-    served_model_name,
-    server_kwargs_for,
-)
+from eagle_pipeline.online.servers import CaptureServer, capture_metrics, free_share_reader, server_kwargs_for
 from eagle_pipeline.online.settings import OnlineTraining, training_ranks
 from eagle_pipeline.outputs import folder_bytes
 from eagle_pipeline.samples import read_sample, sample_path
@@ -76,8 +60,7 @@ def check_named_endpoints(cfg, verifier, layout, rows: list[dict[str, Any]] | No
     them again, and probes them, once it runs). Without stage 02's rows (a dry run before it), each server must
     take the longest sample the config allows, as one started with this config does."""
     longest = max(r["seq_len"] for r in rows) if rows else cfg.hidden_states.max_seq_len
-    expected = ExpectedCapture(served_model=served_model_name(verifier),
-                               label=parse_label(run_label(cfg, verifier, layout)), longest_sequence=longest)
+    expected = ExpectedCapture.for_run(cfg, verifier, layout, longest)
     for endpoint in cfg.hidden_states.capture_endpoints:
         check_endpoint(endpoint, expected)
 
@@ -88,10 +71,9 @@ class OnlineSession:
     manifest's `online` block."""
 
     def __init__(self, cfg, stage_dir: Path, train_run, verifier, layout, rows: list[dict[str, Any]],
-                 val_rows: list[int], engine_timeout_s: float | None = None):
+                 val_rows: list[int]):
         self.cfg, self.stage_dir, self.train_run = cfg, Path(stage_dir), train_run
         self.verifier, self.layout, self.rows, self.val_rows = verifier, layout, rows, val_rows
-        self.startup_timeout_s = engine_timeout_s or cfg.serve.startup_timeout_s
         self.longest = max(r["seq_len"] for r in rows)
         self.scratch = self.stage_dir / SCRATCH_DIR
         self.kept_dir = self.stage_dir / KEPT_DIR
@@ -100,16 +82,8 @@ class OnlineSession:
         self.watch: PeakWatch | None = None
         self.online: OnlineTraining | None = None
         self.facts: dict[str, Any] = {}
-        self.transfer_folders: set[Path] = set()
         self._stack = contextlib.ExitStack()
 
-    # -- what this run needs of a server ------------------------------------------------------------------
-    def expected(self) -> ExpectedCapture:
-        return ExpectedCapture(served_model=served_model_name(self.verifier),
-                               label=parse_label(run_label(self.cfg, self.verifier, self.layout)),
-                               longest_sequence=self.longest)
-
-    # -- lifecycle ----------------------------------------------------------------------------------------
     def __enter__(self) -> "OnlineSession":
         try:
             self._start()
@@ -119,8 +93,10 @@ class OnlineSession:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        try:
-            self._read_capture_counters()
+        try:  # each server's prompt tokens and prefill seconds (vLLM's own counters, since it last started)
+            for endpoint in self.online.endpoints if self.online else []:
+                with contextlib.suppress(Exception):
+                    self.facts.setdefault("capture", []).append(capture_metrics(endpoint))
         finally:
             self._stack.close()  # the watch, then the servers, then the Mooncake services
         if self.scratch.is_dir():  # states a stopped request left behind
@@ -131,7 +107,6 @@ class OnlineSession:
         hs = self.cfg.hidden_states
         mooncake_client = None
         if hs.transfer == "mooncake":
-            mc.require_mooncake()
             master = hs.mooncake.master
             if master is None:
                 self.services = self._stack.enter_context(mc.MooncakeServices(hs.mooncake, self.stage_dir / "logs"))
@@ -145,17 +120,17 @@ class OnlineSession:
             kwargs = server_kwargs_for(self.cfg, self.verifier, self.layout, storage=self.scratch,
                                        mooncake_client=mooncake_client, longest_sequence=self.longest)
             server = self._stack.enter_context(CaptureServer(kwargs, self.stage_dir / "logs" / "capture-server.log",
-                                                             startup_timeout_s=self.startup_timeout_s,
+                                                             startup_timeout_s=self.cfg.serve.startup_timeout_s,
                                                              restart_share=free_share_reader(self.cfg)))
             self.servers.append(server)
             endpoints = [server.endpoint]
         self.online = self.train_run.online or OnlineTraining.from_config(hs)
         self.online.endpoints, self.online.mooncake = endpoints, mooncake_client
-        expected = self.expected()
+        expected = ExpectedCapture.for_run(self.cfg, self.verifier, self.layout, self.longest)
         kept = {row: self.rows[row]["input_ids"] for row in self.val_rows[:keep_count(self.cfg)]}
         probe_ids = next(iter(kept.values()), self.rows[0]["input_ids"])
         transfer = transfer_for(self.online, self.train_run.split_dir / "hidden_states")
-        clients = []
+        clients, transfer_folders = [], set()
         for endpoint in endpoints:
             self.facts.setdefault("servers", []).append(check_endpoint(endpoint, expected))
             client = CaptureClient(endpoint, expected.served_model, transfer)
@@ -163,7 +138,7 @@ class OnlineSession:
                                              hidden_size=self.layout.hidden_size, transfer=hs.transfer)
             self.facts["servers"][-1]["probe_s"] = round(probe_s, 3)
             if "hidden_states_path" in params:  # the folder this server's states land in, as this host sees it
-                self.transfer_folders.add(Path(params["hidden_states_path"]).parent)
+                transfer_folders.add(Path(params["hidden_states_path"]).parent)
             clients.append(client)
         self.facts["kept_captured_now"] = capture_kept(
             clients[0], kept, self.kept_dir, num_states=self.layout.num_hidden_states,
@@ -173,8 +148,8 @@ class OnlineSession:
         self.train_run.online = self.online  # every rank reads it from launch.json (or in this process)
         if self.services is not None:
             self.watch = self._stack.enter_context(PeakWatch(self.services.allocated_bytes))
-        elif self.transfer_folders:
-            self.watch = self._stack.enter_context(PeakWatch(lambda: sum(map(folder_bytes, self.transfer_folders))))
+        elif transfer_folders:
+            self.watch = self._stack.enter_context(PeakWatch(lambda: sum(map(folder_bytes, transfer_folders))))
         # else: a Mooncake store elsewhere, whose master's metrics this host does not know where to read
 
     def _check_meaning(self, rows: list[int], endpoint: str) -> dict[str, Any] | None:
@@ -195,12 +170,6 @@ class OnlineSession:
                              slot_names(self.layout.layer_ids, self.layout.num_layers),
                              greedy=self.cfg.generation.temperature == 0,
                              fix="check that the capture server runs this run's target with its engine settings")
-
-    def _read_capture_counters(self) -> None:
-        """Each server's prompt tokens and prefill seconds (vLLM's own counters, since it last started)."""
-        for endpoint in self.online.endpoints if self.online else []:
-            with contextlib.suppress(Exception):
-                self.facts.setdefault("capture", []).append(capture_metrics(endpoint))
 
     def summary(self) -> dict[str, Any]:
         """The `online` block of stage 04's manifest."""

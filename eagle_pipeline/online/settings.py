@@ -27,8 +27,7 @@ class OnlineTraining:
 
     @classmethod
     def from_config(cls, hidden_states) -> "OnlineTraining":
-        """What the config says (hidden_states section); stage 04 adds the servers it starts and the Mooncake
-        store's address once they run (eagle_pipeline/online/session.py)."""
+        """What the config says; stage 04 adds the servers it starts and the Mooncake store's address (session.py)."""
         return cls(endpoints=list(hidden_states.capture_endpoints), transfer=hidden_states.transfer,
                    window=hidden_states.online_window, retry_s=hidden_states.capture_retry_s)
 
