@@ -8,9 +8,9 @@ The expanded values stay uninitialised memory, the logits are divided by it, and
 speculating engine comes from a corrupted distribution (one pass answered "TimeTimeTime..." at temperature 0.6).
 Greedy batches never reach the kernel.
 
-`apply()` gives `_expand_kernel_impl` the Triton kernel's semantics in torch, for every dtype. The CPU worker binds the
-stand-ins when it starts (platforms/cpu.py `register_triton_kernel_overrides`), so `eagle_pipeline.engine.offline_engine`
-applies it before an in-process engine that speculates starts.
+`apply()` gives `_expand_kernel_impl` the Triton kernel's semantics in torch, for every dtype. The CPU worker binds
+the stand-ins when it starts (platforms/cpu.py `register_triton_kernel_overrides`), so
+`eagle_pipeline.engine.offline_engine` applies it before an in-process engine that speculates starts.
 """
 
 from __future__ import annotations
