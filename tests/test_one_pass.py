@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from conftest import ok, run_stage, run_stage_in_process, write_config, write_smoke_config
@@ -140,6 +141,14 @@ def test_stage_02_rows_are_stage_01s_states_linked_or_cut(one_pass_config, capsy
     assert cut == 1
     manifest = json.loads((cfg.stage_dir("02_extract_hidden") / "manifest.json").read_text())
     assert manifest["inputs"]["mode"] == "one pass"
+    # Stage 03 counts every answer token a two-pass row of max_seq_len 8 would hold: the short answers' last tokens,
+    # which no one-pass row holds, but not the last token of the long one, which a two-pass row cut too.
+    code, _, err = run_stage_in_process("03_build_vocab_map.py", one_pass_config, capsys,
+                                        "--set", "hidden_states.max_seq_len=8")
+    assert code == 0, err[-2000:]
+    counts = np.load(cfg.stage_dir("03_build_vocab_map") / "token_counts.npy")
+    answers = load_from_disk(str(cfg.stage_dir("01_generate_data") / "conversations"))["completion_token_ids"]
+    assert counts.sum() == 4 * 3 + 5 and all(counts[a[-1]] >= 1 for a in answers if len(a) == 3)
 
     # Rerunning stage 02 alone finds it complete; with its files gone it makes them again, still without an engine.
     for path in (data / "hidden_states").iterdir():
