@@ -28,22 +28,27 @@ Output in <data_root>/<run_name>/01_generate_data/:
     self_written/part-*.jsonl   prompt_source self: every sampled user turn and the filter's verdict
     conversations/       `datasets` dataset: sample_id, prompt_id, topic, messages, finish_reason, token counts,
                          prompt_token_ids, completion_token_ids
+    states/hs_<i>.safetensors   hidden_states.one_pass: sample i's states, captured while it was answered (prompt +
+                         answer less its last token, in stage 02's format), written before the part naming it
     manifest.json        inputs, counts, timings (written last)
 """
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
 from eagle_pipeline import atomic, engine_starts, plots
 from eagle_pipeline.answering import answer_in_flight
+from eagle_pipeline.capture import ONE_PASS_REQUEST, connector_sample, let_the_connector_write, one_pass_engine_args
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.embedded import EMBEDDED_PREFIX
 from eagle_pipeline.engine import apply_engine_env, llm_kwargs, offline_engine, target_engine_fingerprint
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import file_fingerprint, value_fingerprint
+from eagle_pipeline.outputs import read_manifest
 from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.prompt_filter import PromptFilter
 from eagle_pipeline.prompt_fit import (
@@ -56,6 +61,14 @@ from eagle_pipeline.prompt_fit import (
     template_counter,
 )
 from eagle_pipeline.prompts import load_prompts, load_training_and_eval_prompts
+from eagle_pipeline.samples import (
+    STATES_DIR,
+    planned_sample_layout,
+    sample_files,
+    sample_matches,
+    sample_path,
+    write_sample,
+)
 from eagle_pipeline.self_prompts import SELF_WRITTEN_DIR, attempt_stats, kept_prompts, write_prompts
 from eagle_pipeline.stage import Stage, Start, main
 from eagle_pipeline.verifier import Verifier, check_verifier_path
@@ -64,6 +77,8 @@ RECORD_FORMAT = 3
 # Settings that change nothing in an answer: how the engine is fed, and what is dropped or warned about
 # (a changed selection of prompts is caught per sample, check_resumed_samples).
 NOT_GENERATION_INPUTS = ("batch_size", "refill", "min_answer_tokens", "max_truncated_share")
+# What hidden_states.one_pass adds to the inputs: what the captured states depend on beyond the engine.
+ONE_PASS_INPUTS = ("layer_ids", "storage_dtype")
 log = logging.getLogger("eagle_pipeline")
 
 
@@ -81,6 +96,23 @@ def read_parts(parts_dir: Path, skip_torn: bool = False) -> dict[str, dict]:
                 raise
             done[record["sample_id"]] = record
     return done
+
+
+def keep_paired(parts_dir: Path, states_dir: Path, done: dict[str, dict], num_states: int,
+                hidden_size: int) -> dict[str, dict]:
+    """One pass: the finished conversations whose states file holds their prompt + answer less its last token. A
+    conversation without them leaves its part, states without a conversation are deleted: both are redone."""
+    paired = {sid: r for sid, r in done.items() if sample_matches(sample_path(states_dir, int(sid[1:])), r[
+        "prompt_token_ids"] + r["completion_token_ids"][:-1], num_states, hidden_size)}
+    for row, path in sample_files(states_dir).items():
+        if f"s{row:06d}" not in paired:
+            path.unlink()
+    for part in sorted(parts_dir.glob("part-*.jsonl")):
+        lines = part.read_text().splitlines()
+        kept = [line for line in lines if json.loads(line)["sample_id"] in paired]
+        if len(kept) < len(lines):
+            atomic.write_text(part, "".join(line + "\n" for line in kept)) if kept else part.unlink()
+    return paired
 
 
 def truncation_warning(finish_reasons: dict[str, int], samples: int, cfg: RunConfig) -> str | None:
@@ -130,6 +162,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  sampling temperature={cfg.generation.temperature} top_p={cfg.generation.top_p} "
               f"max_tokens={cfg.generation.max_tokens} reasoning={cfg.generation.reasoning} "
               f"dtype={generation_dtype}")
+        if cfg.hidden_states.one_pass:
+            print(f"  one pass: the answering engine also captures the hidden states (hidden_states.layer_ids "
+                  f"{cfg.hidden_states.layer_ids or 'default'}) into {stage.dir / STATES_DIR}; stage 02 starts "
+                  f"no engine")
         if not cfg.verifier.path.startswith(EMBEDDED_PREFIX):
             # A model folder's tokenizer is cheap to load and is where remote code breaks first (docs/engines.md);
             # an embedded model is converted on first use, which a dry run must not do.
@@ -181,7 +217,15 @@ def run(stage: Stage, dry_run: bool) -> None:
         # prompt's topic (stage 04 validates on whole topics).
         "record_format": RECORD_FORMAT,
     }
-    parts_dir = stage.dir / "parts"
+    one_pass = cfg.hidden_states.one_pass
+    if one_pass:  # only then, so that two-pass runs keep their recorded inputs
+        layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+        inputs.update(layer_ids=list(layout.layer_ids), storage_dtype=layout.storage_dtype.value)
+    elif not stage.force:  # a finished one-pass run's answers serve a two-pass stage 02 as they are
+        old = read_manifest(stage.dir) or {}
+        if old.get("status") == "complete" and old["counts"].get("samples") == len(sample_ids):
+            inputs.update({key: old["inputs"][key] for key in ONE_PASS_INPUTS if key in old["inputs"]})
+    parts_dir, states_dir, scratch = stage.dir / "parts", stage.dir / STATES_DIR, stage.dir / "connector_scratch"
 
     def resumable() -> None:  # samples to resume or extend, tied to other prompts (--force starts over)
         if selection is not None and not stage.force:
@@ -198,6 +242,9 @@ def run(stage: Stage, dry_run: bool) -> None:
     # -- resume: which samples are already answered ------------------------------------------------
     parts_dir.mkdir(exist_ok=True)
     done = read_parts(parts_dir)
+    if one_pass:  # the connector's files are named by request ids that mean nothing to this run
+        shutil.rmtree(scratch, ignore_errors=True)
+        done = keep_paired(parts_dir, states_dir, done, layout.num_hidden_states, layout.hidden_size)
     todo = [i for i, sid in enumerate(sample_ids) if sid not in done]
     print(f"stage 01: {len(done)} of {len(sample_ids)} conversations already done, {len(todo)} to generate")
 
@@ -217,8 +264,11 @@ def run(stage: Stage, dry_run: bool) -> None:
 
         before_first_load(cfg, stage.number)
         apply_engine_env(cfg)
+        engine_args = llm_kwargs(cfg, str(verifier.path), dtype=generation_dtype)
+        if one_pass:
+            engine_args.update(one_pass_engine_args(cfg, layout.layer_ids, verifier.num_layers, scratch))
         with engine_starts.timed("answering engine"):
-            llm = offline_engine(**llm_kwargs(cfg, str(verifier.path), dtype=generation_dtype))
+            llm = offline_engine(**engine_args)
         if prompts is None:
             written = write_prompts(
                 llm, verifier.tokenizer, cfg.data.self_written, wanted=len(sample_ids), run_seed=cfg.seed,
@@ -234,13 +284,17 @@ def run(stage: Stage, dry_run: bool) -> None:
             top_p=cfg.generation.top_p,
             max_tokens=cfg.generation.max_tokens,
             seed=cfg.seed,
+            **({"extra_args": ONE_PASS_REQUEST} if one_pass else {}),
         )
         t0 = time.monotonic()  # generation speed, without the engine's start-up
         system = [{"role": "system", "content": cfg.generation.system_prompt}] if cfg.generation.system_prompt else []
         conversations = [system + prompts[i]["messages"] for i in todo]
         # generation.batch_size conversations decode at once, topped up as each finishes; every batch_size
-        # finished ones are written as a part, so a crash loses at most the conversations not yet written.
+        # finished ones are written as a part, so a crash loses at most the conversations not yet written. In one
+        # pass a conversation joins a part only once its states are in place, so that a crash can leave states
+        # without a conversation (deleted on the rerun), never a conversation without states.
         finished: list[dict] = []
+        pending: dict[int, tuple[dict, str]] = {}  # sample index -> (record, connector file not yet taken)
 
         def write_part(records: list[dict]) -> None:
             first = min(r["sample_id"] for r in records)
@@ -248,13 +302,23 @@ def run(stage: Stage, dry_run: bool) -> None:
                               "".join(json.dumps(r) + "\n" for r in records))
             done.update({r["sample_id"]: r for r in records})
 
+        def take_states(wait: bool = False) -> None:
+            for i, (record, path) in list(pending.items()):
+                ids = record["prompt_token_ids"] + record["completion_token_ids"][:-1]
+                sample = connector_sample(path, ids, num_states=layout.num_hidden_states, wait=wait,
+                                          where=f"{sample_ids[i]}'s states ({path})")
+                if sample is not None:
+                    write_sample(states_dir, i, sample, ids, num_states=layout.num_hidden_states,
+                                 hidden_size=layout.hidden_size, storage_dtype=layout.storage_dtype)
+                    finished.append(pending.pop(i)[0])
+
         with tqdm(total=len(todo), desc="generate", unit="conv") as bar:
             answers = answer_in_flight(llm, conversations, params, in_flight=cfg.generation.batch_size,
                                        chat_template_kwargs=template_kwargs, refill=cfg.generation.refill)
             for position, out in answers:
                 i, messages, completion = todo[position], conversations[position], out.outputs[0]
                 generated_tokens += len(completion.token_ids)
-                finished.append({
+                record = {
                     "sample_id": sample_ids[i],
                     "prompt_id": prompts[i]["id"],
                     "topic": prompts[i]["topic"],
@@ -264,13 +328,22 @@ def run(stage: Stage, dry_run: bool) -> None:
                     "completion_tokens": len(completion.token_ids),
                     "prompt_token_ids": list(out.prompt_token_ids),
                     "completion_token_ids": list(completion.token_ids),
-                })
+                }
+                if one_pass:
+                    pending[i] = (record, out.kv_transfer_params["hidden_states_path"])
+                    take_states()
+                else:
+                    finished.append(record)
                 bar.update(1)
-                if len(finished) == cfg.generation.batch_size:
+                if len(finished) >= cfg.generation.batch_size:
                     write_part(finished)
                     finished = []
+            if one_pass:
+                let_the_connector_write(llm)
+                take_states(wait=True)
             if finished:
                 write_part(finished)
+        shutil.rmtree(scratch, ignore_errors=True)
         gen_seconds = time.monotonic() - t0
 
     # -- the dataset, in sample-id order ------------------------------------------------------------

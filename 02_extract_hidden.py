@@ -19,9 +19,13 @@ A sample's file is checked (token ids, shape, finite values) before it is writte
 states are checked for meaning (eagle_pipeline/state_meaning.py) before the rest is captured; a rerun keeps every
 file whose token ids still match its row and captures the rest.
 With hidden_states.mode: online it writes data/ without hidden_states: stage 04 captures the states live from vLLM
-capture servers and discards them after use (docs/online.md).
+capture servers and discards them after use (docs/online.md). With hidden_states.one_pass it starts no engine: stage
+01 captured each conversation's states while it answered, all but the answer's last token (which no forward pass
+ran), so row i is prompt + answer less that token, and hs_<i> is linked to (or, cut at max_seq_len, written from)
+stage 01's states/hs_<i>, under the same checks (docs/one_pass.md).
 """
 
+import contextlib
 import os
 import shutil
 import time
@@ -36,15 +40,18 @@ from eagle_pipeline.plan.disk import amount, later_stages_bytes, plan_run, same_
 from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.samples import (
     SAMPLES_DIR,
+    STATES_DIR,
     estimate_bytes,
     planned_sample_layout,
     sample_files,
+    sample_from_stored,
     sample_matches,
     sample_path,
     write_sample,
 )
 from eagle_pipeline.sequences import training_sequence
 from eagle_pipeline.stage import (
+    STAGES,
     Stage,
     Start,
     check_disk,
@@ -82,8 +89,12 @@ def samples_to_capture(rows: list[dict], hs_dir: Path, num_states: int, hidden_s
             if not sample_matches(sample_path(hs_dir, i), row["input_ids"], num_states, hidden_size)]
 
 
+# Where one pass's states come from, and so what a failed check asks for.
+ONE_PASS_RERUN = "rerun stage 01 with --force (its answering engine captured them in one pass), then stage 02"
+
+
 def check_first_batch(hs_dir: Path, rows: list[dict], batch: list[int], head, layer_ids: list[int], num_layers: int, *,
-                      greedy: bool, model_runner: str) -> dict:
+                      greedy: bool, model_runner: str, rerun: str = "rerun stage 02") -> dict:
     """The meaning check on the first batch captured, before the rest: a systematic fault of the capture path (a
     slot lost or shifted) shows in every batch, and at full scale the whole capture costs hours and a terabyte
     first. On a failure the batch's files are removed, so that a rerun captures them again."""
@@ -93,7 +104,7 @@ def check_first_batch(hs_dir: Path, rows: list[dict], batch: list[int], head, la
              ", or capture with vLLM's V1 model runner, whose capture "
              "path is the tested one (verifier.model_runner: v1)")
     fix = (f"stage 02 stopped after its first batch ({len(batch)} samples, their files removed): check the engine's "
-           f"settings (docs/engines.md, \"Engine settings\"){other}, and rerun stage 02")
+           f"settings (docs/engines.md, \"Engine settings\"){other}, and {rerun}")
     try:
         return check_stage02_samples(hs_dir, rows, head, layer_ids, num_layers, greedy=greedy, among=batch, fix=fix)
     except BadInput:
@@ -119,6 +130,9 @@ def plan_without_conversations(stage: Stage) -> None:
           f"expert_parallel={cfg.verifier.enable_expert_parallel}")
     print(f"  aux layer ids {list(layout.layer_ids)} + final layer {verifier.num_layers}; stored "
           f"as {layout.storage_dtype} [seq, {layout.num_hidden_states}, {layout.hidden_size}]")
+    if cfg.hidden_states.one_pass:
+        return print("  one pass: stage 01 captures and stores them while it answers (its disk plan); stage 02 links "
+                     "its files to them and starts no engine")
     later, what = later_stages_bytes(cfg, verifier, layout)
     expected = plan_run(cfg, verifier, layout).stage(2)
     print(f"  disk: ~{amount(expected.bytes)} of hidden states {expected.detail} ({need / max_tokens / 1e3:.1f} "
@@ -138,6 +152,14 @@ def run(stage: Stage, dry_run: bool) -> None:
     verifier = Verifier.from_config(cfg)
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
     layer_ids, num_states, hidden_size = list(layout.layer_ids), layout.num_hidden_states, layout.hidden_size
+    one_pass = hs_cfg.one_pass
+    captured = {key: upstream["inputs"].get(key) for key in ("layer_ids", "storage_dtype")}
+    if one_pass and captured != {"layer_ids": layer_ids, "storage_dtype": layout.storage_dtype.value}:
+        what = ("answered without hidden_states.one_pass" if captured["layer_ids"] is None else
+                f"captured layers {captured['layer_ids']} as {captured['storage_dtype']} in one pass")
+        raise BadInput(f"{cfg.stage_dir(STAGES[1])}: stage 01 {what}, the config asks for layers {layer_ids} as "
+                       f"{layout.storage_dtype}; rerun 01_generate_data.py with --force (a new pass), or set "
+                       f"hidden_states.one_pass: false to capture them here from the same answers")
 
     # -- token ids and loss masks ---------------------------------------------------------------------
     from datasets import load_from_disk
@@ -149,8 +171,8 @@ def run(stage: Stage, dry_run: bool) -> None:
                        "stage 01); rerun 01_generate_data.py with --force")
     rows = []
     for conv in conversations:
-        ids, mask = training_sequence(conv["prompt_token_ids"], conv["completion_token_ids"],
-                                      max_len=hs_cfg.max_seq_len)
+        answer = conv["completion_token_ids"][:-1] if one_pass else conv["completion_token_ids"]
+        ids, mask = training_sequence(conv["prompt_token_ids"], answer, max_len=hs_cfg.max_seq_len)
         # The topic lets stage 04 validate on whole topics; conversations from before it was recorded are
         # each their own topic.
         topic = conv.get("topic") or conv["prompt_id"]
@@ -162,7 +184,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     if dry_run and hs_cfg.mode == "online":
         return print_online_plan(stage, verifier, layout, rows)
     if dry_run:
-        print(f"stage 02: capture hidden states of {len(rows)} conversations ({total_tokens} tokens)")
+        source = "rows from stage 01's one-pass states, no engine," if one_pass else "capture hidden states"
+        print(f"stage 02: {source} of {len(rows)} conversations ({total_tokens} tokens)")
         print(f"  verifier {verifier.path} ({verifier.architecture}, {verifier.num_layers} layers, "
               f"hidden {hidden_size}), tensor_parallel={cfg.verifier.tensor_parallel_size}, "
               f"expert_parallel={cfg.verifier.enable_expert_parallel}")
@@ -172,7 +195,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} "
               f"KB/token) under {stage.dir}, plus {what} reserved")
 
-        print(capture_memory_line(cfg, num_states, hidden_size, max((r["seq_len"] for r in rows), default=1)))
+        if not one_pass:
+            print(capture_memory_line(cfg, num_states, hidden_size, max((r["seq_len"] for r in rows), default=1)))
         return
 
     inputs = {
@@ -183,8 +207,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "storage_dtype": hs_cfg.storage_dtype,
         "max_seq_len": hs_cfg.max_seq_len,
     }
-    if hs_cfg.mode == "online":  # only then, so that offline runs keep their recorded inputs
-        inputs["mode"] = "online"
+    if hs_cfg.mode == "online" or one_pass:  # only then, so that two-pass offline runs keep their recorded inputs
+        inputs["mode"] = "online" if hs_cfg.mode == "online" else "one pass"
     data_dir = stage.dir / "data"
     hs_dir = data_dir / SAMPLES_DIR
 
@@ -193,8 +217,9 @@ def run(stage: Stage, dry_run: bool) -> None:
     if not same_disk(hs_dir, cfg.stage_dir("04_train")):
         later, later_what = 0, "nothing for later stages (they write to another disk)"
 
-    def disk_needed(todo: list[int]) -> int:
-        return estimate_bytes(sum(rows[i]["seq_len"] for i in todo), num_states, hidden_size,
+    def disk_needed(todo: list[int]) -> int:  # one pass links every row not cut at max_seq_len: no bytes
+        written = [i for i in todo if not one_pass or rows[i]["seq_len"] == hs_cfg.max_seq_len]
+        return estimate_bytes(sum(rows[i]["seq_len"] for i in written), num_states, hidden_size,
                               hs_cfg.storage_dtype) + later
 
     def room_for_samples() -> None:  # a want of disk is refused before anything is written
@@ -233,29 +258,38 @@ def run(stage: Stage, dry_run: bool) -> None:
     if todo:
         from tqdm import tqdm
 
-        before_first_load(cfg, stage.number)
-        apply_engine_env(cfg)
-        engine = HiddenStateCapture(
-            verifier.path, layer_ids, num_layers=verifier.num_layers, storage_path=stage.dir / "connector_scratch",
-            **capture_sizing(max(rows[i]["seq_len"] for i in todo)), **capture_engine_kwargs(cfg),
-        )
+        sizes = {"num_states": num_states, "hidden_size": hidden_size, "storage_dtype": hs_cfg.storage_dtype}
+        if one_pass:  # stage 01's states, checked and linked: no engine
+            engine, states = contextlib.nullcontext(), cfg.stage_dir(STAGES[1]) / STATES_DIR
+        else:
+            before_first_load(cfg, stage.number)
+            apply_engine_env(cfg)
+            engine = HiddenStateCapture(
+                verifier.path, layer_ids, num_layers=verifier.num_layers, storage_path=stage.dir / "connector_scratch",
+                **capture_sizing(max(rows[i]["seq_len"] for i in todo)), **capture_engine_kwargs(cfg),
+            )
         with engine, tqdm(total=todo_tokens, desc="capture", unit="tok", unit_scale=True) as bar:
             t0 = time.monotonic()
             for start in range(0, len(todo), hs_cfg.batch_size):
                 batch = todo[start : start + hs_cfg.batch_size]
-                samples = engine.capture([rows[i]["input_ids"] for i in batch])
-                for row_index, sample in zip(batch, samples):
-                    write_sample(hs_dir, row_index, sample, rows[row_index]["input_ids"], num_states=num_states,
-                                 hidden_size=hidden_size, storage_dtype=hs_cfg.storage_dtype)
-                    bar.update(rows[row_index]["seq_len"])
+                if one_pass:
+                    for i in batch:
+                        sample_from_stored(sample_path(states, i), hs_dir, i, rows[i]["input_ids"], **sizes)
+                else:
+                    for i, sample in zip(batch, engine.capture([rows[i]["input_ids"] for i in batch])):
+                        write_sample(hs_dir, i, sample, rows[i]["input_ids"], **sizes)
+                bar.update(sum(rows[i]["seq_len"] for i in batch))
                 if start == 0:
                     check_first_batch(hs_dir, rows, batch, head, layer_ids, verifier.num_layers, greedy=greedy,
-                                      model_runner=cfg.verifier.model_runner)
+                                      model_runner=cfg.verifier.model_runner,
+                                      **({"rerun": ONE_PASS_RERUN} if one_pass else {}))
             capture_seconds = time.monotonic() - t0
         shutil.rmtree(stage.dir / "connector_scratch", ignore_errors=True)
 
     # -- meaning: whole, finite files of the right shape may still hold the wrong layer or position ----
-    meaning = check_stage02_samples(hs_dir, rows, head, layer_ids, verifier.num_layers, greedy=greedy)
+    meaning = check_stage02_samples(hs_dir, rows, head, layer_ids, verifier.num_layers, greedy=greedy,
+                                    **({"fix": f"stage 01's one-pass states are wrong; {ONE_PASS_RERUN}"}
+                                       if one_pass else {}))
 
     # -- summary --------------------------------------------------------------------------------------
     stored = sum(sample_path(hs_dir, i).stat().st_size for i in range(len(rows)))

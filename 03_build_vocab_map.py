@@ -72,6 +72,11 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     data = load_from_disk(str(cfg.stage_dir("02_extract_hidden") / "data")).with_format(None)
     counts = vocab.count_tokens(data["input_ids"], data["loss_mask"], vocab_size)
+    if upstream["inputs"].get("mode") == "one pass":  # its rows lack each answer's last token, which has no state
+        answers = load_from_disk(str(cfg.stage_dir("01_generate_data") / "conversations")).with_format(None)
+        last = [a[-1:] for a, p in zip(answers["completion_token_ids"], answers["prompt_tokens"])
+                if p + len(a) <= upstream["inputs"]["max_seq_len"]]  # as two passes count it: where a row holds it
+        counts += vocab.count_tokens(last, [[1] * len(t) for t in last], vocab_size)
 
     # -- select and write ---------------------------------------------------------------------------
     if adopted:

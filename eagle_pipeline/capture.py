@@ -112,6 +112,66 @@ def kv_transfer_config(storage_path: str | os.PathLike | None, device_type: str,
     return config
 
 
+def one_pass_engine_args(cfg, layer_ids: Sequence[int], num_layers: int, storage_path: str | os.PathLike) -> dict:
+    """What stage 01's answering engine adds to capture while it answers (hidden_states.one_pass, docs/one_pass.md):
+    the capture's speculative method and connector. The V1 model runner's async scheduling feeds the dummy draft the
+    first of a step's two sampled tokens where it needs the last (vLLM #56417): off where that runner runs on a GPU.
+    Each request then asks for its generated tokens' states too (`ONE_PASS_REQUEST`)."""
+    args = {"speculative_config": speculative_config(layer_ids, num_layers),
+            "kv_transfer_config": kv_transfer_config(storage_path, cfg.device)}
+    if cfg.device == "cuda" and cfg.verifier.model_runner == "v1":
+        args["async_scheduling"] = False
+    return args
+
+
+# SamplingParams.extra_args of a one-pass request: the connector saves prompt + completion less its last token.
+ONE_PASS_REQUEST = {"kv_transfer_params": {"include_output_tokens": True}}
+
+
+def connector_sample(path: str, expected_token_ids: Sequence[int], *, num_states: int, where: str,
+                     wait: bool = True) -> dict[str, torch.Tensor] | None:
+    """The states the hidden-states connector wrote to `path` (a finished request's `hidden_states_path`), read,
+    removed with its lock file and checked against `expected_token_ids`; None while the write is still under way and
+    not `wait`. vLLM's load_hidden_states without the wait: the connector holds an exclusive flock on path.lock from
+    the request's first step until the file is written, which an in-process engine does only on a later step."""
+    import fcntl
+
+    from safetensors.torch import load_file
+
+    with open(path + ".lock") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return None
+        data = load_file(path)
+    for name in (path, path + ".lock"):
+        Path(name).unlink(missing_ok=True)
+    check_sample(data, expected_token_ids, num_states=num_states, where=where)
+    return {"hidden_states": data["hidden_states"], "token_ids": data["token_ids"].long()}
+
+
+def let_the_connector_write(llm) -> None:
+    """Step an in-process engine until its connector has written every finished request's states.
+
+    The connector writes a request's states one engine step after the request finishes (the scheduler hands the
+    pending save to the worker with the next step), and `connector_sample` waits on the file's lock until that write
+    is done. Engine processes keep stepping on their own; an engine in this process steps only when called, and
+    `generate` returns as soon as the outputs are complete, so the reader would wait forever. The scheduler holds
+    each request until its write has been handed over.
+    """
+    # An in-process client holds the engine core itself (vLLM's InprocClient); a multiprocess client talks to it in
+    # another process, which needs no help.
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        return
+    for _ in range(MAX_STEPS_TO_WRITE):
+        if not core.scheduler.has_requests():
+            return
+        llm.llm_engine.step()
+    raise RuntimeError(f"capture: vLLM still holds finished requests after {MAX_STEPS_TO_WRITE} engine steps; "
+                       "their hidden states were never written")
+
+
 def _platform_device_type() -> str:
     """'cpu' or 'cuda' (ROCm included: upstream's connector runs there through torch.cuda), else vLLM's name."""
     from vllm.platforms import current_platform
@@ -217,35 +277,9 @@ class HiddenStateCapture:
             shutil.rmtree(self.storage_path, ignore_errors=True)
             self._owns_storage = False
 
-    def _let_the_connector_write(self) -> None:
-        """Step an in-process engine until its connector has written every finished request's states.
-
-        The connector writes a request's states one engine step after the request finishes (the scheduler
-        hands the pending save to the worker with the next step), and `load_hidden_states` waits on the
-        file's lock until that write is done. Engine processes keep stepping on their own; an engine in this
-        process steps only when called, and `generate` returns as soon as the outputs are complete, so the
-        reader would wait forever. The scheduler holds each request until its write has been handed over.
-        """
-        # An in-process client holds the engine core itself (vLLM's InprocClient); a multiprocess client
-        # talks to it in another process, which needs no help.
-        core = getattr(self._llm.llm_engine.engine_core, "engine_core", None)
-        if core is None:
-            return
-        for _ in range(MAX_STEPS_TO_WRITE):
-            if not core.scheduler.has_requests():
-                return
-            self._llm.llm_engine.step()
-        raise RuntimeError(f"capture: vLLM still holds finished requests after {MAX_STEPS_TO_WRITE} engine steps; "
-                           "their hidden states were never written")
-
     def capture(self, batch: Sequence[Sequence[int]]) -> list[dict[str, torch.Tensor]]:
         """Hidden states for each token id list, in order: dicts with `hidden_states` and `token_ids`."""
-        import torch
         from vllm import SamplingParams
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-            load_hidden_states,
-        )
         from vllm.inputs import TokensPrompt
 
         if self._llm is None:
@@ -264,7 +298,7 @@ class HiddenStateCapture:
         # The sampled token is irrelevant; max_tokens=1 ends each request right after its prefill.
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        self._let_the_connector_write()
+        let_the_connector_write(self._llm)
 
         samples = []
         paths = [(out.kv_transfer_params or {}).get("hidden_states_path") for out in outputs]
@@ -272,14 +306,12 @@ class HiddenStateCapture:
             for i, (prompt, path) in enumerate(zip(prompts, paths)):
                 if path is None:
                     raise RuntimeError(f"capture: vLLM returned no hidden_states_path for sequence {i}")
-                data = load_hidden_states(path)
-                expected = torch.tensor(prompt["prompt_token_ids"], dtype=torch.long)
-                check_sample(data, expected, num_states=self.num_states, where=f"captured sequence {i} ({path})")
-                samples.append({"hidden_states": data["hidden_states"], "token_ids": data["token_ids"].long()})
+                samples.append(connector_sample(path, prompt["prompt_token_ids"], num_states=self.num_states,
+                                                where=f"captured sequence {i} ({path})"))
         finally:
-            for path in paths:
-                if path is not None:
-                    cleanup_hidden_states(path)
+            for path in filter(None, paths):
+                for name in (path, path + ".lock"):
+                    Path(name).unlink(missing_ok=True)
         return samples
 
 

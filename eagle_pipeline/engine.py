@@ -60,8 +60,9 @@ def apply_engine_env(cfg: RunConfig) -> None:
 def offline_engine(**kwargs: Any):
     """`vllm.LLM(**kwargs)`, in this process or with engine processes as the environment says; in this process the
     CPU worker's kernel scan is patched first to pass the modules vLLM's Kimi-K2.5 model class loads
-    (patches/vllm_kernel_rebind.py), and its rotary embedding to rotate an MLA query's every head at its position
-    (patches/vllm_cpu_rope.py)."""
+    (patches/vllm_kernel_rebind.py), its rotary embedding to rotate an MLA query's every head at its position
+    (patches/vllm_cpu_rope.py), and, for an engine that speculates, its rejection sampler to sample at temperature
+    > 0 from the target's own distribution (patches/vllm_cpu_expand.py; greedy batches never reach it)."""
     from vllm import LLM
 
     if os.environ.get(MULTIPROCESSING_VARIABLE) == "0":
@@ -69,6 +70,10 @@ def offline_engine(**kwargs: Any):
 
         vllm_kernel_rebind.apply()
         vllm_cpu_rope.apply()
+        if kwargs.get("speculative_config"):
+            from patches import vllm_cpu_expand
+
+            vllm_cpu_expand.apply()
     return LLM(**kwargs)
 
 

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     import torch
 
 SAMPLES_DIR = "hidden_states"
+# Stage 01's folder of one-pass states (hidden_states.one_pass): hs_<i> holds sample i's whole conversation but its
+# last token, in this format; stage 02 makes its row's file from it (`sample_from_stored`).
+STATES_DIR = "states"
 FP8_SCALES_KEY = "hidden_states_scales"  # = hs_connectors.fp8_utils.SCALES_KEY
 # A safetensors header this size describes hundreds of thousands of tensors; a larger length field means the
 # file is not a sample at all, and reading it would try to allocate that much memory.
@@ -184,6 +187,25 @@ def write_sample(
     # OSError(ENOSPC), which the stage reports as "disk full", where safetensors' own writer raises a
     # SafetensorError that says only "I/O error".
     atomic.write_bytes(path, save(encode_sample(sample, storage_dtype)))
+    return path
+
+
+def sample_from_stored(source: Path, samples_dir: str | os.PathLike, row: int,
+                       expected_token_ids: torch.Tensor | Sequence[int], *, num_states: int, hidden_size: int,
+                       storage_dtype: str | StorageDtype) -> Path:
+    """Row `row`'s sample from a stored one that begins with the row's tokens (stage 01's one-pass states): after
+    every check of its values, a hard link to it where it holds exactly those tokens (no bytes copied), else its
+    first tokens written anew (a row cut at hidden_states.max_seq_len). BadSample names the file that fails."""
+    sample, path = read_sample(source), sample_path(samples_dir, row)
+    if len(sample["token_ids"]) != len(expected_token_ids):
+        cut = {key: value[: len(expected_token_ids)] for key, value in sample.items()}
+        return write_sample(samples_dir, row, cut, expected_token_ids, num_states=num_states, hidden_size=hidden_size,
+                            storage_dtype=storage_dtype)
+    check_sample(sample, expected_token_ids, num_states=num_states, hidden_size=hidden_size, where=str(source))
+    try:
+        os.link(source, path)
+    except OSError:  # a file system without hard links
+        atomic.write_bytes(path, Path(source).read_bytes())
     return path
 
 

@@ -268,3 +268,24 @@ def test_the_mla_fine_tune_configs_servers_are_accepted_by_cudas_selector(standi
     assert len(drafted) == 6 and all(CUDA in item.line() and "target MLA -> TRITON_MLA" in item.line()
                                      and "drafter MLA -> TRITON_MLA" in item.line() for item in drafted), \
         [item.line() for item in done]
+
+
+def test_the_one_pass_configs_answering_engine_captures_and_is_accepted_by_cudas_selector(standin):
+    """configs/kimi-k2.5-10k-one-pass.yaml on the stand-in: stage 01's answering engine carries the capture's
+    speculative method and connector (vLLM's default V2 runner: async scheduling as vLLM sets it; on the V1 runner off,
+    vLLM #56417) and gets the MLA backend CUDA accepts; stage 02 starts no engine."""
+    from eagle_pipeline.plan.rehearsal import check_engines, planned_engines
+
+    path = standin / "one-pass.yaml"
+    path.write_text(yaml.safe_dump({
+        "extends": str(REPO / "configs" / "kimi-k2.5-10k-one-pass.yaml"), "run_name": "one-pass",
+        "data_root": str(standin / "data"), **STANDIN_FIT, "verifier": {"path": str(standin / "kimi"), **VERIFIER_FIT}}))
+    cfg = load_config(path, [])
+    (done,) = check_engines(cfg, (1, 2), show=False)  # a refusal would raise BadInput
+    assert done.engine.name == "answering engine" and CUDA in done.line() and "target MLA -> TRITON_MLA" in done.line()
+    args = done.engine.engine_args
+    assert args["speculative_config"]["method"] == "extract_hidden_states" and "async_scheduling" not in args
+    assert args["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
+    v1 = load_config(path, ["verifier.model_runner=v1"])
+    (engine,) = planned_engines(v1, 1, standin / "scratch")
+    assert engine.engine_args["async_scheduling"] is False

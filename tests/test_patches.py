@@ -3,6 +3,7 @@ configs."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from unittest import mock
 
@@ -314,3 +315,52 @@ def test_the_vllm_private_names_the_product_uses_are_those_it_was_written_for():
     with mock.patch.dict(vllm_config.UPSTREAM_SOURCE_SHA256, {name: "0" * 64}), \
             pytest.raises(RuntimeError, match=f"differ from that release: {name}"):
         vllm_config.require_written_for.__wrapped__()
+
+
+# ---------------------------------------------------------------------------------------------------
+# patches/vllm_cpu_expand.py
+
+
+def test_the_expand_patch_replaces_the_stand_in_it_was_written_for():
+    from patches import vllm_cpu_expand
+    from patches.upstream import changed_sources
+
+    assert changed_sources(vllm_cpu_expand.UPSTREAM_SOURCE_SHA256) == []
+
+
+def test_temperatures_are_expanded_per_verified_token_as_the_triton_kernel_does_only_patched(monkeypatch):
+    """A batch of three requests verifying 1, 2 and 1 tokens: upstream's CPU stand-in leaves a float32 (or int32)
+    output as it found it; the patch writes each request's value, 0 read as 9, as rejection_sampler.expand_kernel."""
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils
+
+    from patches import vllm_cpu_expand
+
+    current_platform.import_kernels()
+    cu = torch.tensor([1, 3, 4], dtype=torch.int32)
+    cases = [(torch.tensor([0.6, 0.0, 0.8]), [0.6, 9.0, 9.0, 0.8]), (torch.tensor([5, 0, 7], dtype=torch.int32),
+                                                                      [5, 9, 9, 7])]
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", cpu_triton_utils._expand_kernel_impl)
+    for values, want in cases:
+        out = torch.full((4,), -1, dtype=values.dtype)
+        cpu_triton_utils._expand_kernel_impl(out, values, cu, 0, 9)
+        assert out.tolist() == [-1] * 4  # written to a converted copy, then dropped
+    vllm_cpu_expand.apply()
+    vllm_cpu_expand.apply()
+    assert cpu_triton_utils._expand_kernel_impl is vllm_cpu_expand.expand_kernel_impl
+    for values, want in cases:
+        out = torch.full((4,), -1, dtype=values.dtype)
+        cpu_triton_utils._expand_kernel_impl(out, values, cu, 0, 9)
+        assert torch.allclose(out.double(), torch.tensor(want, dtype=torch.double))
+
+
+def test_the_expand_patch_refuses_other_vllm_versions(monkeypatch):
+    import vllm
+
+    from patches import vllm_cpu_expand
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"patches/vllm_cpu_expand\.py targets vLLM 0\.32\.0 but 0\.33\.0"):
+        importlib.reload(vllm_cpu_expand)
+    monkeypatch.undo()
+    importlib.reload(vllm_cpu_expand)

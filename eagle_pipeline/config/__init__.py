@@ -112,6 +112,11 @@ class RunConfig(Section):
             if value >= limit:
                 raise cross_field(field, f"{value} must be below verifier.max_model_len ({limit}); "
                                          f"lower it or raise verifier.max_model_len")
+        dtype = self.generation.dtype
+        if self.hidden_states.one_pass and dtype not in (None, self.verifier.dtype):
+            raise cross_field("generation.dtype", f"{dtype} differs from verifier.dtype ({self.verifier.dtype}), but "
+                                                  f"hidden_states.one_pass captures the states in the answering "
+                                                  f"engine's dtype; leave generation.dtype unset or set one_pass false")
         return self
 
     @model_validator(mode="after")

@@ -147,6 +147,8 @@ class HiddenStatesConfig(Section):
         None, gt=0, le=1, description="online, cuda: the share of each GPU a capture server started by stage 04 takes "
                                       "(the trainer uses the rest); None: verifier.gpu_memory_utilization")
     mooncake: MooncakeSettings = Field(default_factory=MooncakeSettings)
+    one_pass: bool = Field(False, description="stage 01 captures the states while it answers and stage 02 starts no "
+                                              "engine (docs/one_pass.md)")
 
     @field_validator("layer_ids")
     @classmethod
@@ -191,6 +193,10 @@ class HiddenStatesConfig(Section):
                     or self.capture_gpu_memory_utilization):
                 raise cross_field("mode", "offline stores the states and captures nothing live; set mode: online to "
                                           "use transfer, capture_endpoints, capture_gpu_memory_utilization or mooncake")
+        elif self.one_pass:
+            raise cross_field("one_pass", "speculators 0.9's online dataset prefills every sample itself, so states "
+                                          "captured while stage 01 answers cannot reach it; set mode: offline or "
+                                          "one_pass: false")
         elif self.storage_dtype != StorageDtype.BFLOAT16:
             raise cross_field("storage_dtype", "online stores no states (only a few validation "
                                                "rows, kept in the transfer's precision); to "

@@ -3,7 +3,8 @@ check (eagle_pipeline.plan.preconditions, `disk_budget_gb`) holds the run to, an
 space before they write (eagle_pipeline.stage.check_disk).
 
 - stage 01: the conversations (token ids and text, CONVERSATION_BYTES_PER_TOKEN);
-- stage 02: every token's hidden states (samples.estimate_bytes); none in online mode;
+- stage 02: every token's hidden states (samples.estimate_bytes); none in online mode, and with
+  hidden_states.one_pass stage 01 writes them (every conversation's whole) and stage 02 links its files to them;
 - stage 03: the vocabulary map (d2t int64, t2d bool; in every drafter file too);
 - stage 04: the checkpoints on disk at once (`kept_checkpoints`, each `DrafterSize.checkpoint`; the embedding and the
   draft lm_head are the target's, frozen, with no optimizer moments), a flat `train.init_from` rewritten in
@@ -236,8 +237,9 @@ def plan_run(cfg, verifier, layout: SampleLayout) -> DiskPlan:
     """Every stage's planned writes for this config and target."""
     conversation_tokens, tokens, counted = planned_tokens(cfg)
     size = DrafterSize.for_run(cfg, verifier, len(layout.layer_ids))
-    online = cfg.hidden_states.mode == "online"
-    states = 0 if online else estimate_bytes(tokens, layout.num_hidden_states, layout.hidden_size, layout.storage_dtype)
+    online, one_pass = cfg.hidden_states.mode == "online", cfg.hidden_states.one_pass
+    states = 0 if online else estimate_bytes(conversation_tokens if one_pass else tokens, layout.num_hidden_states,
+                                             layout.hidden_size, layout.storage_dtype)
     training = training_bytes(cfg, verifier, layout)
     detail04 = f", {kept_checkpoints(cfg.train)} on disk at once, ~{amount(size.checkpoint(cfg.train.optimizer))} each"
     if _flat_init_from(cfg):
@@ -251,8 +253,10 @@ def plan_run(cfg, verifier, layout: SampleLayout) -> DiskPlan:
             detail04 += ", the states in flight"
     replay = replay_layer_ids(cfg, layout)
     return DiskPlan((
-        StagePlan(1, conversation_tokens * CONVERSATION_BYTES_PER_TOKEN, "conversations", "of token ids and text"),
-        StagePlan(2, states, "hidden states", "(online: none stored)" if online else f"for {counted}"),
+        StagePlan(1, conversation_tokens * CONVERSATION_BYTES_PER_TOKEN + one_pass * states, "conversations",
+                  "of token ids and text" + (", and their hidden states (one pass)" if one_pass else "")),
+        StagePlan(2, (not one_pass) * states, "hidden states", "(online: none stored)" if online else
+                  "(one pass: linked to stage 01's)" if one_pass else f"for {counted}"),
         StagePlan(3, size.map_bytes, "vocabulary map"),
         StagePlan(4, training, "checkpoints", detail04),
         StagePlan(5, (1 + int(cfg.convert.sglang)) * size.flat_folder(), "converted drafter",

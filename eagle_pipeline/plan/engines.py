@@ -3,7 +3,8 @@ configures every engine in it (plan/rehearsal.py), and the dry run counts the ta
 
 On the GPU host a cold start of the ~600 GB target costs tens of minutes, so the count matters as much as any
 throughput: a full pass starts the target in stage 01 (answers), stage 02 (capture) and stage 06 (a server per
-mode, one confirming the chosen schedule, and the prediction's capture unless a kept baseline has it).
+mode, one confirming the chosen schedule, and the prediction's capture unless a kept baseline has it); with
+hidden_states.one_pass stage 01's engine captures too and stage 02 starts none.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def stage_engines(cfg: RunConfig, stage: int) -> list[Engine]:
     online = hs.mode == "online"
     if stage == 1:
         return [Engine(1, "answering engine")]
-    if stage == 2:
-        return [] if online else [Engine(2, "hidden-state capture")]
+    if stage == 2:  # online, stage 04 captures; in one pass, stage 01 did
+        return [] if online or hs.one_pass else [Engine(2, "hidden-state capture")]
     if stage == 4:  # online training captures through a server of its own, unless given some
         return [Engine(4, "online capture server")] if online and not hs.capture_endpoints else []
     if stage == 5:

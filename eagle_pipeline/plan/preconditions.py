@@ -240,7 +240,8 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
         return
     projected, adding = projected_bytes(cfg, plan, stage_number, held)
     if projected > budget * GB:
-        states = max(adding, key=lambda stage: stage.bytes).number == 2  # the hidden states weigh most
+        # The hidden states weigh most: stage 02's, or in one pass stage 01's.
+        states = max(adding, key=lambda stage: stage.bytes).number == (1 if cfg.hidden_states.one_pass else 2)
         fix = (", or lower data.num_samples or hidden_states.max_seq_len, or store hidden_states.storage_dtype: fp8"
                if states else ", or free space in the run folder")
         raise BadInput(f"disk_budget_gb: {', '.join(stage.phrase() for stage in adding)} would take the run folder "

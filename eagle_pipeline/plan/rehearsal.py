@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline import atomic
-from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
+from eagle_pipeline.capture import HiddenStateCapture, capture_sizing, one_pass_engine_args
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
 from eagle_pipeline.drafter.layouts import MLA, NORM_FLAGS, SPECULATORS_TYPE_KEY
@@ -75,8 +75,11 @@ def planned_engines(cfg: RunConfig, stage: int, scratch: Path) -> list[PlannedEn
     for engine in stage_engines(cfg, stage):
         name = engine.name
         if engine.stage == 1:
-            dtype = cfg.generation.dtype or cfg.verifier.dtype
-            planned.append(PlannedEngine(1, name, offline, engine_args=llm_kwargs(cfg, target, dtype=dtype)))
+            args = llm_kwargs(cfg, target, dtype=cfg.generation.dtype or cfg.verifier.dtype)
+            if cfg.hidden_states.one_pass:
+                layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+                args.update(one_pass_engine_args(cfg, layout.layer_ids, verifier.num_layers, scratch / "capture"))
+            planned.append(PlannedEngine(1, name, offline, engine_args=args))
         elif engine.stage == 2 or name == "replay capture":
             longest = cfg.hidden_states.max_seq_len if stage == 2 else cfg.verifier.max_model_len - 1
             planned.append(PlannedEngine(stage, name, offline,
