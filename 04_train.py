@@ -26,7 +26,10 @@ metrics.csv, loss_curves.png, tensorboard/, manifest.json (tokens/s, peak memory
 import contextlib
 from pathlib import Path
 
+import numpy as np
+
 from eagle_pipeline import released_drafter
+from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.config.base import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
@@ -63,6 +66,7 @@ from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.train.topic_split import dataset_topics, split_by_topic
 from eagle_pipeline.verifier import Verifier
+from eagle_pipeline.vocab import mask_token_id
 
 INIT_FROM_DIR = "init_from"  # a flat train.init_from in speculators' layout
 
@@ -97,6 +101,18 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[FlatDr
     return drafter, {"convention": convention, "written": drafter.written_layer_ids, "hf": ids}
 
 
+def dflash_mask_token(cfg, verifier: Verifier) -> int | None:
+    """A DFlash run's mask token (vocab.mask_token_id), kept off the answers stage 03 counted once it has; None for
+    EAGLE-3, which has none."""
+    if cfg.train.family != "dflash":
+        return None
+    counts = cfg.stage_dir("03_build_vocab_map") / "token_counts.npy"
+    g = cfg.generation
+    kwargs = chat_template_kwargs(verifier.chat_template(), g.reasoning, g.chat_template_kwargs)
+    return mask_token_id(verifier.tokenizer, verifier.vocab_size, kwargs, cfg.train.dflash.mask_token_id,
+                         np.load(counts) if is_complete(cfg, 3) else None)
+
+
 def online_session(cfg, stage: Stage, train_run: TrainRun, verifier: Verifier, layout):
     """Stage 04's online part around training (eagle_pipeline/online/session.py), for the rows and validation
     split this run trains on."""
@@ -111,6 +127,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     t = cfg.train
     verifier = Verifier.from_config(cfg)
     check_draft_shape(t, verifier.text_config())  # dry run too, and before --force deletes anything
+    dflash_mask_token(cfg, verifier)
     planning = dry_run and not (is_complete(cfg, 2) and is_complete(cfg, 3))
     if planning:  # a fresh host: the shapes and the disk from the config and the target alone
         layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
@@ -225,8 +242,6 @@ def run(stage: Stage, dry_run: bool) -> None:
             return
 
     if released:
-        import numpy as np
-
         written = released_drafter.write_speculators_folder(
             released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids,
             ttt_steps=t.ttt_steps,

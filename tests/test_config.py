@@ -219,6 +219,15 @@ def test_empty_data_root_is_refused(tmp_path):
     (["serve.min_acceptance_length=4.5"], r"serve\.min_acceptance_length: 4\.5 can never be reached"),
     (["seed=true"], r"seed: expected a number, got true"),
     (["verifier.path=/models/a\x00b"], r"verifier\.path: contains a NUL character"),
+    # A DFlash drafter (train.family: dflash) has none of EAGLE-3's layer settings; its own section needs the family.
+    (["train.family=dflash", "train.draft_layer=mla"], r"train\.draft_layer: an EAGLE-3 setting, but train\.family "
+                                                       r"is dflash: .*DFlashQwen3ForCausalLM"),
+    (["train.family=dflash", "train.draft_shape={num_hidden_layers: 2}"], r"train\.draft_shape: .*dflash\.num_layers"),
+    (["train.family=dflash", "train.norm_before_fc=true"], r"train\.norm_before_fc: an EAGLE-3 setting"),
+    (["train.family=dflash", "train.fc_norm=false"], r"train\.fc_norm: an EAGLE-3 setting"),
+    (["train.family=dflash", "train.ttt_steps=4"], r"train\.ttt_steps: .*dflash\.block_size"),
+    (["train.dflash={block_size: 4}"], r"train\.dflash: applies to train\.family dflash only"),
+    (["train.family=dflash", "train.dflash.block_size=1"], r"train\.dflash\.block_size: Input should be greater"),
 ])
 def test_cross_field_and_type_rules(tmp_path, overrides, expected):
     with pytest.raises(BadInput, match=expected):
@@ -226,7 +235,7 @@ def test_cross_field_and_type_rules(tmp_path, overrides, expected):
 
 
 def test_unknown_engine_arg_is_named_with_the_closest_valid_one(tmp_path):
-    from eagle_pipeline.vllm_config import vllm_engine_arg_names
+    from eagle_pipeline.config.vllm_names import vllm_engine_arg_names
 
     if vllm_engine_arg_names() is None:
         pytest.skip("vLLM is not installed: engine_args cannot be checked")
@@ -245,7 +254,7 @@ def test_engine_args_cannot_set_what_a_config_key_owns(tmp_path, key, owner):
 
 
 def test_engine_settings_are_checked_against_vllm(tmp_path):
-    from eagle_pipeline.vllm_config import vllm_attention_backends
+    from eagle_pipeline.config.vllm_names import vllm_attention_backends
 
     if vllm_attention_backends() is None:
         pytest.skip("vLLM is not installed: attention backends cannot be checked")
@@ -270,11 +279,11 @@ def test_checking_vllm_names_does_not_import_vllm(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout[-500:] + result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("key", sorted(__import__("eagle_pipeline.config", fromlist=["x"]).ENGINE_ARGS_REFUSED))
+@pytest.mark.parametrize("key", sorted(__import__("eagle_pipeline.config.verifier", fromlist=["x"]).ENGINE_ARGS_REFUSED))
 def test_engine_args_that_swap_the_targets_weights_config_or_tokenizer_are_refused(tmp_path, key):
     # Each is a real engine argument (so the refusal is this rule, not the spelling check), refused naming why.
     from eagle_pipeline.config.verifier import ENGINE_ARGS_REFUSED
-    from eagle_pipeline.vllm_config import vllm_engine_arg_names
+    from eagle_pipeline.config.vllm_names import vllm_engine_arg_names
 
     assert vllm_engine_arg_names() is None or key in vllm_engine_arg_names()
     with pytest.raises(BadInput, match=rf"verifier\.engine_args\.{key}: {re.escape(ENGINE_ARGS_REFUSED[key][:30])}.*remove it"):
@@ -368,3 +377,18 @@ def test_a_capture_endpoints_password_is_never_printed_or_recorded(tmp_path):
         load_config(write_config(tmp_path / "c.yaml", hidden_states={"mode": "online",
                                                                      "capture_endpoints": ["http://me:s3cret@10.0.0.5:99999/v1"]}))
     assert "s3cret" not in str(error.value)
+
+
+def test_a_dflash_drafter_takes_speculators_defaults_and_eagle3_runs_record_no_new_setting(tmp_path):
+    from eagle_pipeline.train.settings import recorded_settings
+
+    eagle = load_config(write_config(tmp_path / "c.yaml"))
+    # Runs finished before the family existed keep their recorded inputs, so they stay complete.
+    assert not {"train.family", "train.dflash"} & set(recorded_settings(eagle.train))
+    dflash = load_config(write_config(tmp_path / "c.yaml"), ["train.family=dflash"])
+    assert dflash.train.dflash.model_dump() == {"block_size": 8, "num_layers": 5, "max_anchors": 512,
+                                                "mask_token_id": None}
+    recorded = recorded_settings(dflash.train)
+    assert recorded["train.family"] == "dflash" and "train.dflash" not in recorded
+    changed = load_config(write_config(tmp_path / "c.yaml"), ["train.family=dflash", "train.dflash.block_size=4"])
+    assert recorded_settings(changed.train)["train.dflash"]["block_size"] == 4

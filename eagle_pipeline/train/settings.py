@@ -17,9 +17,9 @@ from eagle_pipeline.samples import StorageDtype
 # settings choose among checkpoints and never change one; a change applies from the next validation on.
 RESUMABLE_SETTINGS = ("epochs", "early_stop_patience", "keep_last", "num_workers", "threads", "select_by",
                       "predict_conversations")
-# Settings added after runs were finished with the pipeline: recorded only when set, so that those runs
-# stay complete for their unchanged inputs.
-RECORDED_WHEN_SET = ("init_from_convention",)
+# Settings added after runs were finished with the pipeline: recorded only when changed from their defaults, so that
+# those runs stay complete for their unchanged inputs.
+RECORDED_WHEN_SET = ("init_from_convention", "family", "dflash")
 
 CHECKPOINTS = "checkpoints"
 SPLIT_DIR = "split_data"  # the training data reordered so validation topics come last (topic_split.py)
@@ -75,6 +75,6 @@ class TrainRun:
 def recorded_settings(train: TrainConfig) -> dict[str, Any]:
     """The settings a run's stage manifest records, one input each ("train.lr"), so that a rerun with a
     changed one is refused naming it; the resumable ones are left out."""
-    values = train.model_dump(mode="json")
+    values, defaults = train.model_dump(mode="json"), TrainConfig().model_dump(mode="json")
     return {f"train.{name}": value for name, value in values.items()
-            if name not in RESUMABLE_SETTINGS and not (name in RECORDED_WHEN_SET and value is None)}
+            if name not in RESUMABLE_SETTINGS and not (name in RECORDED_WHEN_SET and value == defaults[name])}
