@@ -33,7 +33,7 @@ from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.config.base import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
-from eagle_pipeline.drafter.layouts import MLA
+from eagle_pipeline.drafter.layouts import DFLASH, MLA
 from eagle_pipeline.drafter.planned import drafter_params, planned_draft_dims
 from eagle_pipeline.drafter.tensors import mla_attention_shapes
 from eagle_pipeline.errors import BadInput
@@ -127,7 +127,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     t = cfg.train
     verifier = Verifier.from_config(cfg)
     check_draft_shape(t, verifier.text_config())  # dry run too, and before --force deletes anything
-    dflash_mask_token(cfg, verifier)
+    mask_token = dflash_mask_token(cfg, verifier)
     planning = dry_run and not (is_complete(cfg, 2) and is_complete(cfg, 3))
     if planning:  # a fresh host: the shapes and the disk from the config and the target alone
         layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
@@ -153,10 +153,13 @@ def run(stage: Stage, dry_run: bool) -> None:
         launcher = f"torch.distributed.run on {t.num_gpus} GPU(s), drafter {sharding}"
 
     if dry_run:
-        print(f"stage 04: train an EAGLE-3 drafter {launcher}, {t.epochs} epochs, {t.optimizer}, {t.dtype}, lr {t.lr}")
+        family = "a DFlash" if t.family == "dflash" else "an EAGLE-3"
+        print(f"stage 04: train {family} drafter {launcher}, {t.epochs} epochs, {t.optimizer}, {t.dtype}, lr {t.lr}")
         if planning:
             print(not_run_yet_note(cfg, 2 if not is_complete(cfg, 2) else 3))
-        print(f"  verifier {verifier.path} ({verifier.architecture}); aux layer ids {layer_ids}")
+        print(f"  verifier {verifier.path} ({verifier.architecture}); aux layer ids {layer_ids}; stage 02 stores "
+              f"{layout.num_hidden_states} slots x {layout.hidden_size} x {layout.storage_dtype.bytes_per_value} B = "
+              f"{layout.num_hidden_states * layout.hidden_size * layout.storage_dtype.bytes_per_value} B per token")
         fc = f"fc [{hidden}, {len(layer_ids) * verifier.hidden_size}]"
         head = f"gate/up [{inter}, {hidden}], lm_head [{cfg.vocab.draft_vocab_size}, {hidden}]"
         if dims.layer_shape == MLA:  # the target's MLA attention (vLLM's Eagle3DeepseekV2ForCausalLM)
@@ -168,10 +171,15 @@ def run(stage: Stage, dry_run: bool) -> None:
                                   for name, shape in mla_attention_shapes(dims, 2 * hidden).items() if len(shape) == 2)
             print(f"  shapes: {fc}, {attention}, {head}")
         else:
+            d, attn_in = t.dflash, hidden if dims.layer_shape == DFLASH else 2 * hidden
+            if dims.layer_shape == DFLASH:  # speculators' DFlashDraftModel, vLLM's DFlashQwen3ForCausalLM
+                print(f"  DFlash: {dims.num_layers} Qwen3 layer(s) with full attention, block {d.block_size} "
+                      f"({d.block_size - 1} drafts per pass), {d.max_anchors} anchors per pack, mask token "
+                      f"{mask_token} ({verifier.tokenizer.convert_ids_to_tokens(mask_token)})")
             print(f"  drafter: hidden {hidden}, heads {heads}/{kv_heads} kv, head_dim {head_dim}, "
                   f"intermediate {inter}, draft vocab {cfg.vocab.draft_vocab_size}, ~{params / 1e6:.1f}M parameters")
-            print(f"  shapes: {fc}, q_proj [{heads * head_dim}, {2 * hidden}], k/v_proj [{kv_heads * head_dim}, "
-                  f"{2 * hidden}], o_proj [{hidden}, {heads * head_dim}], {head}")
+            print(f"  shapes: {fc}, q_proj [{heads * head_dim}, {attn_in}], k/v_proj [{kv_heads * head_dim}, "
+                  f"{attn_in}], o_proj [{hidden}, {heads * head_dim}], {head}")
         print(trainer_memory_line(cfg, verifier, len(layer_ids)))
         init_note = ""
         if t.init_from:
@@ -202,6 +210,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "init_from": model_dir_fingerprint(init_from) if init_from else None,
         "seed": cfg.seed,
     }
+    if mask_token is not None:  # chosen from the tokenizer, the template and the answers: recorded as chosen
+        inputs["mask_token_id"] = mask_token
     if layer_id_record:  # only then, so that other runs keep their recorded inputs
         inputs["init_from_layer_ids"] = layer_id_record
     if online:  # fp8 in flight changes what the drafter learns from; where the states come from does not
@@ -213,7 +223,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
         storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
         init_from_dir=stage.dir / INIT_FROM_DIR if released else None,
-        online=OnlineTraining.from_config(cfg.hidden_states) if online else None,
+        online=OnlineTraining.from_config(cfg.hidden_states) if online else None, mask_token_id=mask_token,
     )
     samples = hidden_manifest["counts"]["samples"]
 

@@ -161,7 +161,7 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _settings_of_the_family(self):
         if self.family == "eagle3":
-            if "dflash" in self.model_fields_set:
+            if self.dflash != DFlashConfig():
                 raise cross_field("dflash", "applies to train.family dflash only; set family: dflash or remove it")
             return self
         # A norm flag is refused when set at all; the other settings when changed from their defaults.

@@ -44,6 +44,7 @@ class TrainRun:
     init_from_dir: Path | None = None
     # hidden_states.mode: online: the capture servers every rank asks for states (eagle_pipeline/online/).
     online: OnlineTraining | None = None
+    mask_token_id: int | None = None  # a DFlash drafter's (vocab.mask_token_id)
 
     def __post_init__(self) -> None:
         for name in ("data_dir", "d2t_path", "t2d_path", "verifier_dir", "out_dir"):
@@ -70,6 +71,11 @@ class TrainRun:
     def to_json(self) -> dict[str, Any]:
         return {key: str(value) if isinstance(value, (Path, StorageDtype)) else value
                 for key, value in asdict(self).items()}
+
+
+def draft_positions(train: TrainConfig) -> int:
+    """The draft tokens a drafter of this run proposes per step: EAGLE-3's ttt steps, a DFlash block's mask slots."""
+    return train.dflash.block_size - 1 if train.family == "dflash" else train.ttt_steps
 
 
 def recorded_settings(train: TrainConfig) -> dict[str, Any]:
