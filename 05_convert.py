@@ -1,9 +1,7 @@
 """Stage 05: turn the trained checkpoint into what vLLM (and SGLang) load, and prove it with vLLM itself.
 
-speculators saves its own nested format (`layers.0.*`, `embed_tokens`, verifier tensors). vLLM's
-`LlamaForCausalLMEagle3` wants a flat folder: `midlayer.*`, `fc`, `norm`, `lm_head`, embedded `d2t` (int64)
-and `t2d` (bool), no `embed_tokens`, every norm flag explicit (docs/formats.md, "The flat drafter folder").
-Then five checks, written to verify.json and printed as a table:
+The flat folder is docs/formats.md's ("The flat drafter folder"). Then five checks, written to verify.json and
+printed as a table:
   1. shapes   every tensor against the config (and a reference drafter, e.g. a released Kimi one)
   2. config   parses with transformers.AutoConfig and vLLM's own config loader
   3. vllm_load vLLM's real drafter class (Eagle3LlamaForCausalLM, ...).load_weights accepts every key
@@ -46,13 +44,21 @@ from eagle_pipeline.train.predicted_acceptance import validation_conversations
 from eagle_pipeline.verifier import Verifier
 
 
-def parity_plan(cfg) -> str:
+def print_plan(cfg, checkpoint, layer_ids, vocab_size: int, reference, note: str | None = None) -> None:
+    """The dry run's lines: the conversion, `note`, the checks."""
     c = cfg.convert
+    print(f"stage 05: convert {checkpoint} for vLLM{' and SGLang' if c.sglang else ''}; aux layer ids {layer_ids}, "
+          f"target vocab {vocab_size}, draft vocab {cfg.vocab.draft_vocab_size}")
+    if note:
+        print(note)
     if c.parity == "replay":
-        return (f"acceptance parity replayed offline on {c.parity_prompts} held-out conversations "
-                f"(tolerance {c.parity_tolerance}, no engine start)")
-    return (f"acceptance parity served by vLLM on {c.parity_prompts} eval prompts (tolerance {c.parity_tolerance}, "
-            f"two engine starts)")
+        parity = (f"acceptance parity replayed offline on {c.parity_prompts} held-out conversations "
+                  f"(tolerance {c.parity_tolerance}, no engine start)")
+    else:
+        parity = (f"acceptance parity served by vLLM on {c.parity_prompts} eval prompts (tolerance "
+                  f"{c.parity_tolerance}, two engine starts)")
+    print(f"  verify shapes{' against ' + str(reference) if reference else ''}, config, vLLM load_weights, "
+          f"vLLM's logits (MLA drafters), {parity}")
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -61,12 +67,8 @@ def run(stage: Stage, dry_run: bool) -> None:
     if dry_run and not is_complete(cfg, 4):
         verifier = Verifier.from_config(cfg)
         layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
-        print(f"stage 05: convert the best checkpoint under {cfg.stage_dir('04_train') / 'checkpoints'} "
-              f"for vLLM{' and SGLang' if c.sglang else ''}; aux layer ids {list(layout.layer_ids)}, "
-              f"target vocab {verifier.vocab_size}, draft vocab {cfg.vocab.draft_vocab_size}")
-        print(not_run_yet_note(cfg, 4))
-        print(f"  verify shapes{' against ' + c.reference_dir if c.reference_dir else ''}, config, vLLM load_weights, "
-              f"vLLM's logits (MLA drafters), {parity_plan(cfg)}")
+        print_plan(cfg, f"the best checkpoint under {cfg.stage_dir('04_train') / 'checkpoints'}",
+                   list(layout.layer_ids), verifier.vocab_size, c.reference_dir, not_run_yet_note(cfg, 4))
         return
     trained = require_complete(cfg, 4)
     vocab = require_complete(cfg, 3)
@@ -86,10 +88,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         raise BadInput(f"convert.reference_dir: {reference} has no config.json; point it at a drafter folder")
 
     if dry_run:
-        print(f"stage 05: convert {checkpoint} for vLLM{' and SGLang' if c.sglang else ''}; aux layer ids {layer_ids}, "
-              f"target vocab {verifier.vocab_size}, draft vocab {cfg.vocab.draft_vocab_size}")
-        print(f"  verify shapes{' against ' + str(reference) if reference else ''}, config, vLLM load_weights, "
-              f"vLLM's logits (MLA drafters), {parity_plan(cfg)}")
+        print_plan(cfg, checkpoint, layer_ids, verifier.vocab_size, reference)
         return
 
     inputs = {

@@ -32,10 +32,10 @@ import sys
 from eagle_pipeline.capture import capture_memory_line
 from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.drafter.folder import check_weights_whole
-from eagle_pipeline.engine import drafter_engine_settings, server_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
+from eagle_pipeline.plan.engines import served_modes
 from eagle_pipeline.plan.preconditions import speculation_warnings
 from eagle_pipeline.plan.rehearsal import before_first_load, dry_run_lines
 from eagle_pipeline.prompts import load_prompts
@@ -45,11 +45,9 @@ from eagle_pipeline.serve.baseline import (
     baseline_states,
     kept_baseline,
     load_baseline,
-    merge_baseline,
     save_baseline_answers,
     save_baseline_states,
 )
-from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
 from eagle_pipeline.serve.engine_probe import describe, probe_engine, variant_config
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.plan import (
@@ -106,9 +104,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     # A drafter from elsewhere (serve.drafter) needs none of stages 02-05: its config says its ids and flags.
     foreign = s.drafter is not None
     if foreign:
-        drafter_dir = cfg.resolve_path(s.drafter)
-        if not (drafter_dir / "config.json").is_file():
-            raise BadInput(f"serve.drafter: {drafter_dir} has no config.json; point at a flat drafter folder")
+        drafter_dir = cfg.resolve_path(s.drafter)  # a folder with a config.json (eagle_pipeline/plan/preconditions.py)
         # Read in full once, dry run too: a torn or NaN drafter is named here, not after three server starts.
         check_weights_whole(drafter_dir, "serve.drafter")
         converted = None
@@ -123,7 +119,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     if overlap and not foreign:
         raise BadInput(f"data.eval_prompts: {len(overlap)} evaluation prompts (e.g. {overlap[0]}) "
                        "also appear in data.prompts; held-out prompts must never be trained on")
-    modes = (["none"] if s.baseline is None else []) + (["ngram"] if s.ngram_baseline else []) + ["eagle3"]
+    modes = served_modes(cfg)
 
     if dry_run:
         if s.baseline:  # its files read as the run reads them: a torn one is named before any serving
@@ -205,14 +201,14 @@ def run(stage: Stage, dry_run: bool) -> None:
         if mode == "none":
             save_baseline_answers(stage.dir, shaped_by, record)
 
-    report = serve_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs,
-                         measured=served, on_measured=keep_served)
+    if baseline is not None:  # the kept answers without speculation go into the report as that mode's record
+        served, modes = {"none": baseline, **served}, ["none", *modes]
+    report = measure_modes(cfg, verifier.path, drafter_dir, messages, modes, stage.dir / "logs", template_kwargs,
+                           measured=served, on_measured=keep_served)
     if baseline is None and kept_baseline(stage.dir, shaped_by) is None:  # recovered from elsewhere
-        save_baseline_answers(stage.dir, shaped_by, {"summary": report["modes"]["none"],
-                                                     "texts": report["texts"]["none"],
-                                                     "token_ids": report["token_ids"]["none"]})
+        save_baseline_answers(stage.dir, shaped_by, served["none"])
     if baseline is not None:
-        report = merge_baseline(report, baseline)
+        report["baseline"] = baseline["dir"]
     report["prompt_ids"] = [p["id"] for p in prompts]
     report["serving_plan"], confirmed_now = plan_and_confirm(cfg, stage, inputs, verifier.path, drafter_dir, messages,
                                                              template_kwargs, report)
@@ -264,37 +260,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         sys.exit(1)
 
 
-def serve_modes(cfg, target, drafter_dir, messages, modes, log_dir, template_kwargs, measured=None,
-                on_measured=None, levels=None, num_speculative_tokens=None, schedule=None) -> dict:
-    """Every mode served and measured under `cfg`'s engine settings at `levels` (default: serve.concurrency), but
-    those `measured` holds (records of an earlier run); the eagle3 server's engine facts beside, in its record too.
-    `on_measured(mode, record)`: as in `measure_modes`; `num_speculative_tokens` and `schedule` (the "schedule"
-    mode's) default to serve.num_speculative_tokens and none."""
-    s = cfg.serve
-    kwargs = server_kwargs(cfg)
-    kwargs["env"] = server_env(cfg, kwargs["env"])
-    records = dict(measured or {})
-
-    def keep(mode: str, record: dict) -> None:
-        if mode == "eagle3":
-            record["engine"] = read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg))
-        records[mode] = record
-        if on_measured is not None:
-            on_measured(mode, record)
-
-    report = measure_modes(
-        target, drafter_dir, messages, num_speculative_tokens=num_speculative_tokens or s.num_speculative_tokens,
-        modes=modes, max_tokens=s.max_tokens, temperature=s.temperature,
-        concurrency=levels or s.concurrency_levels, schedule=schedule, seed=cfg.seed, port=s.port,
-        log_dir=log_dir, **kwargs, startup_timeout_s=s.startup_timeout_s, chat_template_kwargs=template_kwargs,
-        drafter_settings=drafter_engine_settings(cfg), measured=measured, on_measured=keep,
-    )
-    if "eagle3" in modes:
-        report["engine"] = (records["eagle3"].get("engine")
-                            or read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg)))
-    return report
-
-
 def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messages, template_kwargs,
                      report: dict) -> tuple[dict, bool]:
     """The serving plan chosen from the served levels (eagle_pipeline/serve/plan.py), its schedule served once to
@@ -319,9 +284,9 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
                 stage.keep_file(write_served(stage.dir, schedule_inputs, mode, record))
 
             try:
-                served = serve_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs",
-                                     template_kwargs, on_measured=keep, num_speculative_tokens=plan["k"],
-                                     schedule=spec.get("num_speculative_tokens_per_batch_size"))
+                served = measure_modes(cfg, target, drafter_dir, messages, [SCHEDULE_MODE], stage.dir / "logs",
+                                       template_kwargs, on_measured=keep, num_speculative_tokens=plan["k"],
+                                       schedule=spec.get("num_speculative_tokens_per_batch_size"))
                 confirmed = {"summary": served["modes"][SCHEDULE_MODE], "texts": served["texts"][SCHEDULE_MODE]}
                 served_now = True
             except ServerFailed as error:  # what was measured stands: the plan goes on unconfirmed and says why
@@ -329,7 +294,7 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
                 print(f"warning: the chosen setting is not confirmed: {error}")
         confirmed_by = SCHEDULE_MODE
 
-    return serving_plan(plan, report, cfg, spec, confirmed_by, confirmed, server_kwargs(cfg), target), served_now
+    return serving_plan(plan, report, cfg, spec, confirmed_by, confirmed, target), served_now
 
 
 def should_probe(s, diagnosis: dict) -> bool:
@@ -345,8 +310,8 @@ def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: 
     def serve_variant(index: int, variant) -> dict:
         folder = log_dir / f"engine-variant-{index}"
         # Acceptance is what a variant is served for: the headline level alone.
-        served = serve_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder,
-                             template_kwargs, levels=cfg.serve.concurrency_levels[:1])
+        served = measure_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder,
+                               template_kwargs, levels=cfg.serve.concurrency_levels[:1])
         return {**served["modes"]["eagle3"], "engine": served["engine"], "log": str(folder / "server-eagle3.log")}
 
     rows = probe_engine(cfg.serve.engine_variants, serve_variant, report.get("predicted_per_position_acceptance") or [],
@@ -361,7 +326,7 @@ def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     verifier = Verifier.from_config(cfg)
     num_layers = verifier.num_layers
     if foreign:
-        from eagle_pipeline.predict.flat_drafter import read_flat_config
+        from eagle_pipeline.drafter.folder import read_flat_config
 
         ids = (vllm_read_aux_ids(read_flat_config(drafter_dir))["v1" if cfg.device == "cpu" else "v2"]
                or default_layer_ids(num_layers))
@@ -396,12 +361,13 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
                            s.num_speculative_tokens)
     else:
         _, layout = require_sample_layout(cfg)
+        from eagle_pipeline.drafter.folder import read_flat_config
+        from eagle_pipeline.drafter.layouts import weight_files
         from eagle_pipeline.predict.diagnose import config_findings
-        from eagle_pipeline.predict.flat_drafter import flat_tensor_names, read_flat_config
 
         findings = config_findings(read_flat_config(drafter_dir), num_layers=num_layers,
                                    target_vocab_size=verifier.vocab_size,
-                                   has_d2t="d2t" in flat_tensor_names(drafter_dir))
+                                   has_d2t="d2t" in weight_files(drafter_dir))
         plan = trained_plan(served_checkpoint(cfg, require_complete(cfg, 4)), layout.layer_ids, num_layers, findings)
     answered = [i for i, (p, c) in enumerate(report["token_ids"]["none"]) if p is not None and c is not None]
     pairs = [(list(p), list(c)) for p, c in (report["token_ids"]["none"][i] for i in answered)]
@@ -428,11 +394,8 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
     fields["predicted_num_drafts"] = prediction.get("num_drafts")
     # Per prompt, in the prompts' order (None where the server returned no ids to replay on).
     for key in ("per_prompt_mean_acceptance_length", "per_prompt_num_drafts"):
-        values = prediction.get(key) or []
-        by_prompt = [None] * len(report["token_ids"]["none"])
-        for i, value in zip(answered, values):
-            by_prompt[i] = value
-        fields[f"predicted_{key}"] = by_prompt
+        by_prompt = dict(zip(answered, prediction.get(key) or []))
+        fields[f"predicted_{key}"] = [by_prompt.get(i) for i in range(len(report["token_ids"]["none"]))]
     fields["prediction_readings"] = prediction.get("readings")
     fields["capture_check"] = checked or None
     fields["diagnosis"] = diagnosis(plan, report, prediction)

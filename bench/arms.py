@@ -1,16 +1,20 @@
-"""The benchmark's work folder and its two storage arms: drafters that differ only in how their training
-data is stored, made by running stages 02-04 for real on copies of the pipeline run's conversations."""
+"""What the benchmark commands share: their common options, how they end, their work folders, and arms made by
+running the pipeline's stages for real on copies of a finished run's conversations (as bench.run's storage arms)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from eagle_pipeline import atomic, outputs
+from eagle_pipeline.config import RunConfig
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.samples import SAMPLES_DIR, sample_path
 from eagle_pipeline.stage import read_manifest
@@ -18,6 +22,49 @@ from eagle_pipeline.stage import read_manifest
 REPO = Path(__file__).resolve().parent.parent
 WORK_MARKER = ".benchmark-work-dir"
 ARMS = {"bf16": "bfloat16", "fp8": "fp8"}  # arm name -> hidden_states.storage_dtype
+
+
+def parser(prog: str, description: str, work: str) -> argparse.ArgumentParser:
+    """A command's parser with the options every command on a pipeline config takes: --config, --set, --work-dir
+    (default `<data_root>/<run_name>-<work>`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the pipeline run's config (e.g. configs/tiny.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, as for the stage scripts (applies to the run read and every run made)")
+    parser.add_argument("--work-dir", help=f"folder for its own runs (default: <data_root>/<run_name>-{work})")
+    return parser
+
+
+class IncompleteFigures(Exception):
+    """The command ran to its end, but a figure it exists to measure is missing; the message names each."""
+
+
+def run_command(run: Callable[[argparse.Namespace], Any], args: argparse.Namespace, *, interrupted: str,
+                logs: str) -> int:
+    """`run(args)` with docs/contracts.md's exit codes: 2 with one `error:` line for bad input, 130 when
+    interrupted, 1 with one `failed:` line naming what is missing when a run finished without every figure, 1 with
+    the traceback and where to look for anything else."""
+    try:
+        run(args)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except IncompleteFigures as e:
+        print(f"failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: {interrupted}", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - any other failure: exit 1 with where to look
+        traceback.print_exc()
+        print(f"failed: {type(e).__name__}: {e}; {logs}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def work_dir(args: argparse.Namespace, cfg: RunConfig, work: str) -> Path:
+    return Path(args.work_dir).resolve() if args.work_dir else cfg.run_dir.with_name(f"{cfg.run_name}-{work}")
 
 
 def prepare_work_dir(path: Path, marker: str = WORK_MARKER, made_by: str = "bench.run",

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.flops import matmul_flops_per_s, summarize_matmul
+from bench.flops import matmul_flops_per_s, peak_of, summarize_matmul
 from bench.stats import interleaved_order, is_available, paired_ratios, spread
 
 
@@ -80,16 +80,10 @@ def capture_ab(verifier_dir: str | os.PathLike, layer_ids: Sequence[int], sequen
                num_layers: int, engine_kwargs: dict[str, Any], batch_size: int, repetitions: int,
                storage_path: str | os.PathLike, matmul_size: int, matmul_seconds: float,
                log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Capture tokens/s of vLLM (HiddenStateCapture, as stage 02 runs it) and of HF transformers, and the
-    machine's matmul throughput (the ceiling) under the same conditions.
-
-    `engine_kwargs` are vLLM's arguments for the verifier (`llm_kwargs` of the run config). Both sides load
-    once (timed apart); one untimed warm-up pass each, which also checks that the two return the same
-    states; then `repetitions` rounds, each a timed pass of each side over all sequences plus a matmul
-    measurement, in rotating order. Timed: from token ids to [seq, n, H] tensors in this process (for vLLM
-    that includes the connector's file round trip, as in stage 02); not timed: loading, writing the
-    training files.
-    """
+    """Capture tokens/s of vLLM (HiddenStateCapture, `engine_kwargs` being vLLM's arguments for the verifier:
+    `llm_kwargs` of the run config) and of HF transformers, and the machine's matmul throughput (the ceiling)
+    between them in every repetition, in rotating order; first an untimed warm-up pass of each side, which also
+    checks that the two return the same states. What is timed: BENCHMARKS.md section 1."""
     import torch
 
     dtype = engine_kwargs["dtype"]
@@ -121,9 +115,10 @@ def capture_ab(verifier_dir: str | os.PathLike, layer_ids: Sequence[int], sequen
                     matmul.append(matmul_flops_per_s(matmul_size, matmul_seconds))
                 else:
                     seconds[name].append(time_capture(sides[name], sequences, batch_size))
+            peaks = {d: peak_of(k) for d, k in matmul[-1].items()}
             log(f"capture A/B repetition {rep + 1}/{repetitions}: "
-                + ", ".join(f"{name} {seconds[name][-1]:.2f} s" for name in sides)
-                + "; matmul GFLOP/s " + ", ".join(f"{d} {_peak_gflops(k)}" for d, k in matmul[-1].items()))
+                + ", ".join(f"{name} {seconds[name][-1]:.2f} s" for name in sides) + "; matmul GFLOP/s "
+                + ", ".join(f"{d} {p / 1e9:.0f}" if is_available(p) else f"{d} n/a" for d, p in peaks.items()))
     num_tokens = sum(len(s) for s in sequences)
     rates = {name: [num_tokens / s for s in values] for name, values in seconds.items()}
     return {
@@ -142,11 +137,6 @@ def capture_ab(verifier_dir: str | os.PathLike, layer_ids: Sequence[int], sequen
         "agreement": agreement,
         "matmul": summarize_matmul(matmul, matmul_size, threads),
     }
-
-
-def _peak_gflops(kernels: dict[str, float | str]) -> str:
-    measured = [v for v in kernels.values() if is_available(v)]
-    return f"{max(measured) / 1e9:.0f}" if measured else "n/a"
 
 
 def _agreement(vllm_sample: dict, hf_sample: dict) -> dict[str, Any]:

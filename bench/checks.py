@@ -1,7 +1,5 @@
 """What a finished benchmark must hold: every part measured something, and every figure of the document is
-a number beside its baseline. `bench.run` checks both after writing its files, so that a part that measured
-nothing fails the command (`scripts/run_benchmarks.sh --quick` is how CI runs every part) instead of leaving
-a '-' in a document."""
+a number beside its baseline (bench.run fails on what is missing rather than publish a '-')."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Which of today's benchmark figures moved against BENCHMARKS.md's, and by how much.
 
-`bench.run` prints these lines after it has written its files, in either mode; they never change its exit
-status: a figure that moved shows in the log (CI's included) as a regression to look at, it does not stop a
-change that is about something else.
+`bench.run` prints these lines after writing its files and never fails on them: a figure that moved is a
+regression to look at in the log (CI's included), not a stop for a change that is about something else.
 
 Both sides are read from the summary table that bench/report.py writes, so the published document is the
 reference and nothing else has to be kept. A quick run measures at another size than the full run that wrote

@@ -4,7 +4,6 @@ dicts out, so they can be tested without running a model."""
 
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from pathlib import Path
@@ -13,6 +12,8 @@ from typing import Any
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.stage import STAGES, read_manifest
+from eagle_pipeline.train.metrics import METRICS_CSV, read_metrics
+from eagle_pipeline.train.runner import RUN_STATS_FILE
 
 
 def read_pipeline_run(cfg: RunConfig, config_arg: str) -> dict[str, Any]:
@@ -57,21 +58,13 @@ def pipeline_figures(manifests: dict[str, dict], run_dir: Path) -> dict[str, Any
 
 
 def training_figures(manifest: dict[str, Any], train_dir: Path) -> dict[str, Any]:
-    """Throughput, step rate and memory of one stage-04 run, from its manifest, run_stats.json and metrics.csv.
-
-    tokens/s is the median over optimizer steps of each step's own rate (the stage's manifest gives the
-    mean); steps/s counts step time only (batch fetch, forward, backward, optimizer), not validation or
-    checkpoint saving, which the stage's wall time includes.
-    """
+    """Throughput, step rate and memory of one stage-04 run, from its manifest, run_stats.json and metrics.csv
+    (what each figure counts: BENCHMARKS.md section 3)."""
     counts = manifest["counts"]
-    stats_path = train_dir / "run_stats.json"
+    stats_path = train_dir / RUN_STATS_FILE
     stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
-    step_rates = []
-    metrics_path = train_dir / "metrics.csv"
-    if metrics_path.is_file():
-        with open(metrics_path, newline="") as f:
-            step_rates = [float(row["tokens_per_s"]) for row in csv.DictReader(f)
-                          if row.get("split") == "train" and row.get("tokens_per_s")]
+    step_rates = [row["tokens_per_s"] for row in read_metrics(train_dir / METRICS_CSV)
+                  if row["split"] == "train" and row.get("tokens_per_s") is not None]
     steps, step_seconds = stats.get("steps"), stats.get("train_step_seconds")
     val = counts.get("final_val") or {}
     return {

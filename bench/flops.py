@@ -10,16 +10,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from bench.stats import is_available, not_available, reason_of, spread
 
 DTYPES = ("float32", "bfloat16")
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-# --------------------------------------------------------------------------------------------------------
-# FLOPs per token
 
 
 def decoder_matmul_params(text_config: dict[str, Any]) -> int:
@@ -78,39 +75,20 @@ def generation_flops_per_output_token(text_config: dict[str, Any], prompt_tokens
     return (prompt + answer) / completion_tokens
 
 
-# --------------------------------------------------------------------------------------------------------
-# Matmul throughput
+def matmul_kernels() -> dict[str, Callable[[Any, Any], Callable[[], Any]]]:
+    """Kernel name -> a function of (a, b) returning a step that computes a @ b with that kernel:
+    torch.matmul (MKL or OpenBLAS for float32 on the CPU) and, where this vLLM build has it, the oneDNN GEMM
+    that vLLM's CPU linear layers use."""
+    import torch
 
-
-def _onednn_ops():
-    """vLLM's oneDNN GEMM (what its CPU linear layers run), or None where this vLLM build has none."""
+    kernels = {"torch": lambda a, b: partial(torch.matmul, a, b,
+                                             out=torch.empty(a.shape[0], b.shape[1], dtype=a.dtype))}
     try:
         from vllm import _custom_ops as ops
     except Exception:  # noqa: BLE001 - no vLLM, or a build without CPU kernels
-        return None
-    return ops if getattr(ops, "_supports_onednn", False) else None
-
-
-def _torch_step(a, b) -> Callable[[], Any]:
-    import torch
-
-    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
-    return lambda: torch.matmul(a, b, out=out)
-
-
-def _onednn_step(ops, a, b) -> Callable[[], Any]:
-    handler = ops.create_onednn_mm(b, 32)
-    return lambda: ops.onednn_mm(handler, a, None)
-
-
-def matmul_kernels() -> dict[str, Callable[[Any, Any], Callable[[], Any]]]:
-    """Kernel name -> a function of (a, b) returning a step that computes a @ b with that kernel:
-    torch.matmul (MKL or OpenBLAS for float32 on the CPU) and, where vLLM has it, the oneDNN GEMM that
-    vLLM's CPU linear layers use."""
-    kernels: dict[str, Callable[[Any, Any], Callable[[], Any]]] = {"torch": _torch_step}
-    ops = _onednn_ops()
-    if ops is not None:
-        kernels["onednn"] = lambda a, b: _onednn_step(ops, a, b)
+        return kernels
+    if getattr(ops, "_supports_onednn", False):
+        kernels["onednn"] = lambda a, b: partial(ops.onednn_mm, ops.create_onednn_mm(b, 32), a, None)
     return kernels
 
 
@@ -164,7 +142,7 @@ def unavailable_matmul_kernels(dtype: str) -> dict[str, str]:
     return {name: step for name, step in steps.items() if isinstance(step, str)}
 
 
-def _peak(rates: dict[str, float | str]) -> float | str:
+def peak_of(rates: dict[str, float | str]) -> float | str:
     """The faster kernel's FLOP/s; n/a, with every kernel's reason, when none could run."""
     measured = [v for v in rates.values() if is_available(v)]
     if measured:
@@ -185,13 +163,9 @@ def summarize_matmul(samples: Sequence[dict[str, dict[str, float | str]]], size:
     n/a where the CPU lacks the kernel (every kernel, for the peak)."""
     out: dict[str, Any] = {"size": size, "repetitions": len(samples), "threads": threads, "flops_per_s": {}, "kernels": {}}
     for dtype in samples[0]:
-        out["flops_per_s"][dtype] = _spread_or_reason([_peak(rep[dtype]) for rep in samples])
+        out["flops_per_s"][dtype] = _spread_or_reason([peak_of(rep[dtype]) for rep in samples])
         out["kernels"][dtype] = {k: _spread_or_reason([rep[dtype][k] for rep in samples]) for k in samples[0][dtype]}
     return out
-
-
-# --------------------------------------------------------------------------------------------------------
-# Ceilings
 
 
 def ceiling_tokens_per_s(peak: dict[str, Any], flops_per_token: float) -> dict[str, float | str]:

@@ -4,11 +4,9 @@
         --arm generation.batch_size=50 --arm generation.batch_size=200 \\
         --arm "generation.batch_size=200 verifier.cpu_kvcache_gib=4" --repeats 2
 
-Each arm is a set of config overrides (space-separated KEY=VALUE). Every repetition runs stage 01 once per
-arm, from nothing, on the same first `--samples` prompts, in an order rotated by one each repetition so that
-each arm leads in turn. The figure per run is the stage's own output tokens/s (generation time only, not the
-engine start); the ratio to the first arm is taken within each repetition. Greedy answers do not depend on
-the batch, so every arm must write the same answers: the table says whether they did.
+Each arm is a set of config overrides; how the arms run and what is compared: docs/benchmarks/generation.md.
+Greedy answers do not depend on the batch, so every arm must write the same answers: the table says whether
+they did.
 
 Output in <data_root>/<run_name>-generation-ab/ (or --work-dir): generation_ab.json, generation_ab.md and one
 run folder per arm and repetition (emptied by every run).
@@ -24,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import arms
-from bench.exit_codes import run_command
 from bench.stats import interleaved_order, paired_ratios, spread
 from eagle_pipeline import atomic
 from eagle_pipeline.config import load_config
@@ -39,11 +36,6 @@ def parse_arm(text: str) -> list[str]:
     if not overrides or any("=" not in o or o.startswith("=") for o in overrides):
         raise BadInput(f"--arm: {text!r} must be one or more KEY=VALUE config overrides, e.g. generation.batch_size=200")
     return overrides
-
-
-def check_arms(config: str, base: list[str], arm_overrides: list[list[str]]) -> None:
-    for overrides in arm_overrides:
-        load_config(config, [*base, *overrides])  # the config's own error names a bad key or value
 
 
 def prepare_work_dir(path: Path) -> None:
@@ -77,14 +69,17 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> Path:
+    if args.samples < 1 or args.repeats < 1:
+        raise BadInput("--samples and --repeats must be 1 or more")
     cfg = load_config(args.config, args.overrides)
     arm_overrides = [parse_arm(text) for text in args.arm]
     if len(arm_overrides) < 2:
         raise BadInput("--arm: give at least two arms to compare, e.g. --arm generation.batch_size=50 "
                        "--arm generation.batch_size=200")
-    check_arms(args.config, args.overrides, arm_overrides)
+    for overrides in arm_overrides:
+        load_config(args.config, [*args.overrides, *overrides])  # the config's own error names a bad key or value
     labels = [" ".join(o) for o in arm_overrides]
-    work = Path(args.work_dir).resolve() if args.work_dir else cfg.resolve_path(cfg.data_root) / f"{cfg.run_name}-generation-ab"
+    work = arms.work_dir(args, cfg, "generation-ab")
     prepare_work_dir(work)
     config = str(Path(args.config).resolve())
     started = time.monotonic()
@@ -117,22 +112,14 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.generation_ab", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="the pipeline's config, e.g. configs/tiny.yaml")
+    parser = arms.parser("python -m bench.generation_ab", __doc__, "generation-ab")
     parser.add_argument("--samples", type=int, default=200, help="prompts each run answers (default 200)")
     parser.add_argument("--arm", action="append", default=[], metavar='"KEY=VALUE ..."',
                         help="one arm's config overrides; repeat for each arm (the first is the reference)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per arm (default 2)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override applied to every arm")
-    parser.add_argument("--work-dir", help="folder for the runs (default: <data_root>/<run_name>-generation-ab)")
     args = parser.parse_args(argv)
-    if args.samples < 1 or args.repeats < 1:
-        print("error: --samples and --repeats must be 1 or more", file=sys.stderr)
-        return 2
-    return run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
-                       logs="each run's stage log is in the work folder's logs/")
+    return arms.run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
+                            logs="each run's stage log is in the work folder's logs/")
 
 
 if __name__ == "__main__":

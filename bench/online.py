@@ -12,14 +12,7 @@ Stage 01 runs once; every arm copies its conversations and runs stages 02-04 for
 The engine runs in --engine-dtype (bfloat16 by default), so the file transfer carries the same bf16 states that
 offline stage 02 stores. Online arms use a window of one sample (the trainer asks for each in turn with its steps).
 
-Figures per arm: stage 02 and 04 wall time; trained tokens/s (speculators' per-step figure, whose step time
-includes fetching the batch: for online arms, the capture); capture tokens/s (offline: stage 02's engine; online:
-the capture server's own prompt tokens over its prefill seconds, and the tokens captured over stage 04's wall
-time); the states held at once (offline: all of them; online: the measured peak and the window's bound); the
-last checkpoint's validation loss and predicted acceptance length. "The same drafter": every arm's last
-checkpoint is replayed on the offline arm's validation conversations (its stored states) and compared with the
-offline drafter's conversation by conversation (mean difference of acceptance length and its 95% interval), and
-the trained weights' relative difference.
+What each figure is, and how "the same drafter" is judged, the document says beside its tables.
 
 Output: the Markdown document (--doc, default docs/benchmarks/online.md) headed by this command, and online.json
 with the raw figures in the work folder (--work-dir, default runs/online-bench, emptied by every run).
@@ -34,16 +27,18 @@ import shlex
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench import arms
-from bench.exit_codes import run_command
+from bench.arms import REPO
+from bench.report import section
 from bench.run import machine
 from eagle_pipeline import atomic
+from eagle_pipeline.errors import BadInput
 from eagle_pipeline.stage import read_manifest
 
-REPO = Path(__file__).resolve().parent.parent
 WORK_MARKER = ".online-bench-work-dir"
 ARMS = {  # arm -> hidden_states overrides
     "offline": {"hidden_states.mode": "offline"},
@@ -51,20 +46,6 @@ ARMS = {  # arm -> hidden_states overrides
     "online_fp8": {"hidden_states.mode": "online", "hidden_states.transfer": "fp8"},
     "online_mooncake": {"hidden_states.mode": "online", "hidden_states.transfer": "mooncake"},
 }
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="the run config the arms extend (configs/tiny.yaml)")
-    parser.add_argument("--samples", type=int, default=120, help="conversations (data.num_samples)")
-    parser.add_argument("--epochs", type=int, default=3, help="train.epochs")
-    parser.add_argument("--val-ratio", type=float, default=0.12, help="train.val_ratio: the conversations replayed")
-    parser.add_argument("--engine-dtype", default="bfloat16", help="verifier.dtype of every arm")
-    parser.add_argument("--work-dir", default=str(REPO / "runs" / "online-bench"))
-    parser.add_argument("--doc", default=str(REPO / "docs" / "benchmarks" / "online.md"))
-    parser.add_argument("--arms", default=",".join(ARMS), help="which arms, comma-separated")
-    return parser.parse_args(argv)
 
 
 def overrides(args: argparse.Namespace, arm: str, work: Path) -> list[str]:
@@ -181,49 +162,38 @@ def render(command: str, args: argparse.Namespace, figures: dict, same: dict, en
         comparisons.append(f"| {arm} | {c['mean_difference']:+.3f} | ±{c['ci95_half_width']:.3f} | "
                            f"{'yes' if abs(c['mean_difference']) <= c['ci95_half_width'] else 'no'} | "
                            f"{c['weight_relative_difference']:.2%} |")
-    return "\n".join([
+    return "\n".join([*section(
         "# Online against offline training",
-        "",
-        "Regenerate (this file is the command's output; the raw figures are in `online.json` in its work folder,",
-        f"`{args.work_dir}`):",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        ["Regenerate (this file is the command's output; the raw figures are in `online.json` in its work folder,",
+         f"`{args.work_dir}`):"],
+        ["```bash", command, "```"],
         f"Measured on {env['cpu']} ({env['cores']} cores), {time.strftime('%Y-%m-%d')}, in {minutes:.0f} minutes, the "
         f"machine's load average {env['load_start']:.1f} at the start and {env['load_end']:.1f} at the end. One run per "
         "arm, in turn: on a shared 2-core machine timings move by tens of percent between runs, so read the timing "
         "columns as orders of magnitude and the drafter columns as the comparison.",
-        "",
         f"Setup: `{Path(args.config).name}` with {args.samples} conversations (stage 01 once, copied into every arm), "
         f"{args.epochs} epoch(s), the same seed and the same held-out topics ({same['conversations']} validation "
         f"conversations), the engine in {args.engine_dtype}. Online arms: one capture server started by stage 04 on "
         "this host, a window of one sample (the trainer asks for each in turn with its steps), every epoch "
         "capturing every sample again (`bench/online.py` says what each arm is).",
-        "",
-        "| arm | stage 02 s | stage 04 s | 02 + 04 s | trained tokens/s | capture tokens/s | states held at once | "
-        "val loss (last) | predicted acceptance (last) |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *rows,
-        "",
+        ["| arm | stage 02 s | stage 04 s | 02 + 04 s | trained tokens/s | capture tokens/s | states held at once | "
+         "val loss (last) | predicted acceptance (last) |",
+         "|---|---|---|---|---|---|---|---|---|",
+         *rows],
         "Trained tokens/s is speculators' per-step figure, whose step time includes fetching the batch: for the "
         "online arms that is the capture itself. Capture tokens/s online: the server's prompt tokens over its "
         "prefill seconds, and the tokens captured over stage 04's wall time (server start, kept rows and "
         "validation included).",
-        "",
+    ), *section(
         "## The same drafter?",
-        "",
         f"Each arm's last checkpoint replayed on the offline arm's {same['conversations']} validation conversations "
         "(its stored states), conversation by conversation against the offline drafter: the mean difference of "
         "predicted acceptance length and its 95% interval (1.96 standard errors of the paired differences), and "
         "the relative L2 difference of the trained weights.",
-        "",
-        "| arm | acceptance length − offline | 95% interval | within noise | weights differ by |",
-        "|---|---|---|---|---|",
-        *comparisons,
-        "",
-    ])
+        ["| arm | acceptance length − offline | 95% interval | within noise | weights differ by |",
+         "|---|---|---|---|---|",
+         *comparisons],
+    )])
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
@@ -234,13 +204,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(chosen) - set(ARMS))
     if unknown or "offline" not in chosen:
-        raise SystemExit(f"error: --arms: {unknown or 'offline is needed'}; choose among {', '.join(ARMS)}")
+        raise BadInput(f"--arms: {unknown or 'offline is needed'}; choose among {', '.join(ARMS)}")
     arms.prepare_work_dir(work, WORK_MARKER, made_by="bench.online", kind="online benchmark work folder")
     started, load_start = time.monotonic(), os.getloadavg()[0]
-
-    def log(message: str) -> None:
-        print(message, flush=True)
-
+    log = partial(print, flush=True)
     arms.run_stage("01_generate_data", args.config, overrides(args, "offline", work),
                    work / "logs" / "offline-01_generate_data.log", log)
     figures: dict[str, Any] = {}
@@ -252,15 +219,25 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     env = {**machine(), "load_start": load_start, "load_end": os.getloadavg()[0]}
     minutes = (time.monotonic() - started) / 60
     atomic.write_json(work / "online.json", {"figures": figures, "same_drafter": same, "machine": env, "minutes": minutes})
-    command = ".venv/bin/python -m bench.online " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = ".venv/bin/python -m bench.online " + shlex.join(argv if argv is not None else sys.argv[1:])
     atomic.write_text(Path(args.doc), render(command, args, figures, same, env, minutes))
     log(f"wrote {args.doc} ({minutes:.0f} minutes)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    return run_command(lambda parsed: run(parsed, argv), args, interrupted="online benchmark stopped",
-                       logs=f"logs in {args.work_dir}/logs")
+    parser = argparse.ArgumentParser(prog="python -m bench.online", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the run config the arms extend (configs/tiny.yaml)")
+    parser.add_argument("--samples", type=int, default=120, help="conversations (data.num_samples)")
+    parser.add_argument("--epochs", type=int, default=3, help="train.epochs")
+    parser.add_argument("--val-ratio", type=float, default=0.12, help="train.val_ratio: the conversations replayed")
+    parser.add_argument("--engine-dtype", default="bfloat16", help="verifier.dtype of every arm")
+    parser.add_argument("--work-dir", default=str(REPO / "runs" / "online-bench"))
+    parser.add_argument("--doc", default=str(REPO / "docs" / "benchmarks" / "online.md"))
+    parser.add_argument("--arms", default=",".join(ARMS), help="which arms, comma-separated")
+    args = parser.parse_args(argv)
+    return arms.run_command(lambda parsed: run(parsed, argv), args, interrupted="online benchmark stopped",
+                            logs=f"logs in {args.work_dir}/logs")
 
 
 if __name__ == "__main__":

@@ -5,18 +5,12 @@
     python -m bench.run --config configs/tiny.yaml [...]   # what the script runs
 
 Needs the finished run of the same config (`scripts/run_pipeline.sh CONFIG`), which it only reads: stage
-wall times, generation speed and the trained drafter come from there. Everything else it measures itself,
-in its own work folder (`<data_root>/<run_name>-bench/`, emptied at the start):
-  1. hidden-state capture, vLLM (stage 02's path) against HF transformers, interleaved;
-  2. in the same rounds, matmul throughput (float32, bfloat16; torch's and vLLM's oneDNN kernel): the
-     compute ceiling, n/a for a dtype this CPU has no kernel for;
-  3. two drafters that differ only in how their training data is stored (bf16, fp8): stages 02-04 run
-     for real on copies of the pipeline's conversations, then converted for vLLM;
-  4. serving: no speculation, n-gram and the pipeline's drafter, then the two drafters of 3; within each
-     group every server is up at once and each round of prompts goes to each server in turn.
-Then BENCHMARKS.md (or --out) and benchmarks.json in the work folder, and the checks of bench/checks.py: a
-part that measured nothing, or a figure missing from the document, ends the command with exit 1 (after
-both files are written), in either mode.
+wall times, generation speed and the trained drafter come from there. Everything else (hidden-state capture
+against HF transformers with the matmul ceiling, two drafters that differ only in how their training data is
+stored, serving) it measures in its own work folder (`<data_root>/<run_name>-bench/`, emptied at the start), as
+BENCHMARKS.md's sections say. Then BENCHMARKS.md (or --out) and benchmarks.json in the work folder, and the
+checks of bench/checks.py: a part that measured nothing, or a figure missing from the document, ends the
+command with exit 1 (after both files are written), in either mode.
 """
 
 from __future__ import annotations
@@ -38,12 +32,13 @@ from typing import Any, Iterator
 from bench import arms, checks, drift, figures, flops, report
 from bench.arms import ARMS, REPO
 from bench.capture_ab import capture_ab
-from bench.exit_codes import IncompleteFigures, run_command
 from bench.serve_ab import serve_interleaved
 from bench.stats import ratio_or_none
 from eagle_pipeline import atomic
 from eagle_pipeline.config import RunConfig, load_config
 from eagle_pipeline.stage import package_versions, read_manifest
+
+TUNABLE = ("epochs", "repetitions", "capture_samples", "arm_samples")  # Settings that a command-line option sets
 
 
 @dataclass
@@ -115,10 +110,6 @@ def relative(path: Path) -> str:
         return str(Path(path).resolve().relative_to(REPO))
     except ValueError:
         return str(path)
-
-
-# --------------------------------------------------------------------------------------------------------
-# The parts
 
 
 def measure_capture(cfg: RunConfig, verifier, manifests: dict, settings: Settings, work: Path, log: Log) -> dict[str, Any]:
@@ -206,18 +197,14 @@ def measure_serving(cfg: RunConfig, target: Path, settings: Settings, work: Path
     return served, storage_served
 
 
-# --------------------------------------------------------------------------------------------------------
-
-
 def run(args: argparse.Namespace) -> None:
     cfg: RunConfig = load_config(args.config, args.overrides)
     manifests = figures.read_pipeline_run(cfg, args.config)
     settings = Settings.for_mode(args.quick)
-    for name in ("epochs", "repetitions", "capture_samples", "arm_samples"):
+    for name in TUNABLE:
         if getattr(args, name) is not None:
             setattr(settings, name, getattr(args, name))
-    work = Path(args.work_dir).resolve() if args.work_dir else cfg.resolve_path(cfg.data_root) / (
-        f"{cfg.run_name}-bench" + ("-quick" if args.quick else ""))
+    work = arms.work_dir(args, cfg, "bench-quick" if args.quick else "bench")
     out_md = Path(args.out).resolve() if args.out else (work / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md")
     arms.prepare_work_dir(work)
     log = Log(work / "benchmark.log")
@@ -256,7 +243,7 @@ def run(args: argparse.Namespace) -> None:
     results = {
         "meta": {
             "command": command_line(args),
-            "pipeline_command": pipeline_command_line(args),
+            "pipeline_command": command_line(args, "scripts/run_pipeline.sh"),
             "mode": "quick" if args.quick else "full",
             "settings": asdict(settings),
             "date": date,
@@ -290,9 +277,8 @@ def run(args: argparse.Namespace) -> None:
 
 def write_and_check(results: dict[str, Any], json_path: Path, out_md: Path, *, published: str | None = None,
                     log=print) -> None:
-    """Both files, then how the figures compare with `published` (BENCHMARKS.md as it was before this run;
-    printed, never failing: bench/drift.py), then the checks: what is missing is named, with the files there to
-    look at."""
+    """Both files, then how the figures compare with `published` (BENCHMARKS.md as it was before this run:
+    bench/drift.py), then the checks: what is missing is named, with the files there to look at."""
     text = report.render_markdown(results)
     atomic.write_json(json_path, results)
     atomic.write_text(out_md, text)
@@ -301,46 +287,34 @@ def write_and_check(results: dict[str, Any], json_path: Path, out_md: Path, *, p
             log(line)
     missing = checks.missing_figures(results) + checks.document_problems(text)
     if missing:
-        raise IncompleteFigures(f"{out_md} and {json_path} lack figures: " + "; ".join(missing))
+        raise arms.IncompleteFigures(f"{out_md} and {json_path} lack figures: " + "; ".join(missing))
 
 
-def command_line(args: argparse.Namespace) -> str:
-    """The README command that repeats this run."""
-    words = ["scripts/run_benchmarks.sh", args.config, *(["--quick"] if args.quick else [])]
+def command_line(args: argparse.Namespace, script: str = "scripts/run_benchmarks.sh") -> str:
+    """The README command that repeats this run, or (scripts/run_pipeline.sh) that makes the finished run it reads."""
+    benchmark = script == "scripts/run_benchmarks.sh"
+    words = [script, args.config, *(["--quick"] if benchmark and args.quick else [])]
     for assignment in args.overrides:
         words += ["--set", assignment]
-    for name in ("out", "work_dir", "epochs", "repetitions", "capture_samples", "arm_samples"):
+    for name in ("out", "work_dir", *TUNABLE) if benchmark else ():
         if getattr(args, name) is not None:
             words += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return shlex.join(words)
 
 
-def pipeline_command_line(args: argparse.Namespace) -> str:
-    """The README command that makes the finished run this one reads."""
-    words = ["scripts/run_pipeline.sh", args.config]
-    for assignment in args.overrides:
-        words += ["--set", assignment]
-    return shlex.join(words)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="the config of the finished pipeline run (e.g. configs/tiny.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, as for the stage scripts (applies to the run read and the runs made)")
+    parser = arms.parser("python -m bench.run", __doc__, "bench")
     parser.add_argument("--quick", action="store_true",
                         help="every part once on the fewest samples, prompts and epochs (minutes): checks that it "
                              "all runs; writes into the work folder unless --out is given")
     parser.add_argument("--out", help="markdown file to write (default: BENCHMARKS.md; with --quick: in the work folder)")
-    parser.add_argument("--work-dir", help="folder for the benchmark's own runs (default: <data_root>/<run_name>-bench)")
     parser.add_argument("--epochs", type=int, help="training epochs of the two storage drafters (default 3; quick 1)")
     parser.add_argument("--repetitions", type=int, help="interleaved repetitions and serving rounds (default 3; quick 1)")
     parser.add_argument("--capture-samples", type=int, help="samples in the capture A/B (default 64; quick 2)")
     parser.add_argument("--arm-samples", type=int, help="conversations the two storage drafters train on (default 300; quick 6)")
     args = parser.parse_args(argv)
-    return run_command(run, args, interrupted="no figures written",
-                       logs="logs in the work folder's logs/ and benchmark.log")
+    return arms.run_command(run, args, interrupted="no figures written",
+                            logs="logs in the work folder's logs/ and benchmark.log")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,9 @@ change at one data size: one drafter per point, served by vLLM and replayed offl
     scripts/run_scaling.sh configs/tiny.yaml --sizes 128 --vary train.epochs=2,8 --vary train.ttt_steps=1
     python -m bench.scaling --config configs/tiny.yaml [...]       # what the script runs
 
-Needs the finished run of the same config (`scripts/run_pipeline.sh CONFIG`), which it only reads. Each
-point starts from that run's first N conversations and their captured states (no generation, no capture:
-stage 02 resumes with nothing left to do), builds its own draft vocabulary (stage 03), trains (stage 04), is
-converted for vLLM and served by stage 06 against the pipeline run's own no-speculation answers
-(`serve.baseline`), so a point costs one training and one server; stage 06 also replays the drafter on
-those answers (the predicted acceptance). The point at the pipeline run's own size with no change is the
-pipeline run itself. Data-scaling points are fitted with acceptance length = a + b ln(training tokens),
-which is extrapolated to 10,000 samples and to n-gram's acceptance length on the same prompts.
+Needs the finished run of the same config (`scripts/run_pipeline.sh CONFIG`), which it only reads; what a
+point runs (one training and one server, no generation or capture): docs/benchmarks/scaling.md; the point at
+the pipeline run's own size with no change is the pipeline run itself. The trend: bench/scaling_report.py.
 
 Output in <data_root>/<run_name>-scaling/ (or --work-dir): scaling.md, scaling.json, scaling.png and one
 run folder per point. A rerun keeps finished points and resumes torn ones; a work folder made from
@@ -26,11 +21,11 @@ import json
 import shutil
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench import arms
-from bench.exit_codes import run_command
 from bench.figures import read_pipeline_run
 from bench.scaling_report import Point, as_text, plot, render_markdown, summarize
 from eagle_pipeline import atomic
@@ -78,10 +73,6 @@ def check_changes(config: str, overrides: list[str], changes: list[tuple[str, st
             raise BadInput(f"--vary: {key} shapes the pipeline run's conversations or captured states, which every "
                            f"point reuses; vary train.*, vocab.* or serve.* keys")
         load_config(config, [*overrides, f"{key}={value}"])
-
-
-# --------------------------------------------------------------------------------------------------------
-# One point: stages 02-04 on a prefix of the pipeline run, converted, served by stage 06
 
 
 def eval_answer_coverage(t2d_path: Path, answer_token_ids: list[list[int]]) -> float | None:
@@ -140,12 +131,8 @@ def run_point(point: Point, args: argparse.Namespace, cfg: RunConfig, work: Path
         log(f"{point.name}: {script}")
         arms.run_stage(script, config, overrides, work / "logs" / f"{point.name}-{script}.log", log)
     drafter = run_dir / "drafter-vllm"
-    if not (drafter / "config.json").is_file():
-        partial = run_dir / ".drafter-vllm.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        arms.convert_drafter(run_dir, partial, vocab_size)
-        shutil.rmtree(drafter, ignore_errors=True)
-        partial.rename(drafter)
+    if not (drafter / "config.json").is_file():  # the conversion writes the folder whole or not at all
+        arms.convert_drafter(run_dir, drafter, vocab_size)
     log(f"{point.name}: 06_serve_test (its drafter against the pipeline run's no-speculation answers)")
     serve = [f"serve.drafter={drafter}", f"serve.baseline={cfg.stage_dir('06_serve_test')}", "serve.ngram_baseline=false",
              # Every figure is wanted, small drafters' too: the floor is the pipeline's bar, not the study's.
@@ -177,10 +164,6 @@ def check_source(work: Path, manifests: dict[str, dict]) -> None:
     atomic.write_json(path, source)
 
 
-# --------------------------------------------------------------------------------------------------------
-# The study: every point, then the trend and the document (bench/scaling_report.py)
-
-
 def run(args: argparse.Namespace) -> Path:
     cfg = load_config(args.config, args.overrides)
     manifests = read_pipeline_run(cfg, args.config)
@@ -188,16 +171,13 @@ def run(args: argparse.Namespace) -> Path:
     changes = [change for text in args.vary for change in parse_vary(text)]
     check_changes(args.config, args.overrides, changes)
     plan = plan_points(parse_sizes(args.sizes), changes, args.at, available)
-    work = Path(args.work_dir).resolve() if args.work_dir else cfg.resolve_path(cfg.data_root) / f"{cfg.run_name}-scaling"
+    work = arms.work_dir(args, cfg, "scaling")
     if work.exists() and any(work.iterdir()) and not (work / SOURCE_FILE).is_file():
         raise BadInput(f"--work-dir: {work} exists and is not a scaling study's folder; choose an empty or new folder")
     check_source(work, manifests)
     (work / "logs").mkdir(exist_ok=True)
     started = time.monotonic()
-
-    def log(message: str) -> None:
-        print(f"[scaling] {message}", flush=True)
-
+    log = partial(print, "[scaling]", flush=True)
     from eagle_pipeline.verifier import Verifier
 
     vocab_size = Verifier.from_config(cfg).vocab_size
@@ -245,19 +225,14 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="the config of the finished pipeline run (e.g. configs/tiny.yaml)")
+    parser = arms.parser("python -m bench.scaling", __doc__, "scaling")
     parser.add_argument("--sizes", required=True, help="comma-separated sample counts to train on, e.g. 16,32,64,128,256,500")
     parser.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
                         help="a config key and values to try at one size (--at), e.g. train.epochs=2,8; repeatable")
     parser.add_argument("--at", type=int, help="the sample count the --vary points train on (default: the largest size)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, as for the stage scripts (applies to the run read and every point)")
-    parser.add_argument("--work-dir", help="folder for the points (default: <data_root>/<run_name>-scaling)")
     args = parser.parse_args(argv)
-    return run_command(run, args, interrupted="finished points are kept; rerun to resume",
-                       logs="each point's stage logs are in the work folder's logs/")
+    return arms.run_command(run, args, interrupted="finished points are kept; rerun to resume",
+                            logs="each point's stage logs are in the work folder's logs/")
 
 
 if __name__ == "__main__":

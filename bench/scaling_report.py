@@ -5,11 +5,12 @@ runs the points)."""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline import atomic
+from eagle_pipeline.plots import _figure, _save
 
 TARGET_SAMPLES = 10_000  # the user's run: what the trend is asked to predict
 
@@ -35,11 +36,8 @@ def fit_log_trend(tokens: list[float], lengths: list[float]) -> dict[str, float]
     points = [(math.log(t), y) for t, y in zip(tokens, lengths) if t > 0 and y is not None]
     if len({x for x, _ in points}) < 2:
         return None
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    sxx = sum((x - mean_x) ** 2 for x, _ in points)
-    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
-    a = mean_y - b * mean_x
+    b, a = statistics.linear_regression(*zip(*points))
+    mean_y = statistics.fmean(y for _, y in points)
     residual = sum((y - a - b * x) ** 2 for x, y in points)
     total = sum((y - mean_y) ** 2 for _, y in points)
     return {"a": a, "b": b, "r2": 1.0 - residual / total if total > 0 else 1.0, "points": len(points)}
@@ -52,7 +50,6 @@ def trend_at(fit: dict[str, float], tokens: float) -> float:
 def tokens_for(fit: dict[str, float], length: float) -> float | None:
     """Training tokens at which the trend reaches `length`; None if it never grows."""
     return math.exp((length - fit["a"]) / fit["b"]) if fit["b"] > 0 else None
-
 
 
 def summarize(points: dict[str, dict], plan: list[Point], pipeline_report: dict, pipeline_samples: int,
@@ -148,15 +145,10 @@ def _changes_table(plan: list[dict[str, Any]], points: dict[str, dict]) -> list[
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summary, points = results["summary"], results["points"]
     scaling = [points[e["name"]] for e in results["plan"] if e["change"] is None]
     tokens = [p["training_tokens"] for p in scaling]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    plt, fig, ax = _figure()
     for kind, style in (("served", "o-"), ("predicted", "s--")):
         ys = [p[f"{kind}_mean_acceptance_length"] for p in scaling]
         if any(y is not None for y in ys):
@@ -174,6 +166,4 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_title(f"Data scaling: {results['meta']['config']}")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    atomic.write_with(path, lambda tmp: fig.savefig(tmp, format="png"))
-    plt.close(fig)
+    _save(plt, fig, path)

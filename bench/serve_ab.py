@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -15,33 +16,24 @@ def serve_interleaved(target_dir: str | os.PathLike, servers: dict[str, dict | N
                       rounds: int, max_tokens: int, temperature: float, concurrency: int, seed: int | None,
                       max_model_len: int, dtype: str, extra_args: Sequence[str], env: dict[str, str],
                       log_dir: str | os.PathLike, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Output tokens/s and acceptance of each server configuration, measured interleaved.
-
-    Every server (one per entry of `servers`: name -> speculative config or None) is started first and
-    stays up; each round then sends the same chunk of prompts to every server in turn, one server at a
-    time, the order rotating between rounds. Tokens/s per round is output tokens over the chunk's wall time
-    at the given concurrency, and each server's ratio is taken per round against the first server (the
-    baseline). Spec-decode counters are scraped before and after each chunk, as stage 06 does, and summed
-    over rounds. The result's "texts" holds every server's answers in prompt order.
-    """
+    """Output tokens/s and acceptance of each server (`servers`: name -> speculative config or None), all up at
+    once, each round's chunk of prompts sent to each in turn (BENCHMARKS.md section 4 says how), the ratios taken
+    per round against the first server. The result's "texts" holds every server's answers in prompt order."""
     from eagle_pipeline.serve.client import run_prompts
     from eagle_pipeline.serve.server import VllmServer
     from eagle_pipeline.serve.spec_metrics import metrics_delta, scrape_spec_metrics, wait_for_counted_tokens
 
     chunks = split_rounds(prompts, rounds)
     per_round: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
-    start_s: dict[str, float | None] = {}
     with ExitStack() as stack:
         live = {}
         for name, spec in servers.items():
             log(f"serving: starting the {name} server")
-            server = VllmServer(target_dir, speculative_config=spec, max_model_len=max_model_len, dtype=dtype,
-                                extra_args=extra_args, env=env, log_path=Path(log_dir) / f"server-{name}.log")
-            stack.enter_context(server)
-            start_s[name] = server.start_seconds
+            live[name] = server = stack.enter_context(VllmServer(
+                target_dir, speculative_config=spec, max_model_len=max_model_len, dtype=dtype, extra_args=extra_args,
+                env=env, log_path=Path(log_dir) / f"server-{name}.log"))
             run_prompts(server.base_url, server.model, [[{"role": "user", "content": "Say hello."}]],
                         max_tokens=8, temperature=temperature, concurrency=1, seed=seed)
-            live[name] = server
         for r, chunk in enumerate(chunks):
             for name in interleaved_order(list(live), r):
                 server = live[name]
@@ -54,20 +46,14 @@ def serve_interleaved(target_dir: str | os.PathLike, servers: dict[str, dict | N
                                         "metrics": metrics_delta(before, after)})
             log(f"serving round {r + 1}/{len(chunks)} ({len(chunk)} prompts): "
                 + ", ".join(f"{name} {per_round[name][-1]['tokens_per_s']:.1f} tok/s" for name in live))
+    start_s = {name: server.start_seconds for name, server in live.items()}
     return summarize_serving(per_round, servers, start_s, num_prompts=len(prompts), max_tokens=max_tokens,
                              temperature=temperature, concurrency=concurrency)
 
 
 def _sum_metrics(deltas: Sequence[dict]) -> dict[str, Any]:
-    total: dict[str, Any] = {}
-    for delta in deltas:
-        for key, value in delta.items():
-            if key == "accepted_per_pos":
-                old = total.get(key, [])
-                total[key] = [(old[i] if i < len(old) else 0.0) + (value[i] if i < len(value) else 0.0)
-                              for i in range(max(len(old), len(value)))]
-            else:
-                total[key] = total.get(key, 0.0) + value
+    total = {key: sum(delta[key] for delta in deltas) for key in deltas[0] if key != "accepted_per_pos"}
+    total["accepted_per_pos"] = [sum(p) for p in zip_longest(*(d["accepted_per_pos"] for d in deltas), fillvalue=0.0)]
     return total
 
 

@@ -39,12 +39,8 @@ def split_rounds(items: Sequence[Any], rounds: int) -> list[list[Any]]:
     """`rounds` contiguous chunks of nearly equal size (the first ones one longer), none empty."""
     rounds = max(1, min(rounds, len(items)))
     size, extra = divmod(len(items), rounds)
-    chunks, start = [], 0
-    for r in range(rounds):
-        end = start + size + (1 if r < extra else 0)
-        chunks.append(list(items[start:end]))
-        start = end
-    return chunks
+    bounds = [r * size + min(r, extra) for r in range(rounds + 1)]
+    return [list(items[start:end]) for start, end in zip(bounds, bounds[1:])]
 
 
 def acceptance_length_stderr(per_position: Sequence[float], num_drafts: int) -> float | None:

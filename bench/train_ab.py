@@ -2,25 +2,12 @@
 
     python -m bench.train_ab --config configs/tiny.yaml --steps 60 --repeats 2
 
-Up to six arms, each speculators' own trainer with the run's train settings, from scratch, for `--steps`
-optimizer steps on the finished pipeline run's stage 02 data and stage 03 vocabulary:
-  - shipped: sequential packing, every batch padded to train.total_seq_len, attention through SDPA over
-    the dense TTT mask (speculators as released);
-  - unpadded: the same batches, cut after their last sample (patches/speculators_packing.py, CPU only),
-    attention by blocks (patches/speculators_ttt_attention.py, CPU only);
-  - best_fit: best-fit packing (train.packing: best_fit), unpadded;
-  - unpadded_bf16: unpadded, with bf16 autocast (train.dtype: bfloat16, fp32 master weights), when the run
-    trains in float32 and this CPU has a bf16 matmul kernel (n/a with the reason otherwise): every CPU
-    speed-up but best-fit packing;
-  - best_fit_bf16: best_fit with bf16 autocast, under the same condition: every speed-up at once;
-  - unpadded_bf16_sdpa: unpadded_bf16 with speculators' own SDPA attention, under the same condition: the
-    attention patch's own A/B (against unpadded_bf16).
-Every repetition runs each arm once, in an order rotated by one each repetition. The figure per run is the
-median over its steps of speculators' per-step tokens/s (real tokens, padding not counted, over the step's
-batch + forward + backward + optimizer time); ratios to `shipped` are taken within each repetition. The
-`shipped` and `unpadded` arms train on the same batches from the same start, so their step losses must
-agree: the table gives the largest relative difference. Batches per epoch and how full they are come from
-the samplers themselves, over the run's training split.
+The arms (ARMS; what each changes: the table of docs/benchmarks/training.md) each run speculators' own trainer
+with the run's train settings, from scratch, for `--steps` optimizer steps on the finished run's stage 02 data and
+stage 03 vocabulary, interleaved as that page says; the bf16 arms run where the run trains in float32 and this CPU
+has a bf16 matmul kernel (n/a with the reason otherwise). `shipped` and `unpadded` train on the same batches from
+the same start, so their step losses must agree: the table gives the largest relative difference. Batches per
+epoch and how full they are come from the samplers themselves, over the run's training split.
 
 Output in <data_root>/<run_name>-train-ab/ (or --work-dir): train_ab.json, train_ab.md and one training
 folder per arm and repetition (emptied by every run).
@@ -33,15 +20,15 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 
 from bench import arms
-from bench.exit_codes import run_command
-from bench.stats import interleaved_order, paired_ratios, spread
+from bench.flops import unavailable_matmul_kernels
+from bench.stats import interleaved_order, not_available, paired_ratios, spread
 from eagle_pipeline import atomic
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput
@@ -55,34 +42,18 @@ WORK_MARKER = ".train-ab-work-dir"
 ARMS = ("shipped", "unpadded", "best_fit", "unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa")
 PACKING = {"shipped": "sequential", "unpadded": "sequential", "best_fit": "best_fit", "unpadded_bf16": "sequential",
            "best_fit_bf16": "best_fit", "unpadded_bf16_sdpa": "sequential"}
-# autocast; run only where the run trains in float32 and the CPU has bf16
-BF16_ARMS = ("unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa")
+BF16_ARMS = ("unpadded_bf16", "best_fit_bf16", "unpadded_bf16_sdpa")  # autocast, where bf16_arm_unavailable allows
 SDPA_ARMS = ("shipped", "unpadded_bf16_sdpa")  # speculators' own attention over the dense TTT mask
 
 
 def bf16_arm_unavailable(train_dtype: str) -> str | None:
     """Why the bf16 arms cannot run here ("n/a (...)"), or None when it can."""
-    from bench.flops import unavailable_matmul_kernels
-    from bench.stats import not_available
-
     if train_dtype != "float32":
         return not_available(f"the run already trains in {train_dtype}")
     missing = unavailable_matmul_kernels("bfloat16")
     if "torch" in missing:  # speculators' drafter runs torch's own kernels
         return missing["torch"]
     return None
-
-
-@contextlib.contextmanager
-def swapped(owner: Any, name: str, replacement: Any, active: bool) -> Iterator[None]:
-    """`owner.name` is `replacement` inside the block when `active`: how an arm undoes one CPU patch."""
-    original = getattr(owner, name)
-    if active:
-        setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def packing_figures(split_dir: Path, train_data_ratio: float, total_seq_len: int, seed: int) -> dict[str, dict[str, float]]:
@@ -116,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("train.num_gpus: this benchmark measures CPU training; set it to 0")
     _, layout = require_sample_layout(cfg)
     require_complete(cfg, 3)
-    work = Path(args.work_dir) if args.work_dir else cfg.run_dir.parent / f"{cfg.run_name}-train-ab"
+    work = arms.work_dir(args, cfg, "train-ab")
     arms.prepare_work_dir(work, WORK_MARKER, "bench.train_ab", "training A/B folder")
     verifier = Verifier.from_config(cfg)
     vocab_dir = cfg.stage_dir("03_build_vocab_map")
@@ -137,9 +108,11 @@ def run(args: argparse.Namespace) -> int:
             dtype = "bfloat16" if arm in BF16_ARMS else cfg.train.dtype
             settings = cfg.train.model_copy(update={"packing": PACKING[arm], "dtype": dtype, "early_stop_patience": None})
             print(f"repetition {repetition + 1}/{args.repeats}: {arm} ({args.steps} steps)", flush=True)
-            # speculators' padded batches (the `shipped` arm) and its SDPA attention over the dense TTT mask
-            with (swapped(speculators_packing, "trim_padding", lambda batch: batch, arm == "shipped"),
-                  swapped(speculators_ttt_attention, "uses_block_attention", lambda model: False, arm in SDPA_ARMS)):
+            with contextlib.ExitStack() as undo:  # the CPU patches an arm trains without
+                if arm == "shipped":  # speculators' padded batches
+                    undo.enter_context(patch.object(speculators_packing, "trim_padding", lambda batch: batch))
+                if arm in SDPA_ARMS:  # speculators' SDPA attention over the dense TTT mask
+                    undo.enter_context(patch.object(speculators_ttt_attention, "uses_block_attention", lambda _: False))
                 runner.train_drafter(settings, train_run(out_dir))
             rows = [row for row in read_metrics(out_dir / METRICS_CSV) if row["split"] == "train"]
             runs[arm].append({"tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),
@@ -204,16 +177,12 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="the config of the finished pipeline run (e.g. configs/tiny.yaml)")
+    parser = arms.parser("python -m bench.train_ab", __doc__, "train-ab")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per training run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, interleaved")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, as for the stage scripts")
-    parser.add_argument("--work-dir", help="folder for the runs (default: <data_root>/<run_name>-train-ab)")
     args = parser.parse_args(argv)
-    return run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
-                       logs="the trainer's own output is above")
+    return arms.run_command(run, args, interrupted="rerun to measure again (the work folder is emptied)",
+                            logs="the trainer's own output is above")
 
 
 if __name__ == "__main__":

@@ -121,3 +121,11 @@ def sweep_temporaries(folder: str | os.PathLike) -> int:
             p.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """`path` itself, or the nearest folder above it that exists: where a write to `path` would first land."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -53,7 +53,7 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: if the thread that started it ends (this process killed outright), the child
     gets SIGTERM at once. Linux only; elsewhere a no-op. Not enough on its own: see Guard."""
     signal_on_parent_death(signal.SIGTERM)
@@ -90,7 +90,7 @@ class ChildProcess:
             log_file.flush()
             self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log_file,
                                             stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=die_with_parent)
         try:
             self._guard = Guard(self.process.pid, self.stop_grace_s, self.log_path)
         except BaseException:
@@ -194,21 +194,11 @@ def signal_group(group: int, sig: int) -> None:
         pass
 
 
-def group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # Members remain, but zombies among them have exited: only one that has not keeps the group alive.
-    return bool(live_group_members(group))
-
-
 def wait_group_gone(group: int, timeout: float) -> None:
-    """Wait for the group's members to exit; raise TimeoutExpired if they do not within `timeout`."""
+    """Wait for the group's members to exit (zombies count as gone); raise TimeoutExpired if they do not within
+    `timeout`."""
     deadline = time.monotonic() + timeout
-    while group_alive(group):
+    while live_group_members(group):
         if time.monotonic() > deadline:
             raise subprocess.TimeoutExpired(f"process group {group}", timeout)
         time.sleep(0.05)

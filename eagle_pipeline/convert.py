@@ -1,19 +1,9 @@
-"""Turn a speculators 0.9 EAGLE-3 checkpoint into the flat HF format that vLLM and SGLang load.
+"""Turn a speculators 0.9 EAGLE-3 checkpoint into the flat folder vLLM and SGLang load (docs/formats.md, "The flat
+drafter folder"; an MLA layer: "The MLA drafter folder", vLLM's alone). Every name goes through the one table of
+drafter/layouts.py; drafter/to_speculators.py writes the other way.
 
-speculators saves its own nested format: a config with `speculators_config` and a
-`transformer_layer_config`, and weights named `layers.0.*`, `embed_tokens`, `fc`, `norm`, `lm_head`,
-`d2t`, `t2d` (plus the verifier's `verifier_lm_head`/`verifier_norm` in some checkpoints).
-vLLM reads that format natively, but SGLang and most tooling expect the flat layout of the
-released EAGLE-3 drafters: one Llama-shaped config.json with architecture `LlamaForCausalLMEagle3`
-and weights `midlayer.*`, `fc.*`, `norm.*`, `lm_head.*`, `d2t`, `t2d`. An MLA drafter (transformer_layer_config
-`deepseek_v3`) becomes vLLM's `Eagle3DeepseekV2ForCausalLM` folder the same way (`mla_flat_config`); only vLLM
-runs it. Every name goes through the one table
-of drafter/layouts.py; drafter/to_speculators.py writes the other way.
-
-Layer ids are given once, in the vLLM/speculators convention (id k = the residual stream entering
-target layer k = HF `hidden_states[k]`), and written per engine: as they are for vLLM, minus one for
-SGLang, whose target models add one to every explicit id (`set_eagle3_layers_to_capture`:
-`layers_to_capture = [val + 1 for val in layer_ids]`, captured at the entry of that layer).
+Layer ids are given once, in the vLLM/speculators convention (HF `hidden_states[k]`), and written per engine: as
+they are for vLLM, minus one for SGLang (docs/layer_ids.md).
 """
 
 from __future__ import annotations
@@ -38,6 +28,7 @@ from eagle_pipeline.drafter.layouts import (
     weight_name,
     weight_row,
 )
+from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import to_convention
 from eagle_pipeline.vocab_map import check_vocab_map
@@ -67,8 +58,7 @@ def resolve_layer_ids(ckpt: SpeculatorsCheckpoint, layer_ids: list[int] | tuple[
 
 
 def rope_fields(layer: dict[str, Any]) -> dict[str, Any]:
-    """Rope settings in both spellings: transformers 5 reads `rope_parameters`, 4.x (SGLang) reads
-    `rope_theta` + `rope_scaling`."""
+    """Rope settings in both spellings (docs/formats.md, "config.json fields")."""
     params = dict(layer.get("rope_parameters") or {})
     theta = params.get("rope_theta", layer.get("rope_theta"))
     if theta is None:
@@ -85,39 +75,38 @@ def flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_i
                 dtype: str, engine: str) -> dict[str, Any]:
     """The flat config the engines read (Llama-shaped, or the MLA one of `mla_flat_config`); every field that
     changes behaviour is explicit."""
-    if ckpt.layer_shape == MLA:
+    if ckpt.dims.layer_shape == MLA:
         return mla_flat_config(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids, dtype=dtype)
-    layer = ckpt.layer
-    config: dict[str, Any] = {
+    layer, dims = ckpt.layer, ckpt.dims
+    return {
         "architectures": [FLAT_ARCHITECTURE],
         "model_type": "llama",
-        "hidden_size": ckpt.hidden_size,
-        "head_dim": ckpt.head_dim,
-        "num_attention_heads": int(layer["num_attention_heads"]),
-        "num_key_value_heads": int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
-        "intermediate_size": int(layer["intermediate_size"]),
+        "hidden_size": dims.hidden_size,
+        "head_dim": dims.head_dim,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        "intermediate_size": dims.intermediate_size,
         "hidden_act": layer.get("hidden_act", "silu"),
         "rms_norm_eps": float(layer["rms_norm_eps"]),
         "max_position_embeddings": int(layer["max_position_embeddings"]),
         **rope_fields(layer),
-        "attention_bias": bool(layer.get("attention_bias", False)),
-        "mlp_bias": bool(layer.get("mlp_bias", False)),
+        "attention_bias": dims.attention_bias,
+        "mlp_bias": dims.mlp_bias,
     } | eagle3_fields(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids, dtype=dtype, engine=engine)
-    return config
 
 
 def eagle3_fields(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_ids: list[int], dtype: str,
                   engine: str) -> dict[str, Any]:
     """The fields every flat drafter config carries beside its decoder layer's, whatever the layer's shape."""
     config: dict[str, Any] = {
-        "num_hidden_layers": ckpt.num_layers,
+        "num_hidden_layers": ckpt.dims.num_layers,
         "vocab_size": vocab_size,
-        "draft_vocab_size": ckpt.draft_vocab_size,
+        "draft_vocab_size": ckpt.dims.draft_vocab_size,
         # A tied config makes SGLang use embed_tokens as lm_head; the drafter has its own lm_head.
         "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": written_layer_ids, "use_aux_hidden_state": True},
         "num_aux_hidden_states": len(written_layer_ids),
-        "target_hidden_size": ckpt.target_hidden_size,
+        "target_hidden_size": ckpt.dims.target_hidden_size,
         # vLLM's default for a missing norm_before_residual differs between flat (False) and speculators
         # (True) configs, so every flag is written.
         **{name: ckpt.flags[name] for name in NORM_FLAGS},
@@ -132,19 +121,24 @@ def eagle3_fields(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer
 
 
 # The MLA layer's fields vLLM's DeepseekV2MLAAttention and deepseek_eagle3.py read, as the target has them.
-MLA_LAYER_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_LAYER_FIELDS = ("q_lora_rank", *MLA_DIM_KEYS)  # read_speculators_checkpoint refuses a layer without one
 
 
-def mla_model_type(ckpt: SpeculatorsCheckpoint) -> str:
-    """kimi_k2 for a Kimi target (vLLM maps it to DeepseekV3Config, as the released Kimi drafter names it), else
-    deepseek_v3; read from the checkpoint's verifier folder when it is local."""
+def verifier_text_config(ckpt: SpeculatorsCheckpoint) -> dict[str, Any]:
+    """The text model's config of the checkpoint's verifier, where its folder is local and readable; else {}."""
     verifier = ckpt.verifier_path
     try:
         config = json.loads((Path(verifier) / "config.json").read_text()) if verifier else {}
     except (OSError, ValueError):
-        config = {}
+        return {}
     text = config.get("text_config", config) if isinstance(config, dict) else {}
-    return "kimi_k2" if isinstance(text, dict) and text.get("model_type") == "kimi_k2" else "deepseek_v3"
+    return text if isinstance(text, dict) else {}
+
+
+def mla_model_type(ckpt: SpeculatorsCheckpoint) -> str:
+    """kimi_k2 for a Kimi target (vLLM maps it to DeepseekV3Config, as the released Kimi drafter names it), else
+    deepseek_v3."""
+    return "kimi_k2" if verifier_text_config(ckpt).get("model_type") == "kimi_k2" else "deepseek_v3"
 
 
 def mla_flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer_ids: list[int],
@@ -153,32 +147,27 @@ def mla_flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_lay
     of the checkpoint's transformer_layer_config (a DeepseekV3Config), the EAGLE-3 fields as for a Llama layer.
     vLLM's MLA drafter has a dense SwiGLU MLP and no input_norm, so no MoE field and no norm_before_fc."""
     layer = ckpt.layer
-    missing = [key for key in (*MLA_LAYER_FIELDS, "intermediate_size", "rms_norm_eps") if key not in layer]
-    if missing:
-        raise BadInput(f"{ckpt.path / 'config.json'}: transformer_layer_config has no {missing[0]}; the MLA layer's "
-                       f"shape is unknown")
-    heads = int(layer["num_attention_heads"])
-    config: dict[str, Any] = {
+    dims = ckpt.dims
+    return {
         "architectures": [FLAT_ARCHITECTURES[MLA]],
         "model_type": mla_model_type(ckpt),
-        "hidden_size": ckpt.hidden_size,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        **{key: (None if layer[key] is None else int(layer[key])) for key in MLA_LAYER_FIELDS},
-        "intermediate_size": int(layer["intermediate_size"]),
+        "hidden_size": dims.hidden_size,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        **{key: getattr(dims, key) for key in MLA_LAYER_FIELDS},
+        "intermediate_size": dims.intermediate_size,
         "hidden_act": layer.get("hidden_act", "silu"),
         "rms_norm_eps": float(layer["rms_norm_eps"]),
         "max_position_embeddings": int(layer.get("max_position_embeddings", 4096)),
         **rope_fields(layer),
         "rope_interleave": bool(layer.get("rope_interleave", True)),
     } | eagle3_fields(ckpt, vocab_size=vocab_size, written_layer_ids=written_layer_ids, dtype=dtype, engine="vllm")
-    return config
 
 
 def allowed_drafter_key(name: str, ckpt: SpeculatorsCheckpoint) -> bool:
     """Whether a speculators checkpoint with this config's layer count and norm flags can hold `name`."""
     if (index := layer_index(name)) is not None:
-        return index < ckpt.num_layers
+        return index < ckpt.dims.num_layers
     row = weight_row(name, SPECULATORS)
     return row is not None and row.flat is not None and (row.flag is None or ckpt.flags[row.flag])
 
@@ -193,7 +182,8 @@ def drafter_tensors(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, num_aux: in
             f"{ckpt.path}: unexpected tensor {unknown[0]!r} ({len(unknown)} unexpected in all) for this config's "
             "layer count and norm flags; the checkpoint and its config.json disagree"
         )
-    draft_vocab_size = ckpt.draft_vocab_size
+    dims = ckpt.dims
+    draft_vocab_size = dims.draft_vocab_size
     if draft_vocab_size != vocab_size:
         missing = [n for n in ("lm_head.weight", "d2t", "t2d") if n not in names]
         if missing:
@@ -217,11 +207,11 @@ def drafter_tensors(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, num_aux: in
         if written is None:  # sglang_refusal names the setting first; this is the table's own guard
             raise BadInput(f"{ckpt.path}: {name} has no counterpart in the {layout} layout")
         tensors[written] = tensor
-    expected_fc = (ckpt.hidden_size, num_aux * ckpt.target_hidden_size)
+    expected_fc = (dims.hidden_size, num_aux * dims.target_hidden_size)
     if fc_shape != expected_fc:
         raise BadInput(
             f"{ckpt.path}: fc.weight has shape {fc_shape}, expected {expected_fc} for {num_aux} aux layers "
-            f"of width {ckpt.target_hidden_size}; eagle_aux_hidden_state_layer_ids and the weights disagree"
+            f"of width {dims.target_hidden_size}; eagle_aux_hidden_state_layer_ids and the weights disagree"
         )
     dropped = sorted(n for n in names if n in VERIFIER_ONLY_KEYS)
     return tensors, dropped
@@ -257,11 +247,11 @@ def _convert(ckpt: SpeculatorsCheckpoint, out_dir: str | Path, *, engine: str, v
         "engine": engine,
         "source": str(ckpt.path),
         "out_dir": str(out_dir),
-        "architecture": FLAT_ARCHITECTURES[ckpt.layer_shape],
+        "architecture": FLAT_ARCHITECTURES[ckpt.dims.layer_shape],
         "layer_ids": layer_ids,
         "written_layer_ids": written_layer_ids,
         "vocab_size": vocab_size,
-        "draft_vocab_size": ckpt.draft_vocab_size,
+        "draft_vocab_size": ckpt.dims.draft_vocab_size,
         "norm_flags": {name: ckpt.flags[name] for name in NORM_FLAGS},
         "tensors": {name: list(t.shape) for name, t in tensors.items()},
         "dropped": dropped,
@@ -271,35 +261,17 @@ def _convert(ckpt: SpeculatorsCheckpoint, out_dir: str | Path, *, engine: str, v
 def convert_for_vllm(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_size: int | None = None,
                      layer_ids: list[int] | tuple[int, ...] | None = None) -> dict[str, Any]:
     """Write a flat `LlamaForCausalLMEagle3` (or, for an MLA layer, `Eagle3DeepseekV2ForCausalLM`) drafter folder
-    for vLLM; returns a summary of what was written.
-
-    Tokenizer files are not copied: vLLM's draft model uses the target's tokenizer unless the
-    speculative config asks for a heterogeneous vocabulary.
-    """
+    for vLLM, without tokenizer files (the drafter uses the target's); returns a summary of what was written."""
     ckpt = read_speculators_checkpoint(ckpt_dir)
     vocab_size = target_vocab(ckpt, target_vocab_size)
     ids = resolve_layer_ids(ckpt, layer_ids)
     return _convert(ckpt, out_dir, engine="vllm", vocab_size=vocab_size, layer_ids=ids, written_layer_ids=ids)
 
 
-def target_num_layers_from_checkpoint(ckpt: SpeculatorsCheckpoint) -> int | None:
-    """The verifier's layer count, when the checkpoint's verifier path is a local folder."""
-    verifier = ckpt.verifier_path
-    if not verifier or not (Path(verifier) / "config.json").exists():
-        return None
-    config = json.loads((Path(verifier) / "config.json").read_text())
-    config = config.get("text_config", config)
-    return int(config["num_hidden_layers"]) if "num_hidden_layers" in config else None
-
-
 def sglang_refusal(ckpt: SpeculatorsCheckpoint, layer_ids: list[int], target_num_layers: int | None) -> str | None:
-    """Why SGLang's llama_eagle3 cannot run this drafter as trained, or None.
-
-    SGLang's `LlamaForCausalLMEagle3` has one `midlayer` whose residual is the un-normalised hidden
-    state, an `fc` of fixed width 3 * target_hidden_size, no input/fc norms, returns the pre-norm
-    state across steps, and builds its projections without bias.
-    """
-    if ckpt.layer_shape == MLA:
+    """Why SGLang's llama_eagle3 cannot run this drafter as trained, or None (docs/formats.md, "What SGLang reads
+    differently")."""
+    if ckpt.dims.layer_shape == MLA:
         return (f"transformer_layer_config.model_type is {ckpt.layer.get('model_type')!r} (an MLA layer); SGLang's "
                 f"llama_eagle3 runs Llama layers only: serve this drafter with vLLM (Eagle3DeepseekV2ForCausalLM)")
     set_flags = [name for name in NORM_FLAGS if ckpt.flags[name]]
@@ -307,8 +279,8 @@ def sglang_refusal(ckpt: SpeculatorsCheckpoint, layer_ids: list[int], target_num
         flag = set_flags[0]
         return (f"{flag} is true in {ckpt.path / 'config.json'} (set: {', '.join(set_flags)}); SGLang's "
                 f"llama_eagle3 has no such norm variant: train with train.{flag}=false or serve with vLLM")
-    if ckpt.num_layers != 1:
-        return (f"transformer_layer_config.num_hidden_layers is {ckpt.num_layers}; "
+    if ckpt.dims.num_layers != 1:
+        return (f"transformer_layer_config.num_hidden_layers is {ckpt.dims.num_layers}; "
                 f"SGLang loads one-layer EAGLE-3 drafters only")
     if len(layer_ids) != 3:
         return f"eagle_aux_hidden_state_layer_ids has {len(layer_ids)} ids; SGLang's fc takes exactly 3 aux layers"
@@ -327,18 +299,14 @@ def sglang_refusal(ckpt: SpeculatorsCheckpoint, layer_ids: list[int], target_num
 def convert_for_sglang(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_size: int | None = None,
                        layer_ids: list[int] | tuple[int, ...] | None = None,
                        target_num_layers: int | None = None) -> dict[str, Any]:
-    """Write a flat drafter folder for SGLang: the vLLM layout with every aux layer id minus one.
-
-    Raises BadInput, naming the flag, for a drafter SGLang would run differently from how it was
-    trained (norm variants, more than one layer, not 3 aux layers, biases, unreachable ids).
-    `target_num_layers` (read from the checkpoint's verifier folder when it is local) lets the
-    final-layer id be refused.
-    """
+    """Write a flat drafter folder for SGLang: the vLLM layout with every aux layer id minus one. Raises BadInput
+    (sglang_refusal) for a drafter SGLang would run differently from how it was trained; `target_num_layers` (else
+    the checkpoint's local verifier's) lets the final-layer id be refused."""
     ckpt = read_speculators_checkpoint(ckpt_dir)
     vocab_size = target_vocab(ckpt, target_vocab_size)
     ids = resolve_layer_ids(ckpt, layer_ids)
-    if target_num_layers is None:
-        target_num_layers = target_num_layers_from_checkpoint(ckpt)
+    if target_num_layers is None and "num_hidden_layers" in verifier_text_config(ckpt):
+        target_num_layers = int(verifier_text_config(ckpt)["num_hidden_layers"])
     refusal = sglang_refusal(ckpt, ids, target_num_layers)
     if refusal:
         raise BadInput(refusal)

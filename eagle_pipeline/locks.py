@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle_pipeline.atomic import nearest_existing
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.gpus import visible_gpus
 
@@ -118,9 +119,7 @@ def take(path: Path, record: dict[str, Any], held: HeldLocks, busy: str, shared_
 
 def _open_lock_file(path: Path) -> int:
     """The lock file's descriptor, created if need be; BadInput naming the path when the file system refuses."""
-    blocker = path.parent
-    while not blocker.exists() and blocker != blocker.parent:
-        blocker = blocker.parent
+    blocker = nearest_existing(path.parent)
     if not blocker.is_dir():
         raise BadInput(f"{blocker}: is a file where the folder of the lock {path.name} belongs; move the file away "
                        f"and rerun")

@@ -1,20 +1,6 @@
 """A stage folder's manifest (`read_manifest`), the files a finished stage made as it records them, and the check
-that they are still whole.
-
-`Stage.finish` records every file of the stage folder (except `logs/`, `manifest.json` and `config.yaml`,
-which describe the run and are rewritten at each start) as `{"path", "size", "check", "digest"}`.
-A stage that finds its own manifest complete, and every stage that reads an earlier one, checks the
-record before trusting "complete" (docs/contracts.md, "The recorded outputs").
-
-How much of a file is read is chosen per file, so that the check stays cheap at any scale:
-- up to HASH_LIMIT bytes: sha256 of the whole file (`check: "sha256"`); most files are this small;
-- larger safetensors files (hidden-state samples, checkpoint and drafter weights): the size and the
-  format's own header check (header parses, and the data it describes ends exactly at the end of the
-  file; `check: "safetensors"`). A Kimi run holds 0.8 TB of samples and GBs of weights: hashing them
-  at every start of every later stage would take longer than most stages; stage 04 checks each
-  sample's token ids (and values) itself before training;
-- other large files: the size and a sha256 of their first and last ENDS bytes (`check: "ends"`), which
-  catches a torn tail, a garbage header and a different file of the same size in most cases.
+that they are still whole. What is recorded, who checks it, and how much of a file each check reads (so that it
+stays cheap at any scale): docs/contracts.md, "The recorded outputs".
 """
 
 from __future__ import annotations
@@ -70,8 +56,6 @@ def _digest(path: Path, check: str, size: int) -> str | None:
 
 
 def _check_safetensors_header(path: Path, size: int) -> None:
-    # samples.read_header owns the header format; imported here to keep this module free of torch.
-
     try:
         header, offset = read_header(path)
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
@@ -152,7 +136,6 @@ def remove_damaged(stage_dir: Path, damaged: list[tuple[str, str]]) -> None:
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
-
 
 
 MANIFEST_FIELDS = {"status": str, "inputs": dict, "counts": dict}

@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-
-
-def kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL a process that this one started, and all its descendants."""
-    kill_pid_tree(process.pid, reap=process.wait)
 
 
 def kill_pid_tree(pid: int, reap: Callable[[], object] | None = None) -> None:
@@ -42,17 +36,21 @@ def kill_pid_tree(pid: int, reap: Callable[[], object] | None = None) -> None:
         time.sleep(0.05)
 
 
-def descendants(pid: int) -> list[int]:
-    """The live processes below `pid`."""
-    children: dict[int, list[int]] = {}
+def _stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command's name: state, parent, group, ...) of every process."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                stat = (entry / "stat").read_text()
+                yield int(entry.name), (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:  # gone meanwhile
                 continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid`."""
+    children: dict[int, list[int]] = {}
+    for child, fields in _stats():
+        children.setdefault(int(fields[1]), []).append(child)
     found, queue = [], [pid]
     while queue:
         for child in children.get(queue.pop(), []):
@@ -65,16 +63,7 @@ def live_group_members(group: int) -> list[int]:
     """The processes of process group `group` that have not exited. A zombie (exited, its parent has not reaped
     it yet, or never will where that parent is a container's init that does not reap) still answers
     `killpg(group, 0)`, but holds nothing: it counts as gone."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
-            if int(fields[2]) == group and fields[0] not in ("Z", "X"):
-                members.append(int(entry.name))
-    return members
+    return [pid for pid, fields in _stats() if int(fields[2]) == group and fields[0] not in ("Z", "X")]
 
 
 def process_state(pid: int) -> str | None:

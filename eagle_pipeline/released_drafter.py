@@ -1,27 +1,7 @@
-"""Released EAGLE-3 drafters: read a flat `LlamaForCausalLMEagle3` folder (AQ-MedAI's Kimi-K2.5 drafter,
-SpecForge's output, this pipeline's own stage 05 `vllm/`) or an MLA `Eagle3DeepseekV2ForCausalLM` one
-(`lightseekorg/kimi-k2.5-eagle3-mla`, the drafter of vLLM's Kimi-K2.5 recipe), check it against the target, and
-write it in
-the speculators layout that speculators' trainer fine-tunes from (`--from-pretrained`), through
-drafter/to_speculators.py (docs/released_drafters.md).
-
-A flat folder says less than a speculators one, and each gap is closed explicitly:
-- its aux layer ids are usually only in `eagle_config`, where SGLang reads id k as the output of layer k and
-  vLLM as the input of layer k; only a top-level `eagle_aux_hidden_state_layer_ids` (a key vLLM alone reads,
-  which SGLang folders must not carry) says vLLM. Otherwise the run names the convention
-  (`train.init_from_convention`) and the ids are converted once, by layer_ids.py, into HF indices. An MLA folder
-  is vLLM's alone (its architecture is vLLM's class), so its ids are read as vLLM reads them, as they stand,
-  unless the run names another convention;
-- a full-vocabulary drafter (vocab_size = draft_vocab_size, no d2t, as the MLA release is) is fine-tuned with
-  its whole lm_head kept (vocab.draft_vocab_size = the target's vocabulary) or with the rows of stage 03's draft
-  vocabulary taken from it, and stage 03's d2t/t2d;
-- norm flags it leaves out are read as vLLM reads a flat config: false (SpecForge drafters have none);
-- `embed_tokens` is usually absent: EAGLE-3 drafters embed with the target's own (frozen) embedding, so
-  releases leave it out. The folder written here carries the target's, copied from the target's weights:
-  speculators' `load_verifier_weights` fills only an embedding that loaded as NaN, and one missing from a
-  folder loads as zeros, so without the copy the fine-tune would start from an all-zero embedding. One that
-  is present is replaced for the same reason: stage 05 ships without it and vLLM then serves the drafter
-  with the target's embedding, so training must use that one too.
+"""Released EAGLE-3 drafters (a flat `LlamaForCausalLMEagle3` or `Eagle3DeepseekV2ForCausalLM` folder): check one
+against the target and the run, and write it in the speculators layout that speculators' trainer fine-tunes from,
+through drafter/to_speculators.py. How each gap of a flat folder is closed (the aux ids' convention, a full
+vocabulary, absent norm flags, the target's embedding) is docs/released_drafters.md's.
 """
 
 from __future__ import annotations
@@ -34,8 +14,8 @@ import numpy as np
 from eagle_pipeline.drafter.folder import (
     FlatDrafter,
     is_speculators_drafter,
-    read_drafter_tensors,
     read_flat_drafter,
+    read_flat_tensors,
     read_speculators_checkpoint,
     target_vocab,
 )
@@ -53,10 +33,10 @@ def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: 
                          target: dict[str, Any] | None = None) -> None:
     """Refuse a drafter built for another target: its width and vocabulary must be the target's, and an MLA one's
     attention sizes and rope those of `target` (the target's text config) where it is given."""
-    target_hidden = int(drafter.config.get("target_hidden_size") or drafter.hidden_size)
-    compared = [("hidden_size", drafter.hidden_size, hidden_size, "hidden size"),
-                ("target_hidden_size", target_hidden, hidden_size, "hidden size"),
-                ("vocab_size", drafter.vocab_size, vocab_size, "vocabulary size")]
+    dims = drafter.dims
+    compared = [("hidden_size", dims.hidden_size, hidden_size, "hidden size"),
+                ("target_hidden_size", dims.target_hidden_size, hidden_size, "hidden size"),
+                ("vocab_size", dims.vocab_size, vocab_size, "vocabulary size")]
     if target is not None and drafter.layer_shape == MLA:  # vLLM's MLA drafter runs the target's latent and rope
         theirs, ours = rope_parameters(drafter.config), rope_parameters(target)
         compared += [(key, drafter.config.get(key), target.get(key), key) for key in ("q_lora_rank", *MLA_DIM_KEYS)]
@@ -70,18 +50,19 @@ def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: 
 
 def full_vocabulary(drafter: FlatDrafter) -> bool:
     """A drafter whose lm_head covers the target's whole vocabulary (no d2t)."""
-    return drafter.draft_vocab_size == drafter.vocab_size
+    return drafter.dims.draft_vocab_size == drafter.dims.vocab_size
 
 
 def check_draft_vocab_size(drafter: FlatDrafter, configured: int) -> None:
     """The run's draft vocabulary must be the drafter's; a full-vocabulary drafter also takes a smaller one, its
     lm_head cut to those rows (write_speculators_folder)."""
-    if full_vocabulary(drafter) and configured <= drafter.vocab_size:
+    draft_vocab_size = drafter.dims.draft_vocab_size
+    if full_vocabulary(drafter) and configured <= drafter.dims.vocab_size:
         return
-    if drafter.draft_vocab_size != configured:
-        raise drafter.fail(drafter.config_path, f"draft_vocab_size {drafter.draft_vocab_size} but "
+    if draft_vocab_size != configured:
+        raise drafter.fail(drafter.config_path, f"draft_vocab_size {draft_vocab_size} but "
                                                 f"vocab.draft_vocab_size is {configured}; set vocab.draft_vocab_size: "
-                                                f"{drafter.draft_vocab_size} to use its vocabulary")
+                                                f"{draft_vocab_size} to use its vocabulary")
 
 
 def adopted_vocab_map(path: str | Path, field: str, *, hidden_size: int, vocab_size: int,
@@ -95,10 +76,10 @@ def adopted_vocab_map(path: str | Path, field: str, *, hidden_size: int, vocab_s
             target_vocab(ckpt, vocab_size)
         except BadInput as error:
             raise BadInput(f"{field}: {path / 'config.json'}: {error}") from None
-        if ckpt.draft_vocab_size != draft_vocab_size:
-            raise BadInput(f"{field}: {path / 'config.json'}: draft_vocab_size {ckpt.draft_vocab_size} but "
+        if ckpt.dims.draft_vocab_size != draft_vocab_size:
+            raise BadInput(f"{field}: {path / 'config.json'}: draft_vocab_size {ckpt.dims.draft_vocab_size} but "
                            f"vocab.draft_vocab_size is {draft_vocab_size}; "
-                           f"set vocab.draft_vocab_size: {ckpt.draft_vocab_size}")
+                           f"set vocab.draft_vocab_size: {ckpt.dims.draft_vocab_size}")
         if "d2t" not in ckpt.tensor_files or "t2d" not in ckpt.tensor_files:
             raise BadInput(f"{field}: {path}: d2t: missing; a drafter without a draft vocabulary has none to adopt")
         files = ckpt.tensor_files
@@ -174,12 +155,12 @@ def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_di
     """The drafter in speculators' layout for fine-tuning, written atomically; `layer_ids` are HF indices.
     `vocab_map` (stage 03's d2t, t2d) maps a full-vocabulary drafter to that draft vocabulary when it is smaller.
     Returns what was written, for the manifest."""
-    tensors = read_drafter_tensors(drafter)
-    tensors.pop(EMBED_KEY, None)  # the target's embedding is used (module docstring)
-    config, note = drafter.config, {}
-    if full_vocabulary(drafter) and vocab_map is not None and len(vocab_map[0]) < drafter.vocab_size:
+    tensors = read_flat_tensors(drafter.path, drafter.dims)
+    tensors.pop(EMBED_KEY, None)  # the target's embedding is used (docs/released_drafters.md)
+    config, note, vocab_size = drafter.config, {}, drafter.dims.vocab_size
+    if full_vocabulary(drafter) and vocab_map is not None and len(vocab_map[0]) < vocab_size:
         config, tensors = mapped_to_draft_vocab(config, tensors, *vocab_map)
-        note = {"lm_head": f"the rows of stage 03's {len(vocab_map[0])} draft tokens of {drafter.vocab_size}"}
+        note = {"lm_head": f"the rows of stage 03's {len(vocab_map[0])} draft tokens of {vocab_size}"}
     written = write_folder(out_dir, config, tensors, embedding=target_embedding(verifier_dir),
                            verifier_dir=verifier_dir, layer_ids=layer_ids, flags=drafter.flags,
                            speculative_tokens=ttt_steps)

@@ -1,14 +1,8 @@
 """What every stage script shares: command line, exit codes, logging, and the stage folder's manifest.
 
-A stage folder `<data_root>/<run_name>/<NN_stage>/` holds `manifest.json`. It is written when work starts
-(status "running", with the inputs that shape the output) and rewritten last, atomically, with status
-"complete". A rerun:
-- finds status "complete" and the same inputs: checks that the files its manifest records are still as
-  recorded (eagle_pipeline/outputs.py), then prints that and exits 0 without work; when some are missing or
-  damaged it names them, deletes them and redoes the stage, whose resume logic then remakes only those;
-- finds different inputs (complete or not): refuses, naming the input that changed (exit 2), so that
-  artifacts made from different inputs are never mixed; `--force` deletes the old output and starts over;
-- finds status "running" with the same inputs: resumes (the stage skips finished pieces).
+A stage folder `<data_root>/<run_name>/<NN_stage>/` holds `manifest.json`, written "running" when work starts
+and "complete" last; what a rerun then does (reuse, redo what is damaged, refuse a changed input, resume):
+docs/contracts.md, "Command line" (its rerun behaviour).
 """
 
 from __future__ import annotations
@@ -63,32 +57,12 @@ def package_versions() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class StageRecord:
-    """A stage folder as its manifest describes it, for the scripts that report on a run."""
+    """A stage folder as its manifest describes it, for scripts/status.py."""
 
     name: str
     folder: Path
-    manifest: dict[str, Any] | None  # None: not run yet, or damaged
+    manifest: dict[str, Any]  # empty: not run yet, or damaged
     damage: str = ""  # one line naming what is wrong with a manifest that cannot be read, and the fix
-
-    @property
-    def status(self) -> str | None:
-        return (self.manifest or {}).get("status")
-
-    @property
-    def counts(self) -> dict[str, Any]:
-        return (self.manifest or {}).get("counts") or {}
-
-    @property
-    def wall_time_s(self) -> float | None:
-        return (self.manifest or {}).get("wall_time_s")
-
-    @property
-    def finished_at(self) -> str:
-        return (self.manifest or {}).get("finished_at") or ""
-
-    @property
-    def engine_starts(self) -> dict[str, Any]:
-        return (self.manifest or {}).get("engine_starts") or {}
 
 
 def read_stage_records(run_dir: Path) -> list[StageRecord]:
@@ -98,9 +72,9 @@ def read_stage_records(run_dir: Path) -> list[StageRecord]:
     for name in STAGES.values():
         folder = Path(run_dir) / name
         try:
-            records.append(StageRecord(name, folder, read_manifest(folder)))
+            records.append(StageRecord(name, folder, read_manifest(folder) or {}))
         except BadInput as e:  # the same reader, and message, as the stages themselves
-            records.append(StageRecord(name, folder, None, " ".join(str(e).splitlines())))
+            records.append(StageRecord(name, folder, {}, " ".join(str(e).splitlines())))
     return records
 
 
@@ -251,7 +225,7 @@ class Stage:
         if swept:
             log.info("removed %d torn temporary file(s) left by an interrupted run", swept)
         self._write_manifest("running", counts={}, extra={})
-        self.write_config()
+        atomic.write_text(self.dir / "config.yaml", dump_config(self.cfg))
         return Start.STARTED
 
     def begin(self, inputs: dict[str, Any], samples: int | None = None, keep: tuple[str, ...] = (),
@@ -311,9 +285,6 @@ class Stage:
         # A manifest written before files were recorded has no `outputs`: it is trusted as it was then.
         return outputs.damaged_outputs(self.dir, manifest.get("outputs", []))
 
-    def write_config(self) -> None:
-        atomic.write_text(self.dir / "config.yaml", dump_config(self.cfg))
-
     def keep_file(self, path: Path) -> Path:
         """`path`'s sha256 into the manifest (`kept`, written now): a rerun reuses it only as written (`kept_whole`)."""
         self.kept[Path(path).relative_to(self.dir).as_posix()] = file_fingerprint(path)
@@ -351,9 +322,6 @@ class Stage:
         }
         atomic.write_json(self.dir / "manifest.json", manifest)
 
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
 
 def _short(value: Any) -> str:
     text = json.dumps(value, default=str) if not isinstance(value, str) else value
@@ -388,11 +356,8 @@ def disk_full_error(error: BaseException) -> OSError | None:
 
 def no_room_left(path: Path, slack_bytes: int = 1 << 20) -> bool:
     """Whether the disk that holds `path` (or its nearest existing folder) has less than `slack_bytes` free."""
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
     try:
-        return shutil.disk_usage(probe).free < slack_bytes
+        return shutil.disk_usage(atomic.nearest_existing(path)).free < slack_bytes
     except OSError:
         return False
 
@@ -404,12 +369,9 @@ def _exit_codes(log_path_holder: list[Path | None], stage_name: str) -> Iterator
     except BadInput as e:
         print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)  # one line, whatever the message holds
         sys.exit(2)
-    except Terminated:
-        print(f"interrupted: stage {stage_name} stopped by SIGTERM; finished work is kept; rerun the same command "
-              f"to resume", file=sys.stderr)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        print(f"interrupted: stage {stage_name} stopped; finished work is kept; rerun the same command to resume",
+    except KeyboardInterrupt as e:  # Terminated too
+        how = " by SIGTERM" if isinstance(e, Terminated) else ""
+        print(f"interrupted: stage {stage_name} stopped{how}; finished work is kept; rerun the same command to resume",
               file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - every other failure is exit 1 with the log path
@@ -519,15 +481,11 @@ def check_stage_folder(stage: Stage) -> None:
 def check_data_root_writable(cfg: RunConfig, create: bool) -> None:
     """Refuse a data_root that cannot hold the run, before any work starts."""
     root = cfg.resolve_path(cfg.data_root)
-    probe = root
-    while not probe.exists():
-        probe = probe.parent
+    probe = atomic.nearest_existing(root)
     if not probe.is_dir():
         raise BadInput(f"data_root: {root} cannot be created because {probe} is a file; choose another data_root")
     if not create:  # a dry run writes nothing, so it asks whether the run could (a read-only mount, another owner)
-        existing = cfg.run_dir
-        while not existing.exists():
-            existing = existing.parent
+        existing = atomic.nearest_existing(cfg.run_dir)
         if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
             raise BadInput(f"data_root: cannot write under {root} ({existing} is read-only "
                            "for this user); choose another data_root or fix permissions")
@@ -545,10 +503,7 @@ def check_data_root_writable(cfg: RunConfig, create: bool) -> None:
 
 def check_disk(folder: Path, needed_bytes: int, what: str) -> None:
     """Refuse before starting when the disk under `folder` lacks room for `needed_bytes` more."""
-    probe = Path(folder)
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(atomic.nearest_existing(folder)).free
     if needed_bytes > free:
         raise BadInput(
             f"{folder}: {what} needs about {needed_bytes / 1e9:.2f} GB but only {free / 1e9:.2f} GB is free; "

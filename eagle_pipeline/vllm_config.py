@@ -17,6 +17,7 @@ vLLM takes seconds. Everything else imports vLLM inside its functions; eagle_pip
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -27,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any, Iterator
 
 from eagle_pipeline.drafter.layouts import MLA_ARCHITECTURE_ALIASES
+from patches.upstream import require_unchanged_sources, require_version
 
 # The compute capability of the pipeline's GPU host (RTX PRO 6000 Blackwell, SM120), used where CUDA's selection
 # is checked on a machine without a GPU.
@@ -34,6 +36,39 @@ CUDA_CAPABILITY = (12, 0)
 # Speculative methods whose drafter has attention layers of its own (n-gram and the hidden-state capture have none).
 DRAFTER_METHODS = ("eagle", "eagle3", "mtp", "draft_model", "dflash")
 _KERNELS_MODULE = "vllm._C_stable_libtorch"
+# vLLM's private names this module (and drafter_checks/vllm_logits.py, which builds the model runner's attention
+# metadata by hand) relies on, kept as patches/ keeps its patches (patches/README.md): the release they were written
+# against, and the fingerprints of the upstream code they call, swap or imitate; tests/test_patches.py compares them.
+TARGET_VLLM_VERSION = "0.32.0"
+UPSTREAM_SOURCE_SHA256 = {
+    # selection_platform swaps platforms._current_platform, which this resolves, and clears the selector's cache
+    "vllm.platforms:__getattr__":
+        "a34790aa76d58aad7000dd5131a8ad03d13915b7f58c980192ff6dbd442a150d",
+    "vllm.v1.attention.selector:_cached_get_attn_backend":
+        "61943e24c20e1a993a1340307f53ba465818f7dd067566c16e56ef78ecf204c5",
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._create_draft_vllm_config":
+        "36a4d60a8f28e51a915be974e550583544e6cadea03c52ee1e1e670585bfef07",
+    "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features":
+        "cb1a79994bd3ad5141367028b2024cd899d7ed5db3f9d09e0bc2bd73c59a0fd3",
+    "vllm.platforms.interface:Platform._preferred_block_size_for_backends":
+        "a01a5fa60d01b8f404fb7e038c51fb126a2c3593a91dd9cd827b762a3fce1dde",
+    # what vllm_logits' attention cache builds as the model runner does
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata":
+        "6015ffa2b3ec7cd3d6128492301635103cd9328ccab16cff126d987af1f4212c",
+    "vllm.v1.attention.backend:CommonAttentionMetadata":
+        "b83b991c7a22298b1ad9783fb92fbfb4aa43f0540690b0af7c5dbb7b546190f7",
+}
+
+
+@functools.cache
+def require_written_for() -> None:
+    """Refuse (one RuntimeError line naming this module's target release and the installed one, or the upstream
+    functions that changed) to use vLLM's private names on a vLLM they were not written for."""
+    import vllm
+
+    recheck = "re-check the engine rehearsal and stage 05's vllm_logits check against it (docs/engines.md)"
+    require_version("eagle_pipeline/vllm_config.py", "vLLM", vllm.__version__, TARGET_VLLM_VERSION, recheck)
+    require_unchanged_sources(UPSTREAM_SOURCE_SHA256, "eagle_pipeline/vllm_config.py", f"vLLM {TARGET_VLLM_VERSION}")
 
 
 @dataclass
@@ -115,6 +150,7 @@ def selection_platform(device: str) -> Iterator[tuple[Any, str]]:
     that device's, else CUDA's selector at `CUDA_CAPABILITY`; vLLM's current platform is put back afterwards."""
     import vllm.platforms as platforms
 
+    require_written_for()
     current = platforms.current_platform
     if device != "cuda" or cuda_available():
         capability = current.get_device_capability() if device == "cuda" else None
@@ -222,6 +258,7 @@ def model_runner(vllm_config, simulated: bool) -> str:
 def draft_vllm_config(vllm_config, runner: str):
     """The config vLLM builds the drafter under: V2 overlays only the drafter settings that are set (an unset
     drafter backend inherits the target's); V1 chooses the drafter's backend afresh unless one is set."""
+    require_written_for()
     spec = vllm_config.speculative_config
     if runner == "V2":
         return spec.apply_draft_overrides(vllm_config)

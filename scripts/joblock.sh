@@ -9,34 +9,15 @@
 # and <code folder>/logs/jobs/<run name>.lock links to it while it is held, so `sync` can see every job of the
 # folder.
 
-# The Python that reads and takes the locks: the run's .venv, else the system's (locks.py needs no package).
-lock_python() {
-  if [ -x .venv/bin/python ]; then echo .venv/bin/python; else echo python3; fi
-}
-
-# live, stale (left by a holder that ended without releasing it) or free.
-lock_state() {
-  "$(lock_python)" -m eagle_pipeline.locks state "$1"
-}
-
-# The value of KEY in lock FILE's record (empty when missing).
-lock_get() {
-  "$(lock_python)" -m eagle_pipeline.locks get "$1" "$2"
+# `python -m eagle_pipeline.locks ACTION LOCK [KEY]` (state, get, describe, clear: eagle_pipeline/locks.py), by the
+# run's .venv, else by the system's Python (locks.py needs no package).
+locktool() {
+  if [ -x .venv/bin/python ]; then .venv/bin/python -m eagle_pipeline.locks "$@"; else python3 -m eagle_pipeline.locks "$@"; fi
 }
 
 # True while a live job holds lock FILE.
 lock_live() {
-  [ "$(lock_state "$1")" = live ]
-}
-
-# One line naming the job in lock FILE, for refusals and reports.
-lock_describe() {
-  "$(lock_python)" -m eagle_pipeline.locks describe "$1"
-}
-
-# Empty the record a job that ended without releasing lock FILE left (fails while a live job holds it).
-lock_clear() {
-  "$(lock_python)" -m eagle_pipeline.locks clear "$1"
+  [ "$(locktool state "$1")" = live ]
 }
 
 # The run directory of CONFIG with the stage options that follow it (--set k=v, --force, --dry-run).

@@ -29,7 +29,7 @@ setup_pid() {  # the pid of a running setup, or nothing
 
 case "$cmd" in
   list)
-    live_locks | while read -r lock; do echo "$(lock_describe "$lock") lock $lock"; done
+    live_locks | while read -r lock; do echo "$(locktool describe "$lock") lock $lock"; done
     pid=$(setup_pid); [ -z "$pid" ] || echo "setup (pid $pid, log $PWD/logs/setup.log)" ;;
 
   busy)
@@ -38,7 +38,7 @@ case "$cmd" in
     mapfile -t locks < <(live_locks)
     if [ ${#locks[@]} -gt 0 ]; then
       more=""; [ ${#locks[@]} -eq 1 ] || more=" (and $(( ${#locks[@]} - 1 )) more: scripts/jobs.sh list)"
-      echo "error: $what: a job is running from $PWD: $(lock_describe "${locks[0]}")$more; wait for it or stop it with: scripts/remote.sh stop $(lock_get "${locks[0]}" config)" >&2
+      echo "error: $what: a job is running from $PWD: $(locktool describe "${locks[0]}")$more; wait for it or stop it with: scripts/remote.sh stop $(locktool get "${locks[0]}" config)" >&2
       exit 2
     fi
     pid=$(setup_pid)
@@ -52,14 +52,14 @@ case "$cmd" in
     config="$1"
     run_dir=$(run_dir_of "$@") || exit 2
     lock="$run_dir/logs/run.lock"; run=$(basename "$run_dir")
-    case "$(lock_state "$lock")" in
+    case "$(locktool state "$lock")" in
       free) echo "no job is running for run $run"; exit 0 ;;
       stale)
-        echo "no job is running for run $run; cleared the stale lock of $(lock_describe "$lock")"
-        lock_clear "$lock"; exit 0 ;;
+        echo "no job is running for run $run; cleared the stale lock of $(locktool describe "$lock")"
+        locktool clear "$lock"; exit 0 ;;
     esac
-    pid=$(lock_get "$lock" pid); pgid=$(lock_get "$lock" pgid)
-    job=$(lock_describe "$lock")
+    pid=$(locktool get "$lock" pid); pgid=$(locktool get "$lock" pgid)
+    job=$(locktool describe "$lock")
     # The stage running now is the one whose .pid file names the runner.
     stage="no stage (between stages)"
     for f in "$run_dir"/logs/0*.pid; do
@@ -93,8 +93,8 @@ case "$cmd" in
     # After SIGTERM the runner released its lock and recorded the stage's exit code; after SIGKILL it
     # could not, so clean up here (status then shows the stage as interrupted). The kernel has released the
     # flock itself.
-    if [ "$(lock_get "$lock" pid)" = "$pid" ]; then
-      lock_clear "$lock" || true
+    if [ "$(locktool get "$lock" pid)" = "$pid" ]; then
+      locktool clear "$lock" || true
       rm -f "$run_dir/logs/$stage.pid"
     fi
     code=""; [ ! -f "$run_dir/logs/$stage.exit" ] || code=", exit $(cat "$run_dir/logs/$stage.exit")"

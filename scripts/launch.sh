@@ -32,15 +32,15 @@ lock="$run_dir/logs/run.lock"
 link="$PWD/logs/jobs/$(printf %s "$run_dir" | tr -c 'A-Za-z0-9._-' _).lock"  # sync looks here for live jobs
 
 refuse_running() {
-  echo "error: run $(basename "$run_dir") is already running: $(lock_describe "$lock"); stop it with: scripts/remote.sh stop $(lock_get "$lock" config) (on the host: scripts/jobs.sh stop $(lock_get "$lock" config))" >&2
+  echo "error: run $(basename "$run_dir") is already running: $(locktool describe "$lock"); stop it with: scripts/remote.sh stop $(locktool get "$lock" config) (on the host: scripts/jobs.sh stop $(locktool get "$lock" config))" >&2
   exit 2
 }
 
 # A live holder means the GPUs are busy with this run: refuse. A dead one left its record behind (SIGKILL,
 # reboot): say so; the runner takes the lock over, and the stages resume from their own manifests.
-case "$(lock_state "$lock")" in
+case "$(locktool state "$lock")" in
   live) refuse_running ;;
-  stale) echo "note: taking over the stale lock of $(lock_describe "$lock"), which is no longer running" >&2 ;;
+  stale) echo "note: taking over the stale lock of $(locktool describe "$lock"), which is no longer running" >&2 ;;
 esac
 
 # The runner takes the lock itself (`python -m eagle_pipeline.locks hold`, which runs the runner again under it):
@@ -89,7 +89,7 @@ fi
 # when another launch's runner got it first.
 for _ in $(seq 1 100); do
   [ ! -f "$runner.started" ] || break
-  if lock_live "$lock" && [ "$(lock_get "$lock" launch)" != "$launch" ]; then refuse_running; fi
+  if lock_live "$lock" && [ "$(locktool get "$lock" launch)" != "$launch" ]; then refuse_running; fi
   sleep 0.1
 done
 if [ ! -f "$runner.started" ]; then

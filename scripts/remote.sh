@@ -7,7 +7,7 @@
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh stop CONFIG        # stop the job: SIGTERM, SIGKILL after 30 s (stage 04: 180 s)
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh log CONFIG [STAGE] # follow a stage's log (Ctrl-C stops following)
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh log setup          # follow the setup log until setup ends
-#   EAGLE_HOST=user@gpu-host scripts/remote.sh status CONFIG      # table of every stage from the manifests
+#   EAGLE_HOST=user@gpu-host scripts/remote.sh status CONFIG      # every stage: state, wall time, target starts, figures
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh capture CONFIG [--port P] [--set k=v]  # sync, then a capture server
 #                                                                 # for online training on another host, detached
 #   EAGLE_HOST=user@gpu-host scripts/remote.sh capture-stop CONFIG  # stop that capture server

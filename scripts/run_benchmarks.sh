@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Reproduce every figure of BENCHMARKS.md on a finished pipeline run and rewrite the file.
+# Reproduce every figure of BENCHMARKS.md on a finished pipeline run and rewrite the file; bench/run.py says what
+# each mode does, how long it takes and when it exits 1.
 #   scripts/run_benchmarks.sh [CONFIG] [--quick] [--set key=value ...] [--out FILE]
 # CONFIG (default configs/tiny.yaml) names the finished run: `scripts/run_pipeline.sh CONFIG` first.
-# About 20 minutes on an idle 2-core machine; --quick runs every part once, as small as it runs, in a few minutes,
-# and writes into the work folder. Either mode exits 1 when a part measured nothing or a figure is missing
-# (bench/checks.py). The check that every part still runs, on the smallest finished run:
+# The check that every part still runs, on the smallest finished run:
 #   scripts/run_pipeline.sh configs/tiny-smoke.yaml && scripts/run_benchmarks.sh configs/tiny-smoke.yaml --quick
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,7 +2,7 @@
 # Run every stage of the pipeline in order on one config (default: the embedded CPU config).
 #   scripts/run_pipeline.sh [CONFIG] [--set key=value ...]
 # Each stage skips work that is already finished, so rerunning after a failure resumes where it stopped.
-# Ends with one table of every stage's wall time and key figures (scripts/pipeline_report.py).
+# Ends with one table of every stage's state, wall time, target starts and key figures (scripts/status.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:-configs/tiny.yaml}"
@@ -29,7 +29,5 @@ while [ $# -gt 0 ]; do
     *) shift ;;
   esac
 done
-# A dry run ends with how often a full pass starts the target (each start of a large target is a cold start) and
-# what each stage plans to write into the run folder (eagle_pipeline/plan/disk.py).
 echo "=== $([ ${#plan[@]} -eq 0 ] && echo summary || echo "target cold starts and disk planned")"
-.venv/bin/python scripts/pipeline_report.py --config "$config" "${overrides[@]}" "${plan[@]}"
+.venv/bin/python scripts/status.py --config "$config" "${overrides[@]}" "${plan[@]}"

@@ -938,7 +938,7 @@ def test_the_pipelines_dry_run_ends_with_what_the_host_lacks(tmp_path):
     import sys
 
     config = write_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="r", device="cuda")
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(config), "--plan"],
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "status.py"), "--config", str(config), "--plan"],
                             capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
     assert result.returncode == 2 and "| total |" in result.stdout, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "this host has no GPU" in result.stderr

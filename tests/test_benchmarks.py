@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, write_config
 
 from bench import checks, drift, figures, flops, report, serve_ab, stats
-from bench.exit_codes import IncompleteFigures, run_command
+from bench.arms import IncompleteFigures, run_command
 from bench.run import write_and_check
 from eagle_pipeline.config import load_config
 from eagle_pipeline.errors import BadInput

@@ -143,6 +143,42 @@ def test_no_import_points_back_up_a_declared_floor():
     assert not back_up, f"imports back up the declared floors (tests/test_lint.py FLOORS): {back_up}"
 
 
+def _part(module: str) -> str:
+    """The part of the package a module belongs to: its subpackage, or itself for a top-level module."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "eagle_pipeline" and len(parts) > 2 else module
+
+
+def test_no_two_parts_of_the_package_import_each_other():
+    """A knot of folders (online/ -> serve/ -> predict/ -> engine.py -> online/) is a circle one level up: none of
+    them can be read without the others. The stage's plan (plan/) and stage.py sit above what they plan and run."""
+    graph = {name: targets for name, targets in import_graph().items() if name.startswith("eagle_pipeline")}
+    parts: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        parts.setdefault(_part(name), set()).update(_part(t) for t in targets if _part(t) != _part(name))
+    knots = import_circles({part: {t for t in targets if t in parts} for part, targets in parts.items()})
+    assert not knots, f"parts of the package that import each other: {knots}"
+    below_the_plan = [f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                      if _part(target) in ("plan", "eagle_pipeline.stage")
+                      and _part(name) not in ("plan", "eagle_pipeline.stage")]
+    assert not below_the_plan, f"imports of the plan or the stage from below them: {below_the_plan}"
+
+
+def test_project_imports_inside_functions_are_few_and_defer_something_heavy():
+    """An import of the project's own modules inside a function hides a dependency from the reader; it is kept
+    only where it defers a heavy import (torch, vLLM) that a light caller need not pay for."""
+    import ast
+
+    inside = []
+    for name, path in _module_files(REPO).items():
+        tree = ast.parse(path.read_text())
+        for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+                    inside.append(f"{name}: {node.module}")
+    assert 0 < len(inside) <= 60, inside
+
+
 # -- line length ------------------------------------------------------------------------------------
 MAX_COLUMNS = 120
 PRODUCT_FILES = ("eagle_pipeline/**/*.py", "0[1-9]_*.py", "patches/*.py")

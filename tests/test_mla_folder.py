@@ -26,7 +26,7 @@ from released_drafter_standin import (
 from safetensors.torch import load_file
 
 from eagle_pipeline.convert import convert_for_sglang, convert_for_vllm
-from eagle_pipeline.drafter.folder import describe, read_drafter_tensors, read_flat_drafter, read_flat_tensors
+from eagle_pipeline.drafter.folder import describe, read_flat_drafter, read_flat_tensors
 from eagle_pipeline.drafter.layouts import FLAT, MLA, SPECULATORS
 from eagle_pipeline.drafter.tensors import expected_tensor_specs
 from eagle_pipeline.drafter.to_speculators import write_speculators_folder
@@ -62,7 +62,7 @@ def to_speculators(source: Path, out: Path, target: Path) -> Path:
     drafter = read_flat_drafter(source, FIELD)
     embedding = torch.randn(KIMI_MLA_STANDIN.vocab_size, KIMI_MLA_STANDIN.hidden_size,
                             generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    write_speculators_folder(out, drafter.config, read_drafter_tensors(drafter), embedding=embedding,
+    write_speculators_folder(out, drafter.config, read_flat_tensors(drafter.path, drafter.dims), embedding=embedding,
                              verifier_dir=target, layer_ids=hf_layer_ids(drafter, "vllm"), flags=drafter.flags,
                              speculative_tokens=3)
     return out
@@ -135,7 +135,7 @@ def test_every_naming_and_fusion_reads_as_the_unfused_midlayer_folder(tmp_path, 
     reference = unfused_midlayer(mla_standin_tensors())  # the same seed: the same weights in every variant
     drafter = read_flat_drafter(source, FIELD)
     assert drafter.layer_shape == MLA
-    assert same_bytes(read_drafter_tensors(drafter), reference) == []
+    assert same_bytes(read_flat_tensors(drafter.path, drafter.dims), reference) == []
     # The replay's reader (vLLM's reading of a folder) gives the same tensors.
     assert same_bytes(read_flat_tensors(source), reference) == []
     if naming == "midlayer.":  # stage 05's shapes check takes the names the flat folders it writes have
@@ -248,7 +248,7 @@ def test_a_full_vocabulary_mapped_to_a_draft_vocabulary_keeps_those_rows(tmp_pat
     d2t = (ids - torch.arange(len(ids))).numpy()
     t2d = torch.zeros(49152, dtype=torch.bool)
     t2d[ids] = True
-    config, tensors = mapped_to_draft_vocab(drafter.config, read_drafter_tensors(drafter), d2t, t2d.numpy())
+    config, tensors = mapped_to_draft_vocab(drafter.config, read_flat_tensors(drafter.path, drafter.dims), d2t, t2d.numpy())
     write_speculators_folder(tmp_path / "speculators", config, tensors, embedding=torch.zeros(49152, 64),
                              verifier_dir=target, layer_ids=[1, 2, 3], flags=drafter.flags, speculative_tokens=3)
     convert_for_vllm(tmp_path / "speculators", tmp_path / "flat")

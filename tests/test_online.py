@@ -796,13 +796,13 @@ def test_the_benchmark_document_is_headed_by_its_command_and_judges_each_arm():
 def test_an_online_run_starts_the_target_in_stage_04_not_stage_02():
     from conftest import REPO
 
-    from eagle_pipeline.engine_starts import planned_target_starts
+    from eagle_pipeline.plan.engines import target_starts
 
-    single = planned_target_starts(load_config(REPO / "configs" / "kimi-k2.5-10k-online.yaml"))
+    single = target_starts(load_config(REPO / "configs" / "kimi-k2.5-10k-online.yaml"))
     assert single["02_extract_hidden"] == 0 and single["04_train"] == 1  # its own capture server
-    two_hosts = planned_target_starts(load_config(REPO / "configs" / "kimi-k2.5-100k-online-two-hosts.yaml"))
+    two_hosts = target_starts(load_config(REPO / "configs" / "kimi-k2.5-100k-online-two-hosts.yaml"))
     assert two_hosts["02_extract_hidden"] == 0 and two_hosts["04_train"] == 0  # host A's server, started apart
-    offline = planned_target_starts(load_config(REPO / "configs" / "kimi-k2.5-10k.yaml"))
+    offline = target_starts(load_config(REPO / "configs" / "kimi-k2.5-10k.yaml"))
     assert offline["02_extract_hidden"] == 1 and offline["04_train"] == 0
 
 

@@ -25,7 +25,7 @@ import pytest
 from conftest import REPO, ok, run_stage, run_stage_in_process, write_smoke_config
 
 from eagle_pipeline.online.mooncake import mooncake_problem
-from eagle_pipeline.process_tree import descendants, kill_tree, process_state
+from eagle_pipeline.process_tree import descendants, kill_pid_tree, process_state
 from eagle_pipeline.serve.server import find_free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -180,7 +180,8 @@ def test_a_capture_server_elsewhere_is_checked_named_when_gone_and_training_resu
         stage = stage04(config, log)
         checkpoint = run_dir / "04_train" / "checkpoints" / "0" / "validation.json"
         wait_for(checkpoint.exists, "epoch 0's checkpoint", process=stage)
-        kill_tree(server)  # the host gone: the capture server and the vLLM server it started, at once
+        # The host gone: the capture server and the vLLM server it started, at once.
+        kill_pid_tree(server.pid, reap=server.wait)
         assert stage.wait(timeout=600) == 1
         text = log.read_text()
         assert f"failed: CaptureUnavailable: capture server {endpoint} delivered no hidden states" in text

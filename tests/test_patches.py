@@ -4,12 +4,13 @@ configs."""
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
 
 from patches import speculators_cpu
-from patches.upstream import source_sha256
+from patches.upstream import changed_sources, source_sha256
 
 
 def test_refuses_another_speculators_version(monkeypatch):
@@ -296,3 +297,20 @@ def test_every_head_of_an_mla_query_is_rotated_at_its_tokens_position_on_the_cpu
     q, k = mla_rope()
     assert torch.allclose(q[..., 32:], want_q, atol=1e-6) and torch.allclose(k, want_k, atol=1e-6)
     assert torch.equal(q[..., :32], query[..., :32])
+
+
+def test_the_vllm_private_names_the_product_uses_are_those_it_was_written_for():
+    """eagle_pipeline/vllm_config.py keeps patches/' rules for the vLLM private names it (and the vllm_logits check)
+    relies on: one fingerprint per upstream function, compared here with the installed vLLM, and a refusal naming
+    both releases on another one."""
+    from eagle_pipeline import vllm_config
+
+    assert changed_sources(vllm_config.UPSTREAM_SOURCE_SHA256) == []
+    vllm_config.require_written_for()
+    with mock.patch.object(vllm_config, "TARGET_VLLM_VERSION", "0.31.0"), \
+            pytest.raises(RuntimeError, match=r"targets vLLM 0\.31\.0 but 0\.32\.0 is installed"):
+        vllm_config.require_written_for.__wrapped__()
+    name = next(iter(vllm_config.UPSTREAM_SOURCE_SHA256))
+    with mock.patch.dict(vllm_config.UPSTREAM_SOURCE_SHA256, {name: "0" * 64}), \
+            pytest.raises(RuntimeError, match=f"differ from that release: {name}"):
+        vllm_config.require_written_for.__wrapped__()

@@ -87,10 +87,10 @@ def test_run_detached_then_status_shows_failed_stage_with_its_error(tmp_path):
 
     result = remote(tmp_path, "status", str(config))
     assert result.returncode == 0, result.stderr
-    table = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("0")}
-    assert table["03_build_vocab_map"].split()[1] == "failed"
+    table = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("| 0")}
+    assert table["03_build_vocab_map"].split()[3] == "failed"
     assert "exit 2: error:" in table["03_build_vocab_map"] and "run 02_extract_hidden.py" in table["03_build_vocab_map"]
-    assert table["01_generate_data"].split()[1] == "pending"
+    assert table["01_generate_data"].split()[3] == "pending"
 
 
 def test_status_reads_manifests_of_finished_and_interrupted_stages(tmp_path):

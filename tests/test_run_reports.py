@@ -1,5 +1,5 @@
-"""scripts/status.py and scripts/pipeline_report.py read a run's stages the same way (stage.read_stage_records):
-the stage list of eagle_pipeline.stage.STAGES, and a damaged manifest reported with the stages' own message."""
+"""scripts/status.py reads a run's stages through stage.read_stage_records: the stage list of
+eagle_pipeline.stage.STAGES, and a damaged manifest reported with the stages' own message, as JSON and as a table."""
 
 import json
 import subprocess
@@ -25,30 +25,30 @@ def fake_run(tmp_path):
     return config
 
 
-def test_status_and_report_list_every_stage_and_the_same_damage(tmp_path):
+def test_status_json_and_table_list_every_stage_and_the_same_damage(tmp_path):
     config = fake_run(tmp_path)
     status = subprocess.run([PYTHON, str(REPO / "scripts" / "status.py"), "--config", str(config), "--json"],
                             capture_output=True, text=True, check=True).stdout
     rows = {r["stage"]: r for r in json.loads(status)}
-    report = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(config)],
+    report = subprocess.run([PYTHON, str(REPO / "scripts" / "status.py"), "--config", str(config)],
                             capture_output=True, text=True)
     assert report.returncode == 0, report.stderr
-    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in report.stdout.splitlines()[2:]]
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in report.stdout.splitlines()[3:]]
     table = {row[0]: row for row in cells}
 
     assert list(rows) == list(STAGES.values()) and list(table) == [*STAGES.values(), "total"]
-    assert rows[STAGES[1]]["state"] == "done" and table[STAGES[1]][1] == "complete"
+    assert rows[STAGES[1]]["state"] == "done" and table[STAGES[1]][1] == "done"
     assert "300 conversations, 4000 answer tokens (finish_reason stop 300), 51.2 output tok/s" in table[STAGES[1]][4]
     assert table[STAGES[1]][3] == "1 (1234)" and table[STAGES[2]][3] == ""
     damage = rows[STAGES[2]]["note"]
     assert rows[STAGES[2]]["state"] == "damaged" and "manifest is not valid JSON" in damage and "--force" in damage
     assert table[STAGES[2]][1] == "damaged" and table[STAGES[2]][4] == damage
-    assert rows[STAGES[3]]["state"] == "pending" and table[STAGES[3]][1] == "not run"
+    assert rows[STAGES[3]]["state"] == "pending" and table[STAGES[3]][1] == "pending"
     assert table["total"][2] == "125" and table["total"][3] == "1 (1234)"
 
 
 def test_report_refuses_a_config_that_does_not_load_with_one_error_line(tmp_path):
-    result = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(tmp_path / "absent.yaml")],
+    result = subprocess.run([PYTHON, str(REPO / "scripts" / "status.py"), "--config", str(tmp_path / "absent.yaml")],
                             capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout == ""
     assert [line for line in result.stderr.splitlines() if line.strip()][0].startswith("error:"), result.stderr
@@ -56,20 +56,20 @@ def test_report_refuses_a_config_that_does_not_load_with_one_error_line(tmp_path
 
 def test_the_plan_counts_the_targets_cold_starts_of_a_full_pass():
     from eagle_pipeline.config import load_config
-    from eagle_pipeline.engine_starts import planned_target_starts
+    from eagle_pipeline.plan.engines import target_starts
 
     kimi = REPO / "configs" / "kimi-k2.5-10.yaml"
-    assert sum(planned_target_starts(load_config(kimi)).values()) == 6
+    assert sum(target_starts(load_config(kimi)).values()) == 6
     # Rerunning stage 06 with the first run's baseline kept: the EAGLE-3 server and the chosen schedule's.
-    assert planned_target_starts(load_config(kimi, ["serve.baseline=/data/k/06_serve_test"]))[STAGES[6]] == 2
+    assert target_starts(load_config(kimi, ["serve.baseline=/data/k/06_serve_test"]))[STAGES[6]] == 2
     # Without confirming the schedule, stage 06 starts what it did before the sweep: none, EAGLE-3, the capture.
-    assert planned_target_starts(load_config(kimi, ["serve.confirm_schedule=false"]))[STAGES[6]] == 3
+    assert target_starts(load_config(kimi, ["serve.confirm_schedule=false"]))[STAGES[6]] == 3
     # The two-engine parity of stage 05, and n-gram, each cost their starts.
-    assert planned_target_starts(load_config(kimi, ["convert.parity=vllm", "serve.ngram_baseline=true"]))[STAGES[5]] == 2
-    assert sum(planned_target_starts(load_config(kimi, ["serve.ngram_baseline=true"])).values()) == 7
+    assert target_starts(load_config(kimi, ["convert.parity=vllm", "serve.ngram_baseline=true"]))[STAGES[5]] == 2
+    assert sum(target_starts(load_config(kimi, ["serve.ngram_baseline=true"])).values()) == 7
     # The smoke run's plan is what its manifests record (tests/test_stages_04_06.py).
-    assert sum(planned_target_starts(load_config(REPO / "configs" / "tiny-smoke.yaml")).values()) == 7
-    result = subprocess.run([PYTHON, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(kimi), "--plan"],
+    assert sum(target_starts(load_config(REPO / "configs" / "tiny-smoke.yaml")).values()) == 7
+    result = subprocess.run([PYTHON, str(REPO / "scripts" / "status.py"), "--config", str(kimi), "--plan"],
                             capture_output=True, text=True)
     assert "| total | 6 |" in result.stdout
     # The whole plan first; on a host without the config's 8 GPUs its last line says so (exit 2).
@@ -77,4 +77,42 @@ def test_the_plan_counts_the_targets_cold_starts_of_a_full_pass():
     assert result.returncode == 0 or (result.returncode == 2 and last.startswith("error: ") and "GPU" in last), result.stderr
     variants = len(load_config(kimi).serve.engine_variants)
     assert variants and f"engine probe adds up to {variants} more, only after an engine verdict" in result.stdout
-    assert planned_target_starts(load_config(kimi, ["serve.probe_engine=always"]))[STAGES[6]] == 4 + variants
+    assert target_starts(load_config(kimi, ["serve.probe_engine=always"]))[STAGES[6]] == 4 + variants
+
+
+def finished_serving(tmp_path, name: str, drafter: str, levels: dict[str, dict[int, float]]):
+    """A run whose stages 04 and 06 finished, stage 06 having served `levels` (mode -> concurrency -> tokens/s)."""
+    config = write_config(tmp_path / f"{name}.yaml", data_root=str(tmp_path / "data"), run_name=name)
+    run_dir = tmp_path / "data" / name
+    for stage, counts in ((STAGES[4], {"peak_rss_mb": 2500.0}), (STAGES[6], {})):
+        (run_dir / stage).mkdir(parents=True)
+        (run_dir / stage / "manifest.json").write_text(json.dumps(
+            {"status": "complete", "inputs": {}, "wall_time_s": 300.0, "counts": counts}))
+    modes = {mode: {"levels": [{"concurrency": c, "tokens_per_s": v} for c, v in served.items()]}
+             for mode, served in levels.items()}
+    (run_dir / STAGES[6] / "report.json").write_text(json.dumps({
+        "num_prompts": 4, "num_speculative_tokens": 7 if drafter == "dflash" else 3, "mean_acceptance_length": 2.0,
+        "tokens_per_s": {mode: max(served.values()) for mode, served in levels.items()},
+        "per_position_acceptance": [0.6, 0.4], "predicted_mean_acceptance_length": 2.0, "modes": modes}))
+    return config
+
+
+def test_two_finished_runs_side_by_side_name_the_method_that_wins_each_load(tmp_path):
+    """A block drafter wins alone, the chain drafter under load, n-gram nowhere: the comparison says so per level."""
+    eagle = finished_serving(tmp_path, "chain", "eagle3", {"none": {1: 10.0, 4: 30.0}, "ngram": {1: 11.0, 4: 31.0},
+                                                           "eagle3": {1: 15.0, 4: 42.0}})
+    dflash = finished_serving(tmp_path, "block", "dflash", {"none": {1: 10.0, 4: 30.0}, "dflash": {1: 19.0, 4: 36.0}})
+    out = tmp_path / "families.md"
+    result = subprocess.run([PYTHON, str(REPO / "scripts" / "compare_runs.py"), "--config", str(eagle), "--config",
+                             str(dflash), "--out", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
+            for line in result.stdout.splitlines() if line.startswith("| ")}
+    assert rows["chain"][1] == "eagle3" and rows["block"][1:3] == ["dflash", "7"]
+    assert rows["1"][1:] == ["15.0 (1.50x)", "19.0 (1.90x)", "10.0 (1.00x)", "11.0 (1.10x)", "block dflash"]
+    assert rows["4"][-1] == "chain eagle3"
+    assert out.read_text().startswith("Regenerated by `scripts/compare_runs.py") and out.with_suffix(".png").is_file()
+    unfinished = write_config(tmp_path / "u.yaml", data_root=str(tmp_path / "data"), run_name="u")
+    result = subprocess.run([PYTHON, str(REPO / "scripts" / "compare_runs.py"), "--config", str(eagle), "--config",
+                             str(unfinished)], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "has not finished" in result.stderr

@@ -419,3 +419,27 @@ def test_the_rehearsal_refuses_a_schedule_vllms_scheduler_would_refuse(schedule_
                                          "num_speculative_tokens_per_batch_size": [[2, 4, 1]]}}
     refused = check_engine("cpu", bad)
     assert "must start at 1" in refused.error and "[[2, 4, 1]]" in refused.error
+
+
+def test_the_command_serves_the_method_that_served_fastest_over_the_levels(tmp_path, monkeypatch, capsys):
+    """The drafter as planned confirmed at 1.1x and 1.03x while n-gram served 1.25x at both levels: the plan says so
+    per level and the command serves n-gram's speculative_config, not the drafter's; where the drafter is faster it
+    keeps the command."""
+    servers = FakeServers(monkeypatch)
+    servers.tpot_ms = {("none", 1): 10.0, ("none", 4): 10.0, ("eagle3", 1): 11.5 / 1.875, ("eagle3", 4): 30.0 / 1.875,
+                       ("schedule", 1): 9.0, ("schedule", 4): 9.5}
+    servers.tokens_per_s |= {"ngram": 25.0, "schedule": 21.0}  # none serves 20 tokens/s
+    config, stage = drafter_run(tmp_path, concurrency=[1, 4], ngram_baseline=True)
+    code, out, err = run_stage_in_process("06_serve_test.py", config, capsys)
+    assert code == 0, err
+    plan = json.loads((stage / "report.json").read_text())["serving_plan"]
+    assert plan["method"] == "ngram" and [row["fastest"] for row in plan["method_by_concurrency"]] == ["ngram"] * 2
+    assert plan["method_by_concurrency"][0]["speedup"] == {"eagle3": 1.05, "ngram": 1.25, "none": 1.0}
+    assert plan["speculative_config"]["method"] == "ngram" and '"method": "ngram"' in plan["command"]
+    assert "ngram served faster than the drafter as planned (1.25x at concurrency 1, 1.25x at concurrency 4), so " \
+           "the command serves ngram." in (stage / "report.md").read_text()
+
+    servers.tokens_per_s["ngram"] = 19.0
+    code, _, err = run_stage_in_process("06_serve_test.py", config, capsys, "--force")
+    plan = json.loads((stage / "report.json").read_text())["serving_plan"]
+    assert code == 0 and plan["method"] == "eagle3" and plan["speculative_config"]["method"] == "eagle3", err

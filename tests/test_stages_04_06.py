@@ -144,10 +144,10 @@ def test_offline_prediction_of_the_intact_drafter_agrees_with_what_vllm_served(f
 
 def test_the_run_summary_has_a_row_per_stage_with_its_key_figures(finished):
     config, run_dir = finished
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "pipeline_report.py"), "--config", str(config)],
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "status.py"), "--config", str(config)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = {line.split(" | ")[0].strip("| "): line for line in result.stdout.splitlines()[2:]}
+    rows = {line.split(" | ")[0].strip("| "): line for line in result.stdout.splitlines()[3:]}
     assert list(rows) == ["01_generate_data", "02_extract_hidden", "03_build_vocab_map", "04_train", "05_convert",
                           "06_serve_test", "total"]
     report = read(run_dir / "06_serve_test" / "report.json")

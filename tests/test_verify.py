@@ -412,7 +412,7 @@ def test_killing_a_job_kills_everything_it_started(tmp_path):
     import sys
     import time
 
-    from eagle_pipeline.process_tree import kill_tree
+    from eagle_pipeline.process_tree import kill_pid_tree
 
     pids, job = tmp_path / "pids", tmp_path / "job.py"
     job.write_text(
@@ -427,5 +427,5 @@ def test_killing_a_job_kills_everything_it_started(tmp_path):
         time.sleep(0.05)
     started = [int(line) for line in pids.read_text().split()]
     assert len(started) == 3
-    kill_tree(process)
+    kill_pid_tree(process.pid, reap=process.wait)
     assert [pid for pid in started if process_alive(pid)] == []

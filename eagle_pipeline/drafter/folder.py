@@ -1,12 +1,14 @@
 """The one reader of a drafter folder: which layout it is in (layouts.config_layout), its dimensions
-(tensors.draft_dims), its norm flags and aux layer ids as each engine reads them, and its tensor files.
+(`DrafterFolder.dims`: tensors.DraftDims, the one owner of every size), its norm flags and aux layer ids as each
+engine reads them, and its tensors.
 
-- `describe(path)`: any drafter folder, as `DrafterFolder` (layout, dims, flags, ids, tensor files);
+- `describe(path)`: any drafter folder, as `DrafterFolder`;
 - `read_speculators_checkpoint`: a speculators checkpoint (stage 04's), refused unless stage 05 can convert it;
-- `read_flat_drafter`: a flat folder to adopt or fine-tune (a released drafter, stage 05's `vllm/`), in either
-  layer shape (Llama or MLA), refused unless its tensors are exactly the ones its config implies;
-- `read_flat_config`, `read_flat_tensors`: a flat folder as vLLM reads it, for the offline replay, which must
-  run whatever the engine is asked to serve (so it does not refuse what vLLM would load).
+- `read_flat_config`: a flat folder's config.json, refused unless it names a flat architecture; the offline replay
+  reads no more, since it must run whatever the engine is asked to serve;
+- `read_flat_drafter`: a flat folder to adopt or fine-tune, refused unless its tensors are exactly the ones its
+  config implies;
+- `read_flat_tensors`: a folder's tensors under their flat names.
 Error lines name the config key the caller passes (`field`) and the file.
 """
 
@@ -33,15 +35,14 @@ from eagle_pipeline.drafter.layouts import (
     layer_shape,
     speculators_norm_flags,
     strip_export_prefix,
-    vllm_config_flags,
     weight_files,
 )
 from eagle_pipeline.drafter.tensors import (
+    MLA_DIM_KEYS,
     DraftDims,
     draft_dims,
     read_tensor_specs,
     shape_problems,
-    split_fused_specs,
     split_fused_tensors,
 )
 from eagle_pipeline.errors import BadInput
@@ -65,7 +66,7 @@ class DrafterFolder:
     def layout(self) -> str:
         return config_layout(self.config)
 
-    @property
+    @cached_property
     def dims(self) -> DraftDims:
         return draft_dims(self.config)
 
@@ -79,12 +80,7 @@ class DrafterFolder:
         """The norm flags as the drafter was built with them: speculators' reading of its own config, vLLM's
         of a flat one (the engine a flat folder is made for)."""
         flags = speculators_norm_flags(self.config) if self.layout == SPECULATORS else flat_norm_flags(self.config)
-        # vLLM's MLA drafter has no input_norm, whatever its config says (tensors.draft_dims reads it so too).
-        return flags | {"norm_before_fc": False} if self.layer_shape == MLA else flags
-
-    @property
-    def vllm_flags(self) -> dict[str, bool]:
-        return vllm_config_flags(self.config)
+        return flags | {"norm_before_fc": self.dims.norm_before_fc}  # false for vLLM's MLA drafter (no input_norm)
 
     @property
     def written_layer_ids(self) -> list[int] | None:
@@ -113,11 +109,10 @@ def engine_layer_ids(config: dict[str, Any]) -> dict[str, list[int] | None]:
     (layer_ids.vllm_read_aux_ids; a speculators config is read at the top level by both) and SGLang, which
     reads a flat folder's `eagle_config` only (and runs no speculators folder)."""
     if config_layout(config) == SPECULATORS:
-        ids = config.get("eagle_aux_hidden_state_layer_ids") or None
-        ids = None if ids is None else [int(k) for k in ids]
+        ids = written_layer_ids(config) or None
         return {"v1": ids, "v2": ids, "sglang": None}
-    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or None
-    return vllm_read_aux_ids(config) | {"sglang": None if nested is None else [int(k) for k in nested]}
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return vllm_read_aux_ids(config) | {"sglang": [int(k) for k in nested] if nested else None}
 
 
 def read_config(path: str | Path) -> dict[str, Any] | None:
@@ -135,12 +130,6 @@ def describe(path: str | Path) -> DrafterFolder | None:
     return None if config is None else DrafterFolder(Path(path), config)
 
 
-def folder_layout(path: str | Path) -> str | None:
-    """SPECULATORS or FLAT for a folder with a readable config.json; None otherwise."""
-    folder = describe(path)
-    return None if folder is None else folder.layout
-
-
 @dataclass
 class SpeculatorsCheckpoint:
     """What a speculators EAGLE-3 checkpoint says about itself, read from config.json and weight headers."""
@@ -151,33 +140,10 @@ class SpeculatorsCheckpoint:
     tensor_files: dict[str, Path]  # tensor name -> safetensors file holding it
     flags: dict[str, bool] = field(default_factory=dict)
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.layer["hidden_size"])
-
-    @property
-    def target_hidden_size(self) -> int:
-        return int(self.config.get("target_hidden_size") or self.hidden_size)
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.layer.get("num_hidden_layers", 1))
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.layer["vocab_size"])
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return int(self.config.get("draft_vocab_size") or self.vocab_size)
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.layer.get("head_dim") or self.hidden_size // int(self.layer["num_attention_heads"]))
-
-    @property
-    def layer_shape(self) -> str:
-        return layer_shape(self.config)
+    @cached_property
+    def dims(self) -> DraftDims:
+        # Read with `layer` as its transformer_layer_config: the rehearsal plans one whose config lacks it.
+        return draft_dims(self.config | {SPECULATORS_TYPE_KEY: "eagle3", "transformer_layer_config": self.layer})
 
     @property
     def verifier_path(self) -> str | None:
@@ -190,17 +156,12 @@ class SpeculatorsCheckpoint:
             return f.get_tensor(name)
 
 
-def read_config_json(path: Path, fix: str) -> dict[str, Any]:
-    """A model folder's config.json as a dict; every way it can be wrong is a BadInput naming it and `fix`."""
-    return read_json_object(path, fix)
-
-
 def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
     ckpt_dir = Path(ckpt_dir)
     config_path = ckpt_dir / "config.json"
     if not config_path.exists():
         raise BadInput(f"{config_path} is missing; point at a speculators checkpoint folder (04_train output)")
-    config = read_config_json(config_path, "rerun 04_train.py to write the checkpoint again")
+    config = read_json_object(config_path, "rerun 04_train.py to write the checkpoint again")
     if config.get(SPECULATORS_TYPE_KEY) != "eagle3":
         raise BadInput(
             f"{config_path}: {SPECULATORS_TYPE_KEY} is {config.get(SPECULATORS_TYPE_KEY)!r}, expected 'eagle3'; "
@@ -216,6 +177,9 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
             f"hold {' or '.join(SPECULATORS_LAYER_TYPES.values())} layers only ("
             + ", ".join(FLAT_ARCHITECTURES.values()) + "); serve this checkpoint with vLLM as it is"
         )
+    missing = [key for key in ("q_lora_rank", *MLA_DIM_KEYS, "intermediate_size", "rms_norm_eps") if key not in layer]
+    if layer_shape(config) == MLA and missing:
+        raise BadInput(f"{config_path}: transformer_layer_config has no {missing[0]}; the MLA layer's shape is unknown")
     if "norm_before_residual" not in config:
         # speculators builds the layer with False, vLLM serves a speculators config with True.
         raise BadInput(f"{config_path}: norm_before_residual is not written; speculators reads a missing flag as "
@@ -224,12 +188,13 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
 
 
 def target_vocab(ckpt: SpeculatorsCheckpoint, target_vocab_size: int | None) -> int:
-    if target_vocab_size is not None and int(target_vocab_size) != ckpt.vocab_size:
+    vocab_size = ckpt.dims.vocab_size
+    if target_vocab_size is not None and int(target_vocab_size) != vocab_size:
         raise BadInput(
             f"target_vocab_size {target_vocab_size} differs from the checkpoint's transformer_layer_config.vocab_size "
-            f"{ckpt.vocab_size}; the drafter was built for another verifier"
+            f"{vocab_size}; the drafter was built for another verifier"
         )
-    return ckpt.vocab_size
+    return vocab_size
 
 
 @dataclass
@@ -247,17 +212,12 @@ class FlatDrafter(DrafterFolder):
         files = set(self.tensor_files.values())
         return files.pop() if len(files) == 1 else self.path
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config["hidden_size"])
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config["vocab_size"])
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return int(self.config.get("draft_vocab_size") or self.vocab_size)
+    @cached_property
+    def dims(self) -> DraftDims:
+        try:
+            return draft_dims(self.config)
+        except BadInput as error:
+            raise self.fail(self.config_path, str(error).removeprefix("drafter config.json ")) from None
 
     def fail(self, where: Path, problem: str) -> BadInput:
         return BadInput(f"{self.field}: {where}: {problem}")
@@ -266,31 +226,18 @@ class FlatDrafter(DrafterFolder):
 def is_speculators_drafter(path: Path) -> bool:
     """A folder in speculators' own nested format (stage 04's checkpoints), which needs no conversion; an
     unreadable config is not one (read_flat_drafter names the defect)."""
-    return folder_layout(path) == SPECULATORS
+    folder = describe(path)
+    return folder is not None and folder.layout == SPECULATORS
 
 
 def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
     """The drafter in `path`, refused (BadInput naming `field`, the file and the key) unless its tensors are
     exactly the ones its config implies: no unknown key, none missing (d2t included), every shape right."""
     path = Path(path)
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise BadInput(f"{field}: {path} has no config.json; point it at a drafter folder")
-    try:
-        config = read_json_object(config_path, "point it at a released EAGLE-3 drafter or a speculators drafter folder",
-                                  what="drafter config")
-    except BadInput as error:
-        raise BadInput(f"{field}: {error}") from None
-    if flat_architecture_of(config) is None:
-        raise BadInput(f"{field}: {config_path}: architectures is {config.get('architectures')!r}, expected "
-                       + " or ".join(f"[{name!r}]" for name in FLAT_ARCHITECTURES.values())
-                       + " (a released EAGLE-3 drafter) or a speculators drafter folder")
+    config = read_flat_config(path, field, "point it at a released EAGLE-3 drafter or a speculators drafter folder")
     check_weights_whole(path, field)
     drafter = FlatDrafter(path, config, field)
-    try:
-        dims = draft_dims(config)
-    except BadInput as error:
-        raise drafter.fail(config_path, str(error).removeprefix("drafter config.json ")) from None
+    dims = drafter.dims
     # `layers.0.*` (some exports, vLLM's own names) and `midlayer.*` (SpecForge, stage 05) name the same layer.
     specs = {}
     for name, spec in read_tensor_specs(path).items():
@@ -299,21 +246,21 @@ def read_flat_drafter(path: str | Path, field: str) -> FlatDrafter:
                                f"{name}: holds layer 0 twice (midlayer.* and layers.0.*); keep one")
         specs[flat_name(name)] = spec
     try:  # an MLA layer's fused_qkv_a_proj reads as its two projections
-        specs = split_fused_specs(specs, dims)
+        specs = split_fused_tensors(specs, dims)
     except BadInput as error:
         raise drafter.fail(drafter.weights_path, str(error)) from None
     embed = specs.pop(EMBED_KEY, None)
     problems = shape_problems(specs, config)
     if problems:
         raise drafter.fail(drafter.weights_path, problems[0])
-    if embed is not None and embed.shape != (drafter.vocab_size, drafter.hidden_size):
+    if embed is not None and embed.shape != (dims.vocab_size, dims.hidden_size):
         raise drafter.fail(drafter.weights_path,
                            f"{EMBED_KEY}: shape {list(embed.shape)}, expected "
-                           f"[{drafter.vocab_size}, {drafter.hidden_size}] (vocab_size, hidden_size)")
+                           f"[{dims.vocab_size}, {dims.hidden_size}] (vocab_size, hidden_size)")
     if "d2t" not in specs:  # a full-vocabulary drafter (shape_problems required d2t for a smaller one)
         return drafter
     problems = safetensors_vocab_map_problems(drafter.tensor_files["d2t"], drafter.tensor_files["t2d"],
-                                              drafter.vocab_size, drafter.draft_vocab_size, where="d2t/t2d")
+                                              dims.vocab_size, dims.draft_vocab_size, where="d2t/t2d")
     if problems:
         raise drafter.fail(drafter.weights_path, problems[0])
     return drafter
@@ -355,53 +302,31 @@ def check_weights_whole(path: str | Path, field: str) -> None:
                            f"torn or not safetensors, replace it") from None
 
 
-def read_flat_config(drafter_dir: str | Path) -> dict[str, Any]:
-    path = Path(drafter_dir) / "config.json"
-    expected = " or ".join(f"[{name!r}]" for name in FLAT_ARCHITECTURES.values())
-    if not path.is_file():
-        raise BadInput(f"serve.drafter: {path} is missing; point at a flat drafter folder ({expected})")
-    config = json.loads(path.read_text())
+def read_flat_config(path: str | Path, field: str = "serve.drafter",
+                     fix: str = "convert a speculators checkpoint with 05_convert.py first") -> dict[str, Any]:
+    """A flat drafter's config.json, refused (naming `field`, the file and `fix`) unless it is a JSON object that
+    names a flat EAGLE-3 architecture."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise BadInput(f"{field}: {path} has no config.json; point it at a drafter folder")
+    try:
+        config = read_json_object(config_path, fix, what="drafter config")
+    except BadInput as error:
+        raise BadInput(f"{field}: {error}") from None
     if flat_architecture_of(config) is None:
-        raise BadInput(f"serve.drafter: {path} has architectures {config.get('architectures')}, expected "
-                       f"{expected}; convert a speculators checkpoint with 05_convert.py first")
+        raise BadInput(f"{field}: {config_path}: architectures is {config.get('architectures')!r}, expected "
+                       + " or ".join(f"[{name!r}]" for name in FLAT_ARCHITECTURES.values()) + f"; {fix}")
     return config
 
 
-def flat_tensor_names(drafter_dir: str | Path) -> list[str]:
-    from safetensors import safe_open
-
-    files = sorted(Path(drafter_dir).glob("*.safetensors"))
-    if not files:
-        raise BadInput(f"serve.drafter: {drafter_dir} holds no .safetensors weights")
-    names = []
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            names += list(f.keys())
-    return names
-
-
-def read_flat_tensors(drafter_dir: str | Path) -> dict:
-    """Every tensor of every .safetensors file in the folder (as vLLM reads a folder), under its flat name; an MLA
-    layer's fused_qkv_a_proj as its two projections (vLLM fuses them again on load)."""
+def read_flat_tensors(path: str | Path, dims: DraftDims | None = None) -> dict:
+    """Every tensor of a drafter folder under its flat name (an export's `model.` prefix dropped, as the replay
+    reads it), an MLA layer's fused_qkv_a_proj as its two projections (vLLM fuses them again on load); `dims`:
+    the folder's, read from its config.json when not given."""
     from safetensors import safe_open
 
     tensors = {}
-    for file in sorted(Path(drafter_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            tensors.update({flat_name(strip_export_prefix(name)): f.get_tensor(name) for name in f.keys()})
-    config = read_config(drafter_dir)
-    return tensors if config is None else split_fused_tensors(tensors, draft_dims(config))
-
-
-def read_drafter_tensors(drafter: FlatDrafter) -> dict:
-    """The tensors of a drafter read_flat_drafter accepted, under their flat names, an MLA layer's
-    fused_qkv_a_proj as its two projections."""
-    from safetensors import safe_open
-
-    tensors = {}
-    for name, path in sorted(drafter.tensor_files.items()):
-        with safe_open(path, framework="pt") as f:
-            tensors[flat_name(name)] = f.get_tensor(name)
-    return split_fused_tensors(tensors, drafter.dims)
-
-
+    for name, file in sorted(weight_files(Path(path)).items()):
+        with safe_open(file, framework="pt") as f:
+            tensors[flat_name(strip_export_prefix(name))] = f.get_tensor(name)
+    return split_fused_tensors(tensors, dims or draft_dims(read_flat_config(path)))

@@ -1,18 +1,10 @@
-"""The layouts of an EAGLE-3 drafter folder: speculators' checkpoint, the flat folder vLLM loads, SGLang's.
+"""The layouts of an EAGLE-3 drafter folder (docs/formats.md): speculators' checkpoint (stage 04's: a nested
+config.json, `layers.<i>.*`), the flat folder vLLM loads (stage 05's `vllm/`, the released drafters: architecture
+`LlamaForCausalLMEagle3` or `Eagle3DeepseekV2ForCausalLM`, `midlayer.*`) and SGLang's (stage 05's `sglang/`).
 
-- speculators (stage 04's checkpoints, what its trainer loads): a nested config.json (`speculators_config`,
-  `transformer_layer_config`) and weights `layers.<i>.*`, with the verifier's copies of some tensors;
-- flat (stage 05's `vllm/`, the released drafters): one config.json with architecture `LlamaForCausalLMEagle3`
-  (a Llama layer) or `Eagle3DeepseekV2ForCausalLM` (an MLA layer), the first decoder layer named `midlayer.*`
-  (the EAGLE-3 repository's name);
-- SGLang (stage 05's `sglang/`): the flat names, for the one-layer, no-norm-variant drafters it can run.
-
-`WEIGHT_NAMES` is the one table of tensor names across them. The names inside a decoder layer are the layer
-shape's own (Llama's `self_attn.{q,k,v,o}_proj`, MLA's `self_attn.{q_a_proj, q_a_layernorm, q_b_proj,
-kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}`) and pass through `layers.0.` <-> `midlayer.` unchanged;
-which of them a config implies is tensors.expected_tensor_specs'. Everything that renames a tensor goes through
-it: the conversion to flat (convert.py), the writer of speculators folders (drafter/to_speculators.py), the
-shape check, fine-tuning from a flat folder and the replay of one. docs/formats.md describes the formats.
+`WEIGHT_NAMES` is the one table of tensor names across them, and everything that renames a tensor goes through it.
+The names inside a decoder layer are the layer shape's own and pass through `layers.0.` <-> `midlayer.` unchanged;
+which of them a config implies is tensors.expected_tensor_specs'.
 """
 
 from __future__ import annotations

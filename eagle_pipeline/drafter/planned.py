@@ -19,27 +19,24 @@ def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
     shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
     hidden = shape.get("hidden_size", verifier.hidden_size)
     heads = shape.get("num_attention_heads", text.get("num_attention_heads"))
+    same = dict(format=SPECULATORS, hidden_size=hidden, num_attention_heads=heads,
+                intermediate_size=shape.get("intermediate_size", text.get("intermediate_size")),
+                vocab_size=verifier.vocab_size, draft_vocab_size=cfg.vocab.draft_vocab_size, num_aux=n_aux,
+                target_hidden_size=verifier.hidden_size, attention_bias=False, mlp_bias=False,
+                fc_norm=bool(cfg.train.fc_norm))
     if cfg.train.draft_layer == MLA:  # the verifier's MLA attention, one dense layer (train/draft_config.py)
         q_lora = text.get("q_lora_rank")
         nope, rope = int(text["qk_nope_head_dim"]), int(text["qk_rope_head_dim"])
-        return DraftDims(format=SPECULATORS, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
-                         head_dim=nope + rope,
-                         intermediate_size=shape.get("intermediate_size", text.get("intermediate_size")),
-                         vocab_size=verifier.vocab_size, draft_vocab_size=cfg.vocab.draft_vocab_size, num_aux=n_aux,
-                         target_hidden_size=verifier.hidden_size, num_layers=1, attention_bias=False, mlp_bias=False,
-                         norm_before_fc=False, fc_norm=bool(cfg.train.fc_norm), layer_shape=MLA,
-                         q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(text["kv_lora_rank"]),
-                         qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(text["v_head_dim"]))
+        return DraftDims(**same, num_key_value_heads=heads, head_dim=nope + rope, num_layers=1, norm_before_fc=False,
+                         layer_shape=MLA, q_lora_rank=None if q_lora is None else int(q_lora),
+                         kv_lora_rank=int(text["kv_lora_rank"]), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                         v_head_dim=int(text["v_head_dim"]))
     dflash = cfg.train.family == "dflash"
-    return DraftDims(format=SPECULATORS, hidden_size=hidden, num_attention_heads=heads,
+    return DraftDims(**same, head_dim=shape.get("head_dim", text.get("head_dim") or hidden // heads),
                      num_key_value_heads=shape.get("num_key_value_heads", text.get("num_key_value_heads", heads)),
-                     head_dim=shape.get("head_dim", text.get("head_dim") or hidden // heads),
-                     intermediate_size=shape.get("intermediate_size", text.get("intermediate_size")),
-                     vocab_size=verifier.vocab_size, draft_vocab_size=cfg.vocab.draft_vocab_size, num_aux=n_aux,
-                     target_hidden_size=verifier.hidden_size,
                      num_layers=int(shape.get("num_hidden_layers", cfg.train.dflash.num_layers if dflash else 1)),
-                     attention_bias=False, mlp_bias=False, norm_before_fc=bool(cfg.train.norm_before_fc) and not dflash,
-                     fc_norm=bool(cfg.train.fc_norm), layer_shape=DFLASH if dflash else LLAMA)
+                     norm_before_fc=bool(cfg.train.norm_before_fc) and not dflash,
+                     layer_shape=DFLASH if dflash else LLAMA)
 
 
 def layer_params(dims: DraftDims, first: bool = True) -> int:

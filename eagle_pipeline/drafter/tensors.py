@@ -1,10 +1,6 @@
-"""The tensors a drafter folder holds and the ones its config.json implies, as names, shapes and dtypes.
-
-Works on either config format (the flat `LlamaForCausalLMEagle3` / `Eagle3DeepseekV2ForCausalLM` or speculators'
-nested one) and either layer shape (Llama or MLA, layouts.layer_shape), and reads only safetensors headers, never
-tensor data. `shape_problems` and `compare_with_reference` say how a folder's
-tensors differ from what its config implies or from a reference drafter's, one line per problem; stage 05's
-`shapes` check (drafter_checks/shapes.py) and the reading of a released drafter (released_drafter.py) use them.
+"""The numbers that fix a drafter's tensor shapes (`DraftDims`, from either config format and either layer shape),
+the tensors a config implies, and the ones a folder holds (safetensors headers only); `shape_problems` and
+`compare_with_reference` say how they differ, one line per problem (stage 05's `shapes` check, drafter/folder.py).
 """
 
 from __future__ import annotations
@@ -152,24 +148,15 @@ def mla_attention_shapes(dims: DraftDims, attn_in: int) -> dict[str, tuple[int, 
     }
 
 
-def fused_qkv_a_rows(dims: DraftDims) -> tuple[int, int] | None:
-    """The rows of q_a_proj and kv_a_proj_with_mqa in a fused_qkv_a_proj; None where the layer has no such fusion."""
-    if dims.layer_shape != MLA or dims.q_lora_rank is None:
-        return None
-    return dims.q_lora_rank, dims.kv_lora_rank + dims.qk_rope_head_dim
-
-
-def split_fused(items: dict[str, Any], dims: DraftDims, split) -> dict[str, Any]:
-    """`items` (tensor name -> spec or tensor) with every MLA `fused_qkv_a_proj` replaced by its two parts, named
-    as the unfused layout names them; `split(item, rows)` cuts one item. A fused tensor where the config implies
-    none, or one whose rows are not q_lora_rank + kv_lora_rank + qk_rope_head_dim, is refused naming it."""
+def split_fused_tensors(items: dict[str, Any], dims: DraftDims) -> dict[str, Any]:
+    """`items` (tensor name -> TensorSpec or tensor) with every MLA `fused_qkv_a_proj` replaced by its two parts,
+    named as the unfused layout names them. A fused tensor where the config implies none, or one whose rows are not
+    q_lora_rank + kv_lora_rank + qk_rope_head_dim, is refused naming it."""
     fused = [name for name in items if name.endswith(MLA_FUSED_QKV_A)]
-    if not fused:
-        return items
-    rows = fused_qkv_a_rows(dims)
+    rows = (dims.q_lora_rank, dims.kv_lora_rank + dims.qk_rope_head_dim)
     out = dict(items)
     for name in fused:
-        if rows is None:
+        if dims.layer_shape != MLA or dims.q_lora_rank is None:
             raise BadInput(f"{name}: unexpected tensor; only an MLA layer with q_lora_rank fuses q_a_proj and "
                            f"kv_a_proj_with_mqa")
         prefix = name[: -len(MLA_FUSED_QKV_A)]
@@ -178,31 +165,14 @@ def split_fused(items: dict[str, Any], dims: DraftDims, split) -> dict[str, Any]
             if part in items:
                 raise BadInput(f"{name}: holds {part} a second time (fused and unfused); keep one")
         item = out.pop(name)
-        for part, piece in zip(parts, split(item, rows, name)):
-            out[part] = piece
+        shape = tuple(item.shape)
+        if len(shape) != 2 or shape[0] != sum(rows):
+            raise BadInput(f"{name}: shape {_fmt(shape)} but the config implies [{sum(rows)}, *] "
+                           f"(q_lora_rank {rows[0]} + kv_lora_rank + qk_rope_head_dim {rows[1]})")
+        pieces = ([TensorSpec((r, shape[1]), item.dtype) for r in rows] if isinstance(item, TensorSpec)
+                  else [piece.contiguous() for piece in item.split(list(rows), dim=0)])
+        out |= dict(zip(parts, pieces))
     return out
-
-
-def _check_fused(shape: tuple[int, ...], rows: tuple[int, int], name: str) -> None:
-    if len(shape) != 2 or shape[0] != sum(rows):
-        raise BadInput(f"{name}: shape {_fmt(shape)} but the config implies [{sum(rows)}, *] "
-                       f"(q_lora_rank {rows[0]} + kv_lora_rank + qk_rope_head_dim {rows[1]})")
-
-
-def split_fused_specs(specs: dict[str, TensorSpec], dims: DraftDims) -> dict[str, TensorSpec]:
-    def split(spec: TensorSpec, rows: tuple[int, int], name: str) -> list[TensorSpec]:
-        _check_fused(spec.shape, rows, name)
-        return [TensorSpec((r, spec.shape[1]), spec.dtype) for r in rows]
-
-    return split_fused(specs, dims, split)
-
-
-def split_fused_tensors(tensors: dict[str, Any], dims: DraftDims) -> dict[str, Any]:
-    def split(tensor, rows: tuple[int, int], name: str) -> list:
-        _check_fused(tuple(tensor.shape), rows, name)
-        return [piece.contiguous() for piece in tensor.split(list(rows), dim=0)]
-
-    return split_fused(tensors, dims, split)
 
 
 def expected_tensor_specs(config: dict[str, Any]) -> dict[str, TensorSpec]:
@@ -278,14 +248,10 @@ def read_tensor_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
     from safetensors import safe_open
 
     specs: dict[str, TensorSpec] = {}
-    files: dict[Path, list[str]] = {}
     for name, path in weight_files(Path(model_dir)).items():
-        files.setdefault(path, []).append(name)
-    for path, names in files.items():
         with safe_open(path, framework="pt") as f:
-            for name in names:
-                piece = f.get_slice(name)
-                specs[name] = TensorSpec(tuple(piece.get_shape()), piece.get_dtype())
+            piece = f.get_slice(name)
+            specs[name] = TensorSpec(tuple(piece.get_shape()), piece.get_dtype())
     return specs
 
 

@@ -1,14 +1,12 @@
-"""A flat `LlamaForCausalLMEagle3` or `Eagle3DeepseekV2ForCausalLM` drafter written as a speculators EAGLE-3
-checkpoint: the inverse of convert.py.
+"""A flat drafter written as a speculators EAGLE-3 checkpoint, the inverse of convert.py: for fine-tuning
+(released_drafter.py) and the offline replay (predict/flat_drafter.py), since speculators reads only its own layout
+(docs/released_drafters.md, "What a released folder holds"). Which embedding, which aux layer ids and which norm
+flags are the caller's to decide, since fine-tuning and the replay read a flat folder differently.
 
-speculators reads only its own layout, both its trainer (`--from-pretrained`, for fine-tuning a flat folder:
-released_drafter.py) and its `Eagle3DraftModel` (for replaying one offline: predict/flat_drafter.py). The
-config is built with speculators' own classes from the flat config's fields (the decoder as a LlamaConfig, or an
-MLA layer as a DeepseekV3Config, speculators' "deepseek_v3" layer; rope in either spelling), the tensors are
-renamed by layouts.py's table, and the folder always carries an
-embedding: speculators' `load_verifier_weights` fills only an embedding that loaded as NaN, and one missing
-from a folder loads as zeros. Which embedding, which aux layer ids and which norm flags are the caller's to
-decide, since fine-tuning and the replay read a flat folder differently.
+speculators 0.9's own converter (`speculators/convert/eagle/eagle3_converter.py`) is not used: it loads the tensors
+with `strict=False`, so an absent `embed_tokens` stays randomly initialised; it renames `midlayer.*` only; it fills
+every absent dimension with a default (vocabulary 128000, ...) instead of refusing; it fixes the speculative token
+count at 3 and writes in place, not atomically. Its config classes are used.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from eagle_pipeline.drafter.layouts import (
     WEIGHTS_NAME,
     speculators_name,
 )
-from eagle_pipeline.drafter.tensors import draft_dims, split_fused_tensors
+from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS, draft_dims
 
 if TYPE_CHECKING:
     import torch
@@ -49,62 +47,35 @@ def rope_parameters(c: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def mla_decoder_config(flat_config: dict[str, Any]) -> dict[str, Any]:
-    """The MLA draft decoder of a flat `Eagle3DeepseekV2ForCausalLM` config as a DeepseekV3Config dict: one dense
-    SwiGLU layer (first_k_dense_replace covers every layer, no MoE), the target's MLA dimensions, interleaved rope."""
-    c = flat_config
-    dims = draft_dims(c)
-    return {
-        "model_type": SPECULATORS_LAYER_TYPES[MLA],
-        "vocab_size": dims.vocab_size,
-        "hidden_size": dims.hidden_size,
-        "intermediate_size": dims.intermediate_size,
-        "num_hidden_layers": dims.num_layers,
-        "first_k_dense_replace": dims.num_layers,
-        "num_attention_heads": dims.num_attention_heads,
-        "num_key_value_heads": dims.num_attention_heads,
-        "q_lora_rank": dims.q_lora_rank,
-        "kv_lora_rank": dims.kv_lora_rank,
-        "qk_nope_head_dim": dims.qk_nope_head_dim,
-        "qk_rope_head_dim": dims.qk_rope_head_dim,
-        "v_head_dim": dims.v_head_dim,
-        "hidden_act": c.get("hidden_act", "silu"),
-        "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(c.get("max_position_embeddings", 4096)),
-        "rope_parameters": rope_parameters(c),
-        "rope_interleave": bool(c.get("rope_interleave", True)),
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-    }
-
-
 def decoder_config(flat_config: dict[str, Any]) -> dict[str, Any]:
-    """The draft decoder of a flat config as a LlamaConfig dict (speculators' transformer_layer_config), or an MLA
-    layer's as a DeepseekV3Config dict (mla_decoder_config)."""
+    """The draft decoder of a flat config as speculators' transformer_layer_config: a LlamaConfig dict, or an MLA
+    layer's as a DeepseekV3Config dict (one dense SwiGLU layer: first_k_dense_replace covers every layer, no MoE;
+    the target's MLA dimensions, interleaved rope)."""
     c = flat_config
     dims = draft_dims(c)
-    if dims.layer_shape == MLA:
-        return mla_decoder_config(c)
-    params = rope_parameters(c)
-    return {
-        "model_type": "llama",
+    mla = dims.layer_shape == MLA
+    config = {
+        "model_type": SPECULATORS_LAYER_TYPES[dims.layer_shape],
         "vocab_size": dims.vocab_size,
         "hidden_size": dims.hidden_size,
         "intermediate_size": dims.intermediate_size,
         "num_hidden_layers": dims.num_layers,
         "num_attention_heads": dims.num_attention_heads,
         "num_key_value_heads": dims.num_key_value_heads,
-        "head_dim": dims.head_dim,
         "hidden_act": c.get("hidden_act", "silu"),
         "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(c.get("max_position_embeddings", 2048)),
-        "rope_parameters": params,
+        "max_position_embeddings": int(c.get("max_position_embeddings", 4096 if mla else 2048)),
+        "rope_parameters": rope_parameters(c),
         "attention_bias": dims.attention_bias,
-        "mlp_bias": dims.mlp_bias,
         "tie_word_embeddings": False,
-        # vLLM serves EAGLE-3 drafters with full attention.
-        "layer_types": ["full_attention"] * dims.num_layers,
     }
+    if mla:
+        return config | {"first_k_dense_replace": dims.num_layers,
+                         **{key: getattr(dims, key) for key in ("q_lora_rank", *MLA_DIM_KEYS)},
+                         "rope_interleave": bool(c.get("rope_interleave", True))}
+    # vLLM serves EAGLE-3 drafters with full attention.
+    return config | {"head_dim": dims.head_dim, "mlp_bias": dims.mlp_bias,
+                     "layer_types": ["full_attention"] * dims.num_layers}
 
 
 def speculators_config(flat_config: dict[str, Any], *, verifier_dir: Path, layer_ids: list[int],
@@ -143,15 +114,13 @@ def speculators_config(flat_config: dict[str, Any], *, verifier_dir: Path, layer
 def write_speculators_folder(out_dir: str | Path, flat_config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
                              embedding: torch.Tensor, verifier_dir: str | Path, layer_ids: list[int],
                              flags: dict[str, bool], speculative_tokens: int) -> dict[str, Any]:
-    """Write the drafter of `flat_config` and `tensors` (flat names, without `embed_tokens`) in speculators'
-    layout, atomically: config.json + model.safetensors. `embedding` is stored in the drafter's precision.
-    Returns what was written."""
+    """Write the drafter of `flat_config` and `tensors` (as folder.read_flat_tensors reads them, without
+    `embed_tokens`) in speculators' layout, atomically: config.json + model.safetensors. `embedding` is stored in
+    the drafter's precision. Returns what was written."""
     from safetensors.torch import save_file
 
     config = speculators_config(flat_config, verifier_dir=Path(verifier_dir), layer_ids=layer_ids, flags=flags,
                                 speculative_tokens=speculative_tokens)
-    # An MLA layer's fused_qkv_a_proj is written as speculators' two projections.
-    tensors = split_fused_tensors(tensors, draft_dims(flat_config))
     written = {speculators_name(name): tensor.contiguous() for name, tensor in sorted(tensors.items())}
     if EMBED_KEY in written:
         raise ValueError(f"pass the embedding as `embedding`, not among the drafter's tensors ({EMBED_KEY})")

@@ -3,8 +3,7 @@
 `verify_drafter` returns `{"ok": bool, "checks": {"shapes", "config", "vllm_load", "vllm_logits", "parity"}}`, each
 check with `ok` (bool) and `detail` (docs/contracts.md, stage 05's verify.json); `print_table` shows it.
 
-One module per job:
-- tensors: the tensors a folder holds (safetensors headers only) and those its config implies.
+One module per job (what a folder should hold is eagle_pipeline.drafter's):
 - shapes: the `shapes` check, against the config, the d2t/t2d map and a reference drafter.
 - config_checks: the `config` check, against the target, transformers' parse and vLLM's view.
 - vllm_load: vLLM's config view and its real `load_weights` (the `vllm_load` check).

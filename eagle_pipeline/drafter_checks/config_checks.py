@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle_pipeline.drafter.folder import written_layer_ids
 from eagle_pipeline.drafter.layouts import (
     FLAT_ARCHITECTURES,
     MLA,
@@ -22,10 +23,6 @@ from eagle_pipeline.drafter.tensors import draft_dims
 
 # vLLM's model class for each layer shape (llama_eagle3.py, deepseek_eagle3.py).
 VLLM_MODEL_CLASSES = {"llama": "Eagle3LlamaForCausalLM", MLA: "Eagle3DeepseekV2ForCausalLM"}
-
-
-def is_speculators_config(config: dict[str, Any]) -> bool:
-    return config_layout(config) == SPECULATORS
 
 
 def _dotted(config: dict[str, Any], key: str) -> Any:
@@ -113,7 +110,7 @@ def transformers_parse(drafter_dir: Path, config: dict[str, Any]) -> tuple[dict[
     """Parse with transformers (speculators' own config class for a speculators folder)."""
     problems = []
     try:
-        if is_speculators_config(config):
+        if config_layout(config) == SPECULATORS:
             from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
             parsed = Eagle3SpeculatorConfig.from_pretrained(str(drafter_dir))
@@ -141,7 +138,7 @@ def check_config(drafter_dir: str | Path, target_dir: str | Path, expected: dict
     config = json.loads((drafter_dir / "config.json").read_text())
     target = json.loads((target_dir / "config.json").read_text())
     problems: list[str] = []
-    if is_speculators_config(config):
+    if config_layout(config) == SPECULATORS:
         problems += target_problems(config, target, config.get("eagle_aux_hidden_state_layer_ids"))
     else:
         problems += flat_config_problems(config, target, engine)
@@ -169,10 +166,7 @@ def vllm_config_problems(config: dict[str, Any], view: dict[str, Any], check_lay
     if view.get("draft_vocab_size") != dims.draft_vocab_size:
         problems.append(f"vLLM reads draft_vocab_size {view.get('draft_vocab_size')}, "
                         f"the file says {dims.draft_vocab_size}")
-    if is_speculators_config(config):
-        ids = config.get("eagle_aux_hidden_state_layer_ids")
-    else:  # the ids a flat folder declares for the engines; vLLM's readings of them are compared below
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = written_layer_ids(config)  # the ids the folder declares; vLLM's readings of them are compared below
     flags = vllm_config_flags(config)
     for runner, captured in (view.get("aux_layer_ids") or {}).items() if check_layer_ids else ():
         if ids and captured != list(ids):

@@ -17,7 +17,7 @@ from eagle_pipeline.drafter.tensors import (
     optional_tensor_specs,
     read_tensor_specs,
     shape_problems,
-    split_fused_specs,
+    split_fused_tensors,
     vocab_map_problems,
 )
 from eagle_pipeline.errors import BadInput
@@ -34,17 +34,18 @@ def reference_specs(reference_dir: Path) -> tuple[dict[str, TensorSpec], str]:
     except BadInput:
         return expected_tensor_specs(config) | optional_tensor_specs(config), "config.json only"
     # A released MLA drafter may store fused_qkv_a_proj; it is compared as the two projections a folder writes.
-    return split_fused_specs(specs, draft_dims(config)), "weights"
+    return split_fused_tensors(specs, draft_dims(config)), "weights"
 
 
 def check_shapes(drafter_dir: str | Path, reference_dir: str | Path | None = None) -> dict[str, Any]:
     drafter_dir = Path(drafter_dir)
     config = json.loads((drafter_dir / "config.json").read_text())
     # vLLM loads an MLA layer's fused_qkv_a_proj as it stands; the shapes are those of its two parts.
-    specs = split_fused_specs(read_tensor_specs(drafter_dir), draft_dims(config))
+    dims = draft_dims(config)
+    specs = split_fused_tensors(read_tensor_specs(drafter_dir), dims)
     problems = shape_problems(specs, config)
     problems += vocab_map_problems(drafter_dir, specs, config)
-    detail: dict[str, Any] = {"format": draft_dims(config).format, "num_tensors": len(specs),
+    detail: dict[str, Any] = {"format": dims.format, "num_tensors": len(specs),
                               "tensors": {n: {"shape": list(s.shape), "dtype": s.dtype}
                                           for n, s in sorted(specs.items())}}
     if reference_dir is not None:

@@ -1,11 +1,7 @@
 """Runs one vLLM job of the drafter checks (`python -m eagle_pipeline.drafter_checks.cli ...`) in a fresh
-process of its own and returns the JSON it writes.
-
-vLLM starts engine processes and keeps process-global state (distributed groups, current config) that must
-not leak into the caller, so each job gets its own process, as on a GPU host. Its whole output goes to a log
-file the caller names (stage 05: `05_convert/logs/`), because the reason an engine fails to start on a
-multi-GPU host is seldom in the last lines; a failure carries the log's tail and its path. A job that runs
-past its timeout is killed with everything it started (eagle_pipeline/child_process.py).
+process of its own and returns the JSON it writes (docs/engines.md, "Drafter check jobs"). Its whole output goes to
+a log file the caller names, because the reason an engine fails to start on a multi-GPU host is seldom in the last
+lines; a failure carries the log's tail and its path.
 """
 
 from __future__ import annotations

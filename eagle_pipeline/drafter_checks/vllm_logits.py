@@ -1,25 +1,10 @@
 """The `vllm_logits` check: vLLM's own drafter class, given the flat folder's weights, computes the logits that
-the speculators checkpoint computes, on the same inputs.
+the speculators checkpoint computes, on the same inputs (docs/formats.md, "What vLLM computes").
 
-The replay parity holds the flat folder against the checkpoint through speculators' layer, and the vllm_load
-check proves that vLLM's loader takes every tensor; neither runs vLLM's arithmetic. This one does, on the CPU,
-before any GPU is involved: a drafter that vLLM computes differently from training (an MLA drafter's RoPE pairs,
-its YaRN softmax scale) is named here rather than by a low acceptance in stage 06.
-
-Two sides, the same rows: one held-out conversation that stage 02 captured (its first `ROWS` rows).
-- speculators: `SpeculatorsDrafter`, the replay's drafter (eagle_pipeline/predict), in float32: the context pass
-  over the rows (draft position 0 for each row), then one draft step for every row.
-- vLLM: the class vLLM's config resolves for the folder, built and loaded as in the vllm_load check but in
-  float32, run outside an engine the way vLLM's model runner runs it: its attention backend's own metadata
-  builder over a KV cache of a few blocks, `set_forward_context`, `combine_hidden_states`, the model, the logits
-  processor. The context pass is a prefill of the rows; the draft step is a decode of the last row alone, reading
-  the context from the cache (for MLA, vLLM's weight-absorbed decode path). The embeddings come from the
-  speculators side (the target's embedding, which vLLM shares with the drafter), for the context tokens and for
-  the token the speculators side drafted at the last row.
-
-Both sides' logits over the draft vocabulary must agree within `TOLERANCE` of the largest logit's magnitude.
-The check runs where vLLM's platform is the CPU (its CPU kernels on CPU tensors); on a GPU host it is reported
-as skipped, and stage 06's served-against-predicted comparison holds vLLM's class to the replay there.
+Two sides, the same first `ROWS` rows of one held-out conversation: the replay's drafter (`SpeculatorsDrafter`,
+eagle_pipeline/predict) in float32, and the class vLLM's config resolves for the folder, built and loaded as in the
+vllm_load check but in float32, run outside an engine the way vLLM's model runner runs it (`_AttentionCache`). The
+embeddings come from the speculators side (the target's, which vLLM shares with the drafter).
 """
 
 from __future__ import annotations
@@ -28,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.drafter_checks import vllm_load
+from eagle_pipeline.vllm_config import require_written_for
 
 # Float32 on both sides: implementations of the same formula agree to about 1e-6 of the largest logit; a RoPE
 # rotated over the other pairs or a softmax scale without YaRN's mscale moves logits by about 1e-3 of it.
@@ -85,6 +71,7 @@ def _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_
 
     if not current_platform.is_cpu():
         return {"skipped": f"vLLM's platform here is {current_platform.device_name}, not the CPU"}
+    require_written_for()
     engine_kwargs = dict(engine_kwargs or {})
     compilation = dict(engine_kwargs.pop("compilation_config", None) or {})
     # vLLM's own switch to its native rotary formula: the CPU build's kernel rotates a strided multi-head query

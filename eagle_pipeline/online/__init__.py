@@ -11,6 +11,7 @@ vLLM capture server for each sample's hidden states, checks them, trains on them
 - disk.py        the disk the states in flight hold, sampled while training runs (its peak goes in the manifest)
 - failure.py     a capture server that stays away stops training with one message naming it
 - session.py     stage 04's online part, in order: services, servers, checks, kept rows, disk watch, summary
-- memory_plan.py whether a target and its trainer share the GPUs (co-located) or take turns (time-sliced)
+- memory.py      whether a target and its trainer share the GPUs (co-located) or take turns (time-sliced), and
+                 the capture server's share and sequences that follow
 - serve_capture.py  `python -m eagle_pipeline.online.serve_capture`: a capture server for trainers elsewhere
 """

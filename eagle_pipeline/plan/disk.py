@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_pipeline.atomic import nearest_existing
 from eagle_pipeline.capture import ENGINE_DTYPE_BYTES
 from eagle_pipeline.config import STAGES
 from eagle_pipeline.drafter.folder import is_speculators_drafter, read_flat_config
@@ -210,7 +211,7 @@ class DiskPlan:
         return sum(s.bytes for s in self.stages)
 
     def table(self, budget_gb: float | None) -> list[str]:
-        """A dry run's block (markdown, as scripts/pipeline_report.py prints): each stage, then the total against
+        """A dry run's block (markdown, as scripts/status.py prints): each stage, then the total against
         disk_budget_gb."""
         if budget_gb is None:
             budget = "no disk_budget_gb set"
@@ -295,16 +296,11 @@ def later_stages_bytes(cfg, verifier, layout: SampleLayout) -> tuple[int, str]:
 
 def same_disk(a: Path, b: Path) -> bool:
     """Whether two paths (or the nearest folders above them that exist) lie on one file system."""
-    def existing(path: Path) -> Path:
-        while not path.exists():
-            path = path.parent
-        return path
-
-    return existing(Path(a)).stat().st_dev == existing(Path(b)).stat().st_dev
+    return nearest_existing(a).stat().st_dev == nearest_existing(b).stat().st_dev
 
 
 def plan_table(cfg) -> list[str]:
-    """The disk block of `scripts/run_pipeline.sh CONFIG --dry-run` (scripts/pipeline_report.py --plan)."""
+    """The disk block of `scripts/run_pipeline.sh CONFIG --dry-run` (scripts/status.py --plan)."""
     plan = plan_for_config(cfg)
     if plan is None:
         return ["(disk plan: the embedded target's shape is read once stage 01 has converted it)"]

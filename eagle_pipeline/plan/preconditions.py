@@ -78,7 +78,7 @@ def host_shortfall_last(report: bool = True) -> Iterator[None]:
     """Within it, what this host lacks for the run (GPUs, the Mooncake software) is collected instead of refused,
     so that a dry run prints its whole plan, on a laptop too; on leaving, the first is refused (its `error:` line
     is the dry run's last). `report=False` drops them: scripts/run_pipeline.sh --dry-run checks the host once,
-    after every stage's plan (scripts/pipeline_report.py --plan)."""
+    after every stage's plan (scripts/status.py --plan)."""
     global _shortfalls
     _shortfalls = []
     try:
@@ -179,10 +179,16 @@ def check_drafters_against_target(cfg: RunConfig) -> None:
     for key, path in released.items():
         config = read_config(path)  # None where unreadable: the stage that reads the folder names why
         # A speculators folder is compared by stage 04; a malformed config is named where the folder is read whole.
+        if config is None or flat_architecture_of(config) is None:
+            continue
+        drafter = FlatDrafter(path, config, key)
+        try:
+            drafter.dims  # noqa: B018 - read first: only what a config describes is compared with the target
+        except BadInput:
+            continue
         with suppress(KeyError, TypeError, ValueError):
-            if config is not None and flat_architecture_of(config) is not None:
-                check_against_target(FlatDrafter(path, config, key), hidden_size=verifier.hidden_size,
-                                     vocab_size=verifier.vocab_size, target=verifier.text_config())
+            check_against_target(drafter, hidden_size=verifier.hidden_size, vocab_size=verifier.vocab_size,
+                                 target=verifier.text_config())
 
 
 # -- the host's GPUs ---------------------------------------------------------------------------------------

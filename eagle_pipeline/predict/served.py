@@ -23,8 +23,8 @@ import torch
 
 from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
 from eagle_pipeline.config import RunConfig
-from eagle_pipeline.drafter.folder import flat_tensor_names, read_flat_config
-from eagle_pipeline.drafter.layouts import flat_norm_flags, speculators_norm_flags
+from eagle_pipeline.drafter.folder import read_flat_config
+from eagle_pipeline.drafter.layouts import flat_norm_flags, speculators_norm_flags, weight_files
 from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
 from eagle_pipeline.predict import diagnose as dx
@@ -74,7 +74,7 @@ def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_si
     from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
 
     config = read_flat_config(drafter_dir)
-    has_d2t = "d2t" in flat_tensor_names(drafter_dir)
+    has_d2t = "d2t" in weight_files(drafter_dir)
     read = vllm_read_aux_ids(config)["v1" if device == "cpu" else "v2"] or default_layer_ids(num_layers)
     findings = dx.config_findings(config, num_layers=num_layers, target_vocab_size=vocab_size, has_d2t=has_d2t)
     checkpoint = write_speculators_checkpoint(drafter_dir, verifier_dir, scratch_dir / "drafter",

@@ -1,11 +1,7 @@
-"""The no-speculation baseline of a stage-06 run, kept for reuse: answers, their token ids, captured states.
-
-Serving a drafter from elsewhere, or several of them, against the same target and prompts needs the
-no-speculation answers (to compare texts and speed, and to replay the drafter on) only once. A finished
-stage 06 keeps them in `<run>/06_serve_test/baseline/`: `answers.json` (what they were served with, texts,
-prompt and answer token ids, the mode's summary, the captured layer ids) and `hs_<i>.safetensors` (the
-captured hidden states). `serve.baseline: <that 06_serve_test folder>` reuses them when every setting that
-shapes the answers matches; otherwise the stage refuses and names the setting.
+"""The no-speculation baseline of a stage-06 run, kept for reuse: answers, their token ids, captured states. A
+finished stage 06 keeps them in `<run>/06_serve_test/baseline/` (docs/formats.md, "The no-speculation baseline");
+`serve.baseline: <that 06_serve_test folder>` reuses them when every setting that shapes the answers matches,
+otherwise the stage refuses and names the setting.
 """
 
 from __future__ import annotations
@@ -19,8 +15,6 @@ from safetensors import safe_open
 from eagle_pipeline import atomic
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
-from eagle_pipeline.serve.plan import greedy_mismatches
-from eagle_pipeline.serve.spec_metrics import ratio
 
 if TYPE_CHECKING:
     import torch
@@ -32,11 +26,9 @@ ANSWERS = "answers.json"
 def save_baseline_answers(stage_dir: Path, shaped_by: dict[str, Any], record: dict[str, Any]) -> None:
     """The no-speculation answers (the "none" mode's record, `measure.mode_record`), written as soon as they are
     served (before a later mode or the prediction can fail)."""
-    folder = stage_dir / BASELINE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(folder / ANSWERS, {"shaped_by": shaped_by, "texts": record["texts"],
-                                         "token_ids": record["token_ids"], "summary": record["summary"],
-                                         "captured_layer_ids": None})
+    atomic.write_json(stage_dir / BASELINE_DIR / ANSWERS, {"shaped_by": shaped_by, "texts": record["texts"],
+                                                           "token_ids": record["token_ids"],
+                                                           "summary": record["summary"], "captured_layer_ids": None})
 
 
 def save_baseline_states(stage_dir: Path, captured: tuple[list[torch.Tensor], list[int]]) -> None:
@@ -101,21 +93,3 @@ def baseline_states(baseline: dict[str, Any], layer_ids: Sequence[int]) -> tuple
     folder = Path(baseline["dir"])
     return [load_file(str(folder / f"hs_{i}.safetensors"))["hidden_states"]
             for i in range(len(baseline["token_ids"]))], list(stored)
-
-
-def merge_baseline(report: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """A report measured without the "none" mode, completed with the baseline's answers and speed."""
-    report["modes"] = {"none": baseline["summary"], **report["modes"]}
-    report["texts"] = {"none": baseline["texts"], **report["texts"]}
-    report["token_ids"] = {"none": [tuple(pair) for pair in baseline["token_ids"]], **report["token_ids"]}
-    none_tps = baseline["summary"]["tokens_per_s"]
-    report["tokens_per_s"]["none"] = none_tps
-    report["speedup_by_mode"] = {name: ratio(tps, none_tps) if tps is not None and none_tps else None
-                                 for name, tps in report["tokens_per_s"].items() if name != "none"}
-    report["speedup"] = report["speedup_by_mode"].get("eagle3")
-    if report.get("temperature") == 0:
-        report["greedy_mismatches"] = {name: greedy_mismatches(baseline["texts"], texts)
-                                       for name, texts in report["texts"].items() if name != "none"}
-        report["greedy_match"] = not report["greedy_mismatches"].get("eagle3")
-    report["baseline"] = baseline["dir"]
-    return report

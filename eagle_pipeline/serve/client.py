@@ -93,7 +93,8 @@ def run_prompts(
             finish_reason=choice.finish_reason,
             prompt_token_ids=getattr(response, "prompt_token_ids", None),
             token_ids=getattr(choice, "token_ids", None),
-            spec_decode=spec_decode_metrics(response),
+            # The openai client keeps vLLM's extra `metrics` as the JSON object it was sent.
+            spec_decode=(getattr(response, "metrics", None) or {}).get("speculative_decoding"),
         )
 
     started = time.perf_counter()
@@ -106,17 +107,3 @@ def run_prompts(
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
     return PromptRun(requests=results, wall_s=time.perf_counter() - started)
-
-
-
-def spec_decode_metrics(response) -> dict | None:
-    """The response's `metrics.speculative_decoding` (vLLM's SpeculativeDecodingMetrics) as a dict, or None."""
-    metrics = getattr(response, "metrics", None)
-    if metrics is None:
-        return None
-    if not isinstance(metrics, dict):
-        metrics = metrics.model_dump() if hasattr(metrics, "model_dump") else dict(vars(metrics))
-    spec = metrics.get("speculative_decoding")
-    if spec is not None and not isinstance(spec, dict):
-        spec = spec.model_dump() if hasattr(spec, "model_dump") else dict(vars(spec))
-    return spec

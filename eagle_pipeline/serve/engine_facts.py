@@ -1,13 +1,6 @@
-"""How vLLM computed a served run, read from the server's own log: what an engine verdict names as suspects.
-
-vLLM 0.32 logs at INFO the config its engine core runs with ("Initializing a V1 LLM engine (v...) with config:
-... quantization=..., enforce_eager=..., kv_cache_dtype=..., compilation_config={... 'cudagraph_mode': ...}",
-`v1/engine/core.py`), each attention backend it picks ("Using X attention backend out of potential backends",
-or "Using X backend." for one named, `platforms/cuda.py`, `platforms/cpu.py`; the target's model is built
-before the drafter's, and a choice made twice is logged once), and, at WARNING, a fall-back to the V1 model
-runner (`config/vllm.py`, `use_v2_model_runner`). Stage 06's servers log at INFO into their log files unless
-`verifier.log_level` says otherwise (`server_env`). What the log does not say is reported as not logged,
-beside what the config asked for.
+"""How vLLM computed a served run, read from the server's own log: what an engine verdict names as suspects. Which
+lines vLLM 0.32 logs and where: docs/engines.md, "The SM120 trap". What the log does not say is reported as not
+logged, beside what the config asked for.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The engine probe: the drafter served again under other engine settings, in turn, until one serves as predicted.
-
-When stage 06's diagnosis names the engine (served acceptance short of the replay, and no reading of the
-drafter's config reproduces it; eagle_pipeline/predict/diagnose.py), what the engine computes differently
-is an engine setting: an attention backend, a KV-cache dtype, the model runner, CUDA graphs. Each entry of
-`serve.engine_variants` overrides some of the engine keys (config.serving.ENGINE_VARIANT_KEYS; `env` adds to the
-run's environment), and is served with the drafter, one server each, on the same evaluation prompts. The
-first whose served acceptance agrees with the prediction is the setting to keep; the probe stops there.
-Each variant costs one server start and one pass over the evaluation prompts (docs/measurements.md).
+"""The engine probe: the drafter served again under other engine settings, in turn, until one serves as predicted
+(docs/engines.md, "The SM120 trap"). Each entry of `serve.engine_variants` overrides some of the engine keys
+(config.serving.ENGINE_VARIANT_KEYS; `env` adds to the run's environment); each costs one server start and one
+pass over the evaluation prompts (docs/measurements.md).
 """
 
 from __future__ import annotations

@@ -13,13 +13,15 @@ does not start) or a stop that hangs loses nothing measured; the report is built
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from eagle_pipeline.engine import eagle3_speculative_config
+from eagle_pipeline.config import RunConfig
+from eagle_pipeline.engine import drafter_engine_settings, eagle3_speculative_config, server_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, run_prompts
+from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
 from eagle_pipeline.serve.plan import SCHEDULE_MODE, greedy_mismatches, requests_at
 from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.serve.spec_metrics import (
@@ -42,7 +44,6 @@ class ModeMeasurement:
     run: PromptRun
     metrics: dict  # metrics_delta over the prompt run
     server_start_s: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def summarize_mode(m: ModeMeasurement) -> dict:
@@ -55,15 +56,14 @@ def summarize_mode(m: ModeMeasurement) -> dict:
         "wall_s": run.wall_s,
         "tokens_per_s": ratio(output_tokens, run.wall_s),
         # Server-side mean over requests of decode time per output token (excludes queueing and prefill).
-        "tpot_ms": _scaled(ratio(m.metrics["tpot_sum_s"], m.metrics["tpot_count"]), 1000.0),
-        "ttft_ms": _scaled(ratio(m.metrics["ttft_sum_s"], m.metrics["ttft_count"]), 1000.0),
+        "tpot_ms": ratio(1000.0 * m.metrics["tpot_sum_s"], m.metrics["tpot_count"]),
+        "ttft_ms": ratio(1000.0 * m.metrics["ttft_sum_s"], m.metrics["ttft_count"]),
         "mean_latency_s": sum(r.latency_s for r in run.requests) / len(run.requests) if run.requests else None,
         "server_generation_tokens": int(m.metrics["generation_tokens"]),
     }
     if m.speculative_config is not None:
         summary.update(acceptance_stats(m.metrics))
         summary["per_prompt"] = [request_acceptance(r.spec_decode) for r in run.requests]
-    summary.update(m.extra)
     return summary
 
 
@@ -71,15 +71,10 @@ def level_summary(m: ModeMeasurement, level: int) -> dict:
     """One concurrency level of a mode: `summarize_mode`'s figures over every request the level sent, each
     request's own acceptance as `per_request` (request i asked prompt i modulo the number of prompts)."""
     summary = summarize_mode(m)
-    for key in ("speculative_config", "server_start_s"):
-        summary.pop(key, None)
+    del summary["speculative_config"], summary["server_start_s"]
     if "per_prompt" in summary:
         summary["per_request"] = summary.pop("per_prompt")
     return {"concurrency": level, "num_requests": len(m.run.requests), **summary}
-
-
-def _scaled(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
 
 
 def mode_record(m: ModeMeasurement) -> dict:
@@ -101,23 +96,9 @@ def sweep_record(measurements: Sequence[ModeMeasurement], levels: Sequence[int],
     return record
 
 
-def summarize(
-    measurements: dict[str, ModeMeasurement],
-    *,
-    num_speculative_tokens: int,
-    temperature: float,
-    max_tokens: int | None = None,
-    concurrency: int | Sequence[int] | None = None,
-) -> dict:
-    """The stage-06 report: headline numbers for eagle3, tokens/s for every mode, and the greedy check.
-
-    `greedy_match` compares each speculative mode's texts with those of "none" (same prompts, temperature
-    0); it is None when no such comparison is possible (temperature > 0 or "none" not measured). The
-    headline flag speaks for eagle3 when measured, else for the other speculative modes.
-    """
-    return summarize_records({name: mode_record(m) for name, m in measurements.items()},
-                             num_speculative_tokens=num_speculative_tokens, temperature=temperature,
-                             max_tokens=max_tokens, concurrency=concurrency)
+def summarize(measurements: Mapping[str, ModeMeasurement], **settings) -> dict:
+    """`summarize_records` of the modes' measurements (`settings`: its keywords)."""
+    return summarize_records({name: mode_record(m) for name, m in measurements.items()}, **settings)
 
 
 def summarize_records(
@@ -128,16 +109,20 @@ def summarize_records(
     max_tokens: int | None = None,
     concurrency: int | Sequence[int] | None = None,
 ) -> dict:
-    """`summarize` of the modes' records (`mode_record`); `concurrency` one level or the levels swept (the
-    headline figures are the first level's)."""
+    """The stage-06 report of the modes' records (`mode_record`): headline numbers for eagle3, tokens/s for every
+    mode, and the greedy check; `concurrency` one level or the levels swept (the headline figures are the first
+    level's).
+
+    `greedy_match` compares each speculative mode's texts with those of "none" (same prompts, temperature
+    0); it is None when no such comparison is possible (temperature > 0 or "none" not measured). The
+    headline flag speaks for eagle3 when measured, else for the other speculative modes.
+    """
     levels = None if concurrency is None else [concurrency] if isinstance(concurrency, int) else list(concurrency)
     modes = {name: record["summary"] for name, record in records.items()}
     num_prompts = {len(record["texts"]) for record in records.values()}
     if len(num_prompts) > 1:
         raise ValueError(f"modes ran different numbers of prompts: {sorted(num_prompts)}")
-    tokens_per_s = {mode: modes[mode]["tokens_per_s"] if mode in modes else None for mode in MODES}
-    for name in modes:
-        tokens_per_s.setdefault(name, modes[name]["tokens_per_s"])
+    tokens_per_s = {**dict.fromkeys(MODES), **{name: summary["tokens_per_s"] for name, summary in modes.items()}}
 
     mismatches: dict[str, list[int]] = {}
     if temperature == 0 and "none" in records:
@@ -221,67 +206,42 @@ def served_report(records: Mapping[str, dict], **settings) -> dict:
 
 
 def mode_server(mode: str, target_dir: str | os.PathLike, drafter_dir: str | os.PathLike | None, *,
-                num_speculative_tokens: int, log_path: str | os.PathLike, port: int | None = None,
-                max_model_len: int = 2048, dtype: str = "auto", extra_args: Sequence[str] = (),
-                env: dict[str, str] | None = None, drafter_settings: dict | None = None,
-                startup_timeout_s: float = 1200.0, prompt_lookup_max: int = 4,
-                prompt_lookup_min: int = 2, schedule: Sequence[Sequence[int]] | None = None) -> VllmServer:
-    """The server (not started) that serves `mode`: the target's settings, the mode's `speculative_config`, and for
-    a speculating mode each request's own acceptance (vLLM refuses that flag without speculation)."""
+                num_speculative_tokens: int, drafter_settings: dict | None = None,
+                schedule: Sequence[Sequence[int]] | None = None, extra_args: Sequence[str] = (),
+                **server) -> VllmServer:
+    """The server (not started) that serves `mode`: the target's settings (`server`, VllmServer's keywords), the
+    mode's `speculative_config`, and for a speculating mode each request's own acceptance (vLLM refuses that flag
+    without speculation)."""
     config = speculative_config_for(mode, num_speculative_tokens=num_speculative_tokens, drafter_dir=drafter_dir,
-                                    prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min,
                                     drafter_settings=drafter_settings, schedule=schedule)
     flags = [*extra_args, *(PER_REQUEST_FLAGS if config is not None else ())]
-    return VllmServer(target_dir, port=port, speculative_config=config, max_model_len=max_model_len, dtype=dtype,
-                      extra_args=flags, log_path=log_path, env=env, startup_timeout_s=startup_timeout_s)
+    return VllmServer(target_dir, speculative_config=config, extra_args=flags, **server)
 
 
-def measure_modes(
-    target_dir: str | os.PathLike,
-    drafter_dir: str | os.PathLike | None,
-    prompts: Sequence[list[dict]],
-    *,
-    num_speculative_tokens: int,
-    modes: Iterable[str] = MODES,
-    max_tokens: int = 128,
-    temperature: float = 0.0,
-    concurrency: int | Sequence[int] = 1,
-    seed: int | None = 0,
-    prompt_lookup_max: int = 4,
-    prompt_lookup_min: int = 2,
-    max_model_len: int = 2048,
-    dtype: str = "auto",
-    port: int | None = None,
-    extra_args: Sequence[str] = (),
-    env: dict[str, str] | None = None,
-    drafter_settings: dict | None = None,
-    log_dir: str | os.PathLike,
-    startup_timeout_s: float = 1200.0,
-    chat_template_kwargs: dict | None = None,
-    measured: Mapping[str, dict] | None = None,
-    on_measured: Callable[[str, dict], None] | None = None,
-    schedule: Sequence[Sequence[int]] | None = None,
-    log=print,
-) -> dict:
-    """Serve the target once per mode (sequentially), measure, and return the report dict (`served_report`).
-
-    `concurrency`: one level, or the levels each server answers the prompts at in turn (`plan.requests_at` requests
-    each). `measured` holds the records (`sweep_record`) of modes an earlier run served: those are not served
-    again. `on_measured(mode, record)` gets each mode's record as soon as its prompts are answered at every level,
-    while its server still runs: what it keeps survives a later mode's failure. `schedule`: the "schedule" mode's
-    `num_speculative_tokens_per_batch_size`.
-    """
-    modes = tuple(modes)
-    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
+def measure_modes(cfg: RunConfig, target_dir: str | os.PathLike, drafter_dir: str | os.PathLike | None,
+                 prompts: Sequence[list[dict]], modes: Sequence[str], log_dir: Path, chat_template_kwargs: dict | None,
+                 measured: Mapping[str, dict] | None = None, on_measured: Callable[[str, dict], None] | None = None,
+                 levels: Sequence[int] | None = None, num_speculative_tokens: int | None = None,
+                 schedule: Sequence[Sequence[int]] | None = None) -> dict:
+    """Serve the target once per mode (sequentially, as the module's docstring says) under `cfg`'s engine settings
+    and return the report dict (`served_report`), the eagle3 server's engine facts (`read_engine_facts`) beside it
+    and in its record. `levels` (default serve.concurrency): `plan.requests_at` requests each. `measured`: the
+    records (`sweep_record`) of modes an earlier run served, not served again. `on_measured(mode, record)`: each
+    mode's record once its prompts are answered. `num_speculative_tokens` and `schedule` (the "schedule" mode's
+    `num_speculative_tokens_per_batch_size`) default to serve.num_speculative_tokens and none."""
+    s = cfg.serve
+    levels = list(levels or s.concurrency_levels)
+    num_speculative_tokens = num_speculative_tokens or s.num_speculative_tokens
     if not prompts:
         raise BadInput("prompts: no prompts to measure with; give at least one")
     measured = dict(measured or {})
+    kwargs = server_kwargs(cfg)
+    kwargs["env"] = server_env(cfg, kwargs["env"])
     # Every server is built (a mode's bad setting refused) before the first one starts.
     servers = {mode: mode_server(mode, target_dir, drafter_dir, num_speculative_tokens=num_speculative_tokens,
-                                 log_path=Path(log_dir) / f"server-{mode}.log", port=port, max_model_len=max_model_len,
-                                 dtype=dtype, extra_args=extra_args, env=env, drafter_settings=drafter_settings,
-                                 startup_timeout_s=startup_timeout_s, prompt_lookup_max=prompt_lookup_max,
-                                 prompt_lookup_min=prompt_lookup_min, schedule=schedule)
+                                 log_path=log_dir / f"server-{mode}.log", port=s.port,
+                                 startup_timeout_s=s.startup_timeout_s, drafter_settings=drafter_engine_settings(cfg),
+                                 schedule=schedule, **kwargs)
                for mode in modes if mode not in measured}
     warmup_prompt = [{"role": "user", "content": "Say hello."}]
     records: dict[str, dict] = {}
@@ -290,28 +250,34 @@ def measure_modes(
             records[mode] = measured[mode]
             continue
         server = servers[mode]
-        log(f"[{mode}] starting vLLM server (log: {server.log_path})")
+        print(f"[{mode}] starting vLLM server (log: {server.log_path})")
         with server:
-            log(f"[{mode}] server healthy after {server.start_seconds:.1f} s; warm-up request")
-            run_prompts(server.base_url, server.model, [warmup_prompt], max_tokens=8, temperature=temperature,
-                        concurrency=1, seed=seed, chat_template_kwargs=chat_template_kwargs)
+            print(f"[{mode}] server healthy after {server.start_seconds:.1f} s; warm-up request")
+            run_prompts(server.base_url, server.model, [warmup_prompt], max_tokens=8, temperature=s.temperature,
+                        concurrency=1, seed=cfg.seed, chat_template_kwargs=chat_template_kwargs)
             swept = []
             for level in levels:
                 asked = [prompts[i % len(prompts)] for i in range(requests_at(level, len(prompts)))]
                 before = scrape_spec_metrics(server.base_url)
-                run = run_prompts(server.base_url, server.model, asked, max_tokens=max_tokens,
-                                  temperature=temperature, concurrency=level, seed=seed,
+                run = run_prompts(server.base_url, server.model, asked, max_tokens=s.max_tokens,
+                                  temperature=s.temperature, concurrency=level, seed=cfg.seed,
                                   chat_template_kwargs=chat_template_kwargs)
                 after = wait_for_counted_tokens(server.base_url, before, run.output_tokens)
                 swept.append(ModeMeasurement(mode=mode, speculative_config=server.speculative_config, run=run,
                                              metrics=metrics_delta(before, after), server_start_s=server.start_seconds))
                 summary = summarize_mode(swept[-1])
-                log(f"[{mode}] concurrency {level}: {summary['output_tokens']} tokens in {run.wall_s:.1f} s = "
-                    f"{summary['tokens_per_s']:.1f} tok/s"
-                    + (f", mean acceptance length {summary['mean_acceptance_length']:.2f}"
-                       if summary.get("mean_acceptance_length") is not None else ""))
+                print(f"[{mode}] concurrency {level}: {summary['output_tokens']} tokens in {run.wall_s:.1f} s = "
+                      f"{summary['tokens_per_s']:.1f} tok/s"
+                      + (f", mean acceptance length {summary['mean_acceptance_length']:.2f}"
+                         if summary.get("mean_acceptance_length") is not None else ""))
             records[mode] = sweep_record(swept, levels, len(prompts))
+            if mode == "eagle3":
+                records[mode]["engine"] = read_engine_facts(server.log_path, declared_settings(cfg))
             if on_measured is not None:
                 on_measured(mode, records[mode])
-    return served_report(records, num_speculative_tokens=num_speculative_tokens, temperature=temperature,
-                         max_tokens=max_tokens, concurrency=levels)
+    report = served_report(records, num_speculative_tokens=num_speculative_tokens, temperature=s.temperature,
+                           max_tokens=s.max_tokens, concurrency=levels)
+    if "eagle3" in modes:
+        report["engine"] = (records["eagle3"].get("engine")
+                            or read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg)))
+    return report

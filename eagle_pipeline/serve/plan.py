@@ -30,6 +30,7 @@ import math
 import shlex
 from typing import Any, Mapping, Sequence
 
+from eagle_pipeline.engine import server_kwargs
 from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.serve.spec_metrics import PER_REQUEST_FLAGS, ratio
 
@@ -301,14 +302,32 @@ def stuck_requests(per_request: Sequence[Mapping[str, Any] | None]) -> dict[str,
     return {"requests": [i for i, _ in flagged], "num_drafts": [n for _, n in flagged], "others_first_position": first}
 
 
+def winning_method(plan: Mapping[str, Any], speedups: Mapping[str, Sequence[float | None]], levels: Sequence[int],
+                   confirmed: Sequence[Mapping[str, Any]] | None, drafter: str = "eagle3") -> tuple[str, list[dict]]:
+    """Per level the fastest of the methods served: the drafter as planned (its confirming run's speed-up where one
+    served, its estimate otherwise; k = 0 is no speculation), n-gram and none; and the one method the command
+    serves, since one server serves one: the fastest by the geometric mean of its speed-ups over the levels (1.0
+    where one was not measured), the drafter on a tie."""
+    served = {row["concurrency"]: row.get("speedup") for row in confirmed or []}
+    estimate = {row["concurrency"]: row for row in plan.get("estimate") or []}
+    methods = [drafter, *(["ngram"] if "ngram" in speedups else []), "none"]
+    rows = []
+    for i, level in enumerate(levels):
+        row = estimate.get(level) or {}
+        planned = (speedups.get(drafter, [None] * len(levels))[i] if plan.get("kind") is None
+                   else 1.0 if row.get("k") == 0 else served.get(level) or row.get("estimated_speedup"))
+        measured = {method: value for method, value in zip(methods, (planned, *(
+            [speedups["ngram"][i]] if "ngram" in speedups else []), 1.0)) if value is not None}
+        rows.append({"concurrency": level, "speedup": measured, "fastest": max(measured, key=measured.get)})
+    return max(methods, key=lambda m: math.prod(row["speedup"].get(m, 1.0) for row in rows)), rows
+
+
 def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: dict | None, confirmed_by: str | None,
-                 confirmed: Mapping[str, Any] | None, server_kwargs: Mapping[str, Any], target) -> dict[str, Any]:
-    """report.json's `serving_plan`: the estimate and the schedule (`plan_serving`), the `speculative_config` that
-    serves it, what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served
-    the same setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start) with its
-    figures per level beside no speculation's, speed-up and per-request acceptance against concurrency, the
-    collapse findings, and the `vllm serve` command. Levels the confirming run served slower than no speculation
-    are back at k = 0 (`withdraw_slower`), in the schedule, `speculative_config` and command alike."""
+                 confirmed: Mapping[str, Any] | None, target) -> dict[str, Any]:
+    """report.json's `serving_plan` (docs/contracts.md, "Stage 06: report.json") of the plan (`plan_serving`) and
+    what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served the same
+    setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start). Levels the
+    confirming run served slower than no speculation are back at k = 0 (`withdraw_slower`) everywhere."""
 
     s = cfg.serve
     levels, k_max = s.concurrency_levels, s.num_speculative_tokens
@@ -324,10 +343,25 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
         reference = (report.get("texts") or {}).get("none")
         if s.temperature == 0 and reference is not None and confirmed.get("texts") is not None:
             mismatches = greedy_mismatches(reference, confirmed["texts"])
-    kwargs = {key: value for key, value in server_kwargs.items() if key != "env"}
-    argv = VllmServer(target, speculative_config=spec, log_path="server.log", **kwargs).serve_argv(None)
-    command = serve_command(argv, server_kwargs.get("env") or {}, cfg.env)
     schedule_levels = mode_levels(confirmed["summary"], levels) if confirmed_by == SCHEDULE_MODE and confirmed else None
+    speedups = speedup_by_concurrency(modes, levels, schedule_levels)
+    method, by_level = winning_method(plan, speedups, levels, confirmed_rows)
+    faster = ""
+    if method != "eagle3":  # n-gram, or no speculation, served faster over the levels than the drafter as planned
+        spec = None if method == "none" else dict(modes[method]["speculative_config"])
+        faster = (f" Over the levels {method} served faster than the drafter as planned ("
+                  + ", ".join(f"{row['speedup'].get(method, 1.0):.2f}x at concurrency {row['concurrency']}"
+                              for row in by_level)
+                  + f"), so the command serves {'no speculation' if method == 'none' else method}.")
+    kwargs = server_kwargs(cfg)
+    env = kwargs.pop("env")
+    argv = VllmServer(target, speculative_config=spec, log_path="server.log", **kwargs).serve_argv(None)
+    command = serve_command(argv, env, cfg.env)
+    withdrawn = [row for row in plan.get("estimate") or [] if row.get("withdrawn_k")]
+    slower = "" if not withdrawn else (
+        " The confirming run served " + "; ".join(f"k = {row['withdrawn_k']} at concurrency {row['concurrency']} at "
+                                                  f"{row['withdrawn_speedup']:.2f}x" for row in withdrawn)
+        + " of no speculation's tokens/s, slower, so the schedule serves k = 0 there.")
     return {
         **plan,
         "levels": list(levels),
@@ -336,28 +370,22 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
         "speculation_off_everywhere": plan.get("kind") == "none",
         "confirmed": None if confirmed_rows is None else {"by": confirmed_by, "levels": confirmed_rows,
                                                            "greedy_mismatches": mismatches},
-        "speedup_by_concurrency": speedup_by_concurrency(modes, levels, schedule_levels),
+        "speedup_by_concurrency": speedups,
+        "method": method,
+        "method_by_concurrency": by_level,
         "acceptance_by_concurrency": acceptance_by_concurrency(modes.get("eagle3"), levels),
         "findings": collapse_findings(modes.get("eagle3"), levels),
         "confirm_failed": failed,
-        "note": plan_note(plan, k_max, confirmed_rows is not None,
-                          failed or (None if s.confirm_schedule else "serve.confirm_schedule is off")),
+        "note": plan_sentence(plan, confirmed_rows is not None,
+                              failed or (None if s.confirm_schedule else "serve.confirm_schedule is off"))
+        + slower + faster,
         **command,
     }
 
 
-def plan_note(plan: Mapping[str, Any], k_max: int, confirmed: bool, unconfirmed: str | None) -> str:
-    """What the plan says, in one or two sentences (report.md's text above the command), and why it is `unconfirmed`."""
-    withdrawn = [row for row in plan.get("estimate") or [] if row.get("withdrawn_k")]
-    slower = "" if not withdrawn else (
-        " The confirming run served " + "; ".join(f"k = {row['withdrawn_k']} at concurrency {row['concurrency']} at "
-                                                  f"{row['withdrawn_speedup']:.2f}x" for row in withdrawn)
-        + " of no speculation's tokens/s, slower, so the schedule serves k = 0 there.")
-    return plan_sentence(plan, k_max, confirmed, unconfirmed) + slower
-
-
-def plan_sentence(plan: Mapping[str, Any], k_max: int, confirmed: bool, unconfirmed: str | None) -> str:
-    """What the schedule serves and what stands behind it: the estimate, the config, a confirming run."""
+def plan_sentence(plan: Mapping[str, Any], confirmed: bool, unconfirmed: str | None) -> str:
+    """What the schedule serves and what stands behind it (report.md's text above the command): the estimate, the
+    config, a confirming run, or why it is `unconfirmed`."""
     kind = plan.get("kind")
     if kind is None:
         return ("No level had both runs' time per output token to estimate from; the command serves the drafter as "

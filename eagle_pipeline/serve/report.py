@@ -32,20 +32,16 @@ def served_path(stage_dir: str | os.PathLike, mode: str) -> Path:
 
 def write_served(stage_dir: str | os.PathLike, inputs: dict, mode: str, record: dict) -> Path:
     path = served_path(stage_dir, mode)
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(path, {"inputs": inputs, "mode": mode, "record": record})
     return path
 
 
 def read_served(stage, inputs: dict, modes: Sequence[str], num_speculative_tokens: int,
                 shaped_by: dict | None = None) -> dict[str, dict]:
-    """The records of those `modes` that an earlier run of exactly these inputs served, by mode, in `stage`'s folder.
-
-    Each mode's own file first, as the stage's manifest keeps its digest (`Stage.kept_whole`; edited since, or its
-    manifest lost: served again). Where it is missing, torn or impossible, the same measurements are taken from
-    what the stage wrote once every mode was served (report.json and responses.jsonl; for "none", baseline/
-    answers.json when it was served with `shaped_by`), checked the same way, and written back to the mode's
-    file (`Stage.keep_file`). A mode found nowhere is left out: it is served again."""
+    """The records of those `modes` that an earlier run of exactly these inputs served, by mode, in `stage`'s folder
+    (docs/contracts.md, "Stage 06: report.json": its file as the manifest's digest keeps it, else rebuilt from
+    report.json and responses.jsonl, for "none" from baseline/answers.json served with `shaped_by`, and written
+    back). A mode found nowhere is left out: it is served again."""
     stage_dir = stage.dir
     found: dict[str, dict] = {}
     for mode in modes:
@@ -126,11 +122,6 @@ def per_prompt_acceptance(report: dict) -> list[dict]:
     return rows
 
 
-def write_report_json(path: str | os.PathLike, report: dict) -> None:
-    """report.json without the per-prompt texts and token ids (the texts go to responses.jsonl)."""
-    atomic.write_json(path, {k: v for k, v in report.items() if k not in ("texts", "token_ids")})
-
-
 def read_report(path: str | os.PathLike) -> dict:
     """report.json as stage 06 wrote it; every way the file can be wrong is a BadInput naming it and the fix."""
     path = Path(path)
@@ -148,15 +139,6 @@ def read_report(path: str | os.PathLike) -> dict:
     if problem:
         raise BadInput(f"{path}: {problem}; {fix}")
     return report
-
-
-def write_responses_jsonl(path: str | os.PathLike, prompts: Sequence[list[dict]], report: dict) -> None:
-    texts = report.get("texts", {})
-    lines = []
-    for i, messages in enumerate(prompts):
-        lines.append(json.dumps({"index": i, "messages": messages,
-                                 "responses": {mode: texts[mode][i] for mode in texts}}, ensure_ascii=False))
-    atomic.write_text(path, "\n".join(lines) + "\n")
 
 
 def format_number(value: Any, digits: int = 2) -> str:
@@ -311,6 +293,7 @@ def render_plan_md(plan: dict) -> list[str]:
     acceptance = {row["concurrency"]: row for row in plan.get("acceptance_by_concurrency") or []}
     estimate = {row["concurrency"]: row for row in plan.get("estimate") or []}
     confirmed = {row["concurrency"]: row for row in ((plan.get("confirmed") or {}).get("levels") or [])}
+    fastest = {row["concurrency"]: row["fastest"] for row in plan.get("method_by_concurrency") or []}
     k_max = plan["num_speculative_tokens"]
     names = [name for name in ("ngram", "eagle3") if name in speedups]
     lines = ["", "## Acceptance and speed-up across load", "",
@@ -320,8 +303,8 @@ def render_plan_md(plan: dict) -> list[str]:
              f"plan.py); the confirmed speed-up is the chosen setting served.", "",
              "| concurrency | " + " | ".join(f"{name} speed-up" for name in names)
              + " | eagle3 mean acceptance length | per request: median [min-max] | chosen k | estimated speed-up "
-               "| confirmed speed-up | confirmed draft tokens per draft |",
-             "|---|" + "---|" * len(names) + "---|---|---|---|---|---|"]
+               "| confirmed speed-up | confirmed draft tokens per draft | fastest |",
+             "|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|"]
     for i, level in enumerate(levels):
         row, est, conf = acceptance.get(level) or {}, estimate.get(level) or {}, confirmed.get(level) or {}
         lines.append(f"| {level} | " + " | ".join(format_speedup(speedups[name][i]) for name in names)
@@ -331,7 +314,7 @@ def render_plan_md(plan: dict) -> list[str]:
                        + (f" (k = {est['withdrawn_k']} served slower)" if est.get("withdrawn_k") else "")
                        + f" | {format_speedup(est.get('estimated_speedup'))} "
                        f"| {format_speedup(conf.get('speedup'))} "
-                       f"| {format_number(conf.get('draft_tokens_per_draft'))} |")
+                       f"| {format_number(conf.get('draft_tokens_per_draft'))} | {fastest.get(level, '-')} |")
     findings = plan.get("findings") or []
     lines += ["", "Acceptance across load: " + ("no collapse found." if not findings else "")]
     lines += [f"- FINDING: {finding['text']}" for finding in findings]
@@ -437,17 +420,17 @@ def _plot_load(plan: dict, speed, acceptance) -> None:
 
 
 def write_report(out_dir: str | os.PathLike, report: dict, prompts: Sequence[list[dict]] | None = None) -> dict:
-    """Write report.json, report.md, report.png (and responses.jsonl when prompts are given).
-
-    Returns {name: path} of what was written.
-    """
+    """Write report.json (without the per-prompt texts and token ids), report.md, report.png, and when prompts are
+    given responses.jsonl (per prompt its messages and each mode's text); {name: path} of what was written."""
     out_dir = Path(out_dir)
-    paths = {"report.json": out_dir / "report.json", "report.md": out_dir / "report.md",
-             "report.png": out_dir / "report.png"}
-    write_report_json(paths["report.json"], report)
+    paths = {name: out_dir / name for name in ("report.json", "report.md", "report.png")}
+    atomic.write_json(paths["report.json"], {k: v for k, v in report.items() if k not in ("texts", "token_ids")})
     atomic.write_text(paths["report.md"], render_report_md(report))
     atomic.write_bytes(paths["report.png"], render_report_png(report))
     if prompts is not None and "texts" in report:
         paths["responses.jsonl"] = out_dir / "responses.jsonl"
-        write_responses_jsonl(paths["responses.jsonl"], prompts, report)
+        texts = report["texts"]
+        lines = [json.dumps({"index": i, "messages": messages, "responses": {mode: texts[mode][i] for mode in texts}},
+                            ensure_ascii=False) for i, messages in enumerate(prompts)]
+        atomic.write_text(paths["responses.jsonl"], "\n".join(lines) + "\n")
     return paths

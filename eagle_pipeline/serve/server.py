@@ -50,12 +50,9 @@ def check_port_free(port: int) -> None:
 
 
 class VllmServer:
-    """`with VllmServer(target) as server:` starts vLLM's OpenAI server on 127.0.0.1, waits for /health,
-    and on leaving (normally, on an exception or on Ctrl-C) stops the whole process group: SIGTERM, then
-    SIGKILL after `stop_grace_s`; a server that never became healthy, SIGKILL at once.
-
-    If this process is killed outright, the server still stops: it gets the kernel's parent-death SIGTERM,
-    and a guard process stops its group as stop() would (eagle_pipeline/child_process.py). Start it from the main
+    """`with VllmServer(target) as server:` starts vLLM's OpenAI server on 127.0.0.1, waits for /health, and on
+    leaving (normally, on an exception or on Ctrl-C) stops its whole process group, as eagle_pipeline/child_process.py
+    stops a child (`stop_grace_s` its grace period), stopped too if this process dies first. Start it from the main
     thread: the parent-death signal fires when the *thread* that started the server exits.
     """
 
@@ -159,9 +156,7 @@ class VllmServer:
             return response.status == 200
 
     def stop(self) -> None:
-        """Stop the server's process group; idempotent. A second Ctrl-C during the grace period kills. A server
-        that never became healthy has served nothing and is killed at once: while its engine starts, the API
-        server does not act on SIGTERM."""
+        """Stop the server's process group (`ChildProcess.stop`); idempotent."""
         child, self.child = self.child, None
         if child is not None:
             child.stop()

@@ -1,20 +1,5 @@
-"""vLLM's spec-decode counters on /metrics: parse, scrape, difference over a run, and acceptance figures.
-
-The counters are the ones vLLM exports from `vllm/v1/spec_decode/metrics.py` (`SpecDecodingProm`):
-
-    vllm:spec_decode_num_drafts_total                 one per verification step that carried a draft
-    vllm:spec_decode_num_draft_tokens_total           draft tokens proposed
-    vllm:spec_decode_num_accepted_tokens_total        draft tokens accepted
-    vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}   accepted at draft position i
-
-Mean acceptance length = 1 + accepted / drafts (the 1 is the token the target adds on every step);
-acceptance rate = accepted / draft tokens; per-position acceptance = accepted_per_pos[i] / drafts.
-
-Per request, a server started with `--per-request-spec-decode-metrics summary` answers each request with
-`metrics.speculative_decoding` (`vllm/entrypoints/generate/base/protocol.py`, SpeculativeDecodingMetrics, filled
-from `vllm/v1/metrics/stats.py` RequestSpecDecodeMetrics): `acceptance_histogram[j]` = verification steps that
-accepted exactly j drafts, `num_spec_steps` = drafts, `num_accepted_draft_tokens`; `request_acceptance` turns
-it into the same figures for that one request.
+"""vLLM's spec-decode counters on /metrics: parse, scrape, difference over a run, and acceptance figures, also per
+request (which counters and response fields, and the figures made of them: docs/engines.md, "Spec-decode metrics").
 
 `read_prometheus` and `sample_sums` are the product's one reader of Prometheus text, also for the online capture
 servers' prefill counters (eagle_pipeline/online/servers.py) and the Mooncake master's gauges
@@ -29,20 +14,18 @@ from typing import Any
 
 # Asks a speculating server for each request's own acceptance (vLLM refuses it on one that does not speculate).
 PER_REQUEST_FLAGS = ("--per-request-spec-decode-metrics", "summary")
-SPEC_COUNTERS = {
+COUNTERS = {
     "num_drafts": "vllm:spec_decode_num_drafts_total",
     "num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
     "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
-}
-ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-# Server-side counters and histogram sums used as cross-checks and for latency per output token.
-OTHER_COUNTERS = {
+    # Server-side counters and histogram sums used as cross-checks and for latency per output token.
     "generation_tokens": "vllm:generation_tokens_total",
     "tpot_sum_s": "vllm:request_time_per_output_token_seconds_sum",
     "tpot_count": "vllm:request_time_per_output_token_seconds_count",
     "ttft_sum_s": "vllm:time_to_first_token_seconds_sum",
     "ttft_count": "vllm:time_to_first_token_seconds_count",
 }
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 def read_prometheus(url: str, timeout_s: float = 30.0) -> str:
@@ -74,8 +57,8 @@ def parse_spec_metrics(text: str) -> dict:
     Values are summed over label sets other than `position` (one per engine when data-parallel).
     Counters vLLM does not export (no speculation configured) read as 0 and an empty per-position list.
     """
-    wanted = {**{v: k for k, v in SPEC_COUNTERS.items()}, **{v: k for k, v in OTHER_COUNTERS.items()}}
-    out: dict[str, Any] = {key: 0.0 for key in [*SPEC_COUNTERS, *OTHER_COUNTERS]}
+    wanted = {name: key for key, name in COUNTERS.items()}
+    out: dict[str, Any] = dict.fromkeys(COUNTERS, 0.0)
     per_pos: dict[int, float] = {}
     for name, labels, value in prometheus_samples(text):
         if name in wanted:

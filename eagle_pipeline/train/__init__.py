@@ -14,8 +14,4 @@ holds the rest a run needs (paths, layer ids, seed, storage dtype, device). A ru
     loss_curves.png       the same, plotted when the run ends
     run_stats.json        tokens/s, peak RSS and resume point of the latest invocation that trained
     tensorboard/          speculators' TensorBoard events
-
-Modules: settings (TrainRun, resumable settings, storage backend), inputs (checks before training),
-draft_config (the drafter's shape, init_from compatibility), checkpoints (complete, torn, pruned, best),
-metrics (metrics.csv, loss curves), runner (train in this process, summary), launch (multi-GPU).
 """

@@ -4,12 +4,9 @@ speculators saves a checkpoint at the end of each epoch (`training_state.json` i
 then validates it; the metrics recorder writes that validation as `validation.json` into the folder. A
 checkpoint is complete once both exist. A rerun after a kill deletes incomplete (torn) folders first, so
 speculators resumes from the newest complete one, optimizer, scheduler and step included, and no epoch
-goes unvalidated. After each validation only the newest `keep_last` complete checkpoints and the best
-one are kept. The best is the one with the highest predicted acceptance length (ties: the lower validation
-loss; eagle_pipeline/train/predicted_acceptance.py) under `train.select_by: predicted_acceptance`, else, or
-when some checkpoint has no prediction, the one with the lowest validation loss; best.json says which rule
-chose it. With `train.early_stop_patience`, a run whose newest checkpoint comes that many epochs after the
-best one has finished (eagle_pipeline/train/early_stop.py).
+goes unvalidated. After each validation only the newest `keep_last` complete checkpoints and the best one
+(best.json) are kept; which is the best, and when early stopping ends a run:
+docs/formats.md, "speculators checkpoint".
 """
 
 from __future__ import annotations

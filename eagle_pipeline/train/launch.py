@@ -12,13 +12,15 @@ repository root as the working directory (config.base.REPO_ROOT), then call runn
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 from eagle_pipeline import atomic
+from eagle_pipeline.child_process import die_with_parent
 from eagle_pipeline.config import TrainConfig
 from eagle_pipeline.errors import BadInput, Terminated
-from eagle_pipeline.parent_death import signal_on_parent_death
 from eagle_pipeline.train.runner import prepare, run_speculators
 from eagle_pipeline.train.settings import TrainRun
 from eagle_pipeline.train.stop import STOP_GRACE_S
@@ -60,17 +62,16 @@ def run_torchrun(command: list[str], cwd: Path) -> int:
     """Run torch.distributed.run to its end and return its exit code. It runs in a session of its own: a stop of
     this process (SIGTERM, Ctrl-C, to it or its process group) reaches torchrun once, from here, and torchrun
     passes it to its ranks (each in a session of its own too) and waits for them; the stop is raised here once
-    torchrun has ended. Should this process be killed outright, torchrun gets SIGTERM from the kernel."""
-    import signal
-    import subprocess
+    torchrun has ended. Should this process be killed outright, torchrun gets SIGTERM from the kernel.
 
-    process = subprocess.Popen(command, cwd=cwd, start_new_session=True,
-                               preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM))
+    Not a child_process.ChildProcess, which writes its child's output to a log file and SIGKILLs the child a grace
+    period after a stop, or at a second one: torchrun's output belongs in the stage's own, and its ranks must be
+    left to complete the epoch's checkpoint, which torchrun's --shutdown-timeout bounds."""
+    process = subprocess.Popen(command, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent)
     stop: BaseException | None = None
-    while True:
+    while process.returncode is None:
         try:
-            code = process.wait()
-            break
+            process.wait()
         except KeyboardInterrupt as e:  # Terminated too; a second one waits on: torchrun's timeout bounds it
             if stop is None:
                 stop = e
@@ -79,7 +80,7 @@ def run_torchrun(command: list[str], cwd: Path) -> int:
                       flush=True)
     if stop is not None:
         raise stop
-    return code
+    return process.returncode
 
 
 def read_launch_file(path: Path) -> tuple[TrainConfig, TrainRun]:

@@ -5,12 +5,10 @@ best checkpoint by.
 Validation loss is speculators' teacher-forced loss over every position; what decides the speed-up is how
 long a chain of drafts the target accepts, which weighs the first positions most and is not a monotone
 function of the loss. So after each validation the checkpoint just saved is replayed (eagle_pipeline.predict,
-the replay stage 06 compares with vLLM's counters; docs/measurements.md, "Served vs
-predicted") over the first
-`train.predict_conversations` validation rows: their prompt, the target's answer, and the hidden states
-stage 02 captured for them. On data generated at temperature 0 the figure is the one vLLM would measure on
-those conversations; on sampled data the drafts are scored against the sampled tokens, which is still a
-comparison of checkpoints on the same text, though not a served figure.
+the replay stage 06 compares with vLLM's counters; docs/measurements.md, "Served vs predicted") over the first
+`train.predict_conversations` validation rows: their prompt, the target's answer, and the hidden states stage 02
+captured for them. How far the figure is a served one (exact at temperature 0):
+docs/formats.md, "speculators checkpoint".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Validation on whole topics: the rows of a few topics are held out of training, so that the validation
 loss predicts how the drafter does on prompts about things it was never trained on (stage 06 serves
-held-out topics), not how well it remembers near-copies of its training prompts.
-
-Each row of stage 02's dataset carries a `topic` (stage 01 records the prompt's; a prompt without one is
-its own topic). Topics are taken in a seeded order until about `train.val_ratio` of the rows are held
-out; a topic is never on both sides.
-
-speculators' loader splits positionally (the first int(rows * ratio) rows train, the rest validate,
-row i reading hidden_states/hs_<i>.safetensors), so training reads a view of stage 02's data in which the
-training topics come first: `split_data/` holds the rows reordered and `hidden_states/` links to stage
-02's files under their new row numbers (relative links: the run folder may be moved). `split.json` says
-which topics validate and the ratio that reproduces the boundary.
+held-out topics), not how well it remembers near-copies of its training prompts. Each row of stage 02's
+dataset carries a `topic` (stage 01 records the prompt's; a prompt without one is its own topic). How topics
+are chosen, and the view of stage 02's data that speculators' positional split reads (`split_data/`,
+`split.json`): docs/formats.md, "speculators checkpoint".
 """
 
 from __future__ import annotations
