@@ -52,6 +52,7 @@ from eagle_pipeline.serve.engine_probe import describe, probe_engine, variant_co
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.plan import (
     SCHEDULE_MODE,
+    drafter_mode,
     plan_serving,
     plan_speculative_config,
     served_by,
@@ -268,8 +269,9 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
     s = cfg.serve
     plan = plan_serving(report["modes"], s.concurrency_levels, s.num_speculative_tokens,
                         s.num_speculative_tokens_per_batch_size)
-    spec = plan_speculative_config(plan, report["modes"]["eagle3"]["speculative_config"])
-    confirmed_by, confirmed, served_now = served_by(plan, s.num_speculative_tokens), None, False
+    drafter = drafter_mode(report["modes"])
+    spec = plan_speculative_config(plan, report["modes"][drafter]["speculative_config"])
+    confirmed_by, confirmed, served_now = served_by(plan, s.num_speculative_tokens, drafter), None, False
     if confirmed_by is not None:
         confirmed = {"summary": report["modes"].get(confirmed_by), "texts": report["texts"].get(confirmed_by)}
     elif spec is not None and s.confirm_schedule:
@@ -307,12 +309,14 @@ def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: 
     """The engine variants served with the drafter in turn; the verdict with what they showed."""
     from eagle_pipeline.predict.diagnose import with_probe
 
+    drafter = drafter_mode(report["modes"])
+
     def serve_variant(index: int, variant) -> dict:
         folder = log_dir / f"engine-variant-{index}"
         # Acceptance is what a variant is served for: the headline level alone.
-        served = measure_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder,
+        served = measure_modes(variant_config(cfg, variant), target, drafter_dir, messages, [drafter], folder,
                                template_kwargs, levels=cfg.serve.concurrency_levels[:1])
-        return {**served["modes"]["eagle3"], "engine": served["engine"], "log": str(folder / "server-eagle3.log")}
+        return {**served["modes"][drafter], "engine": served["engine"], "log": str(folder / f"server-{drafter}.log")}
 
     rows = probe_engine(cfg.serve.engine_variants, serve_variant, report.get("predicted_per_position_acceptance") or [],
                         report.get("predicted_num_drafts"))

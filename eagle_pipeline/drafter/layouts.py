@@ -168,6 +168,15 @@ def is_dflash_config(config: dict[str, Any]) -> bool:
     return config.get(SPECULATORS_TYPE_KEY) == DFLASH or DFLASH_ARCHITECTURE in (config.get("architectures") or [])
 
 
+# The stage-06 modes that serve a drafter, named by vLLM's method for its family (train.family).
+DRAFTER_MODES = ("eagle3", DFLASH)
+
+
+def drafter_mode(modes) -> str:
+    """The mode among `modes` (names, or a mapping keyed by them) that served the drafter (eagle3 where none did)."""
+    return next((mode for mode in modes if mode in DRAFTER_MODES), "eagle3")
+
+
 def strip_export_prefix(name: str) -> str:
     return name.removeprefix(EXPORT_PREFIX)
 
