@@ -3,10 +3,11 @@
 Each mode ("none", "ngram", the drafter's ("eagle3" or "dflash"), and the chosen schedule:
 eagle_pipeline/serve/plan.py) gets its own server process, one at a time. For each mode we send a warm-up
 request, then for each concurrency level in turn scrape /metrics, run the prompts at that level, scrape again,
-and keep the difference, so that start-up, warm-up and the other levels' traffic never count. The first level is the headline: its first pass over the prompts gives
-the mode's texts and token ids. Each mode's record (`mode_record`: its summary, texts and token ids) is handed
-out as soon as its prompts are answered, before its server stops, so that a later mode's failure (a server that
-does not start) or a stop that hangs loses nothing measured; the report is built from the records
+and keep the difference, so that start-up, warm-up and the other levels' traffic never count. The first level
+is the headline: its first pass over the prompts gives the mode's texts and token ids. Each mode's record
+(`mode_record`: its summary, texts and token ids) is handed out as soon as its prompts are answered, before its
+server stops, so that a later mode's failure (a server that does not start) or a stop that hangs loses nothing
+measured; the report is built from the records
 (`served_report`), whether served now or by an earlier run.
 """
 
