@@ -36,28 +36,24 @@ from eagle_pipeline.verifier import Verifier
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     draft_vocab_size = cfg.vocab.draft_vocab_size
-    if dry_run and not is_complete(cfg, 2):
-        vocab_size = Verifier.from_config(cfg).vocab_size
-        if draft_vocab_size > vocab_size:
-            vocab.select_draft_ids(np.zeros(vocab_size, dtype=np.int64), draft_vocab_size)  # raises the BadInput
-        print(f"stage 03: draft vocabulary of {draft_vocab_size} from {cfg.data.num_samples} samples, "
-              f"target vocabulary {vocab_size} -> {stage.dir}")
-        print(not_run_yet_note(cfg, 2))
-        return
-    upstream = require_complete(cfg, 2)
-    vocab_size = upstream["counts"]["target_vocab_size"]
+    planned = dry_run and not is_complete(cfg, 2)  # a dry run before stage 02: from the config and the target
+    upstream = None if planned else require_complete(cfg, 2)
+    vocab_size = Verifier.from_config(cfg).vocab_size if planned else upstream["counts"]["target_vocab_size"]
     if draft_vocab_size > vocab_size:
         vocab.select_draft_ids(np.zeros(vocab_size, dtype=np.int64), draft_vocab_size)  # raises the BadInput
     adopted = None
-    if cfg.vocab.from_drafter:  # checked before anything is written, dry run included
+    if cfg.vocab.from_drafter and not planned:  # checked before anything is written, dry run included
         _, layout = require_sample_layout(cfg)
         adopted = released_drafter.adopted_vocab_map(cfg.resolve_path(cfg.vocab.from_drafter), "vocab.from_drafter",
                                                      hidden_size=layout.hidden_size, vocab_size=vocab_size,
                                                      draft_vocab_size=draft_vocab_size)
-    source = f"adopted from {cfg.vocab.from_drafter}" if adopted else f"from {upstream['counts']['samples']} samples"
+    samples = cfg.data.num_samples if planned else upstream["counts"]["samples"]
+    source = f"adopted from {cfg.vocab.from_drafter}" if adopted else f"from {samples} samples"
     if dry_run:
         print(f"stage 03: draft vocabulary of {draft_vocab_size} "
               f"{source}, target vocabulary {vocab_size} -> {stage.dir}")
+        if planned:
+            print(not_run_yet_note(cfg, 2))
         return
 
     inputs = {
@@ -67,7 +63,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     }
     if adopted:  # only then, so that runs counting their own vocabulary keep their recorded inputs
         inputs["from_drafter"] = {"file": str(adopted[2]), "fingerprint": file_fingerprint(adopted[2])}
-    if stage.begin(inputs, samples=upstream["counts"]["samples"]) is Start.ALREADY_COMPLETE:
+    if stage.begin(inputs, samples=samples) is Start.ALREADY_COMPLETE:
         print(f"stage 03 already complete for these inputs: {stage.dir}")
         return
 
@@ -96,7 +92,7 @@ def run(stage: Stage, dry_run: bool) -> None:
                 "share of training tokens",
                 marks={f"chosen size {draft_vocab_size}": (draft_vocab_size, covered)})
     stats = {
-        "samples": upstream["counts"]["samples"],
+        "samples": samples,
         "assistant_tokens": int(counts.sum()),
         "distinct_tokens_seen": int((counts > 0).sum()),
         "draft_vocab_size": draft_vocab_size,

@@ -1,12 +1,7 @@
-"""Conversations answered by vLLM's offline engine with a steady number in flight (stage 01).
-
-Handing the engine fixed batches (`LLM.chat` on N conversations, then the next N) leaves it decoding ever
-fewer sequences as the batch's short answers finish, until the longest one ends: on the embedded default a
-batch runs about a third of its steps well below full. Here the engine keeps `in_flight` conversations
-decoding: a new one is added as soon as one finishes, so every step decodes a full batch until the last
-conversations drain. Greedy answers and seeded sampling do not depend on which conversations share a step,
-so the answers are those of fixed batches; only the order in which they finish differs, and callers key
-them by index.
+"""Conversations answered by vLLM's offline engine with a steady number in flight (stage 01): a new one is added as
+soon as one finishes, so every step decodes a full batch until the last conversations drain. Why, and why the
+answers are those of fixed batches (only their order differs, so callers key them by index): docs/engines.md,
+"Generating the training answers".
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ def answer_in_flight(llm: Any, conversations: Sequence[list[dict]], params: Any,
         batch = list(conversations[next_index : next_index + count])
         request_ids = llm.enqueue_chat(batch, params, use_tqdm=False, chat_template_kwargs=chat_template_kwargs)
         for offset, request_id in enumerate(request_ids):
-            # enqueue_chat returns the engine's internal id, "<the LLM's counter>-<8 random characters>";
-            # finished outputs carry the counter part alone (vLLM 0.32, v1/engine/input_processor.py).
+            # enqueue_chat returns the engine's internal id; finished outputs carry its counter part alone.
             index_of[request_id.split("-", 1)[0]] = next_index + offset
         next_index += count
 

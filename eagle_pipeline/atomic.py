@@ -1,10 +1,9 @@
 """Atomic file writes: write to a temporary name in the same folder, fsync, then rename.
 
 A reader (or a rerun after a crash) sees either the old file or the complete new one, never a torn one.
-Temporary names start with ".tmp-" so that a rerun can sweep leftovers. Files and folders get the modes the
-process's umask gives (0644 and 0755 under the usual 022), as a plain `open` or `mkdir` would: the
-temporaries are created with `os.open` / `os.mkdir` rather than `tempfile`, whose private 0600 / 0700 modes
-would otherwise be renamed into place and keep other users (a serving account, a backup) from reading a run.
+Temporary names start with ".tmp-" so that a rerun can sweep leftovers. The temporaries are created with
+`os.open` / `os.mkdir` rather than `tempfile`, whose private 0600 / 0700 modes would be renamed into place: files
+get the umask's modes (docs/contracts.md, "Run folder layout").
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The pipeline's child processes (vLLM servers, Mooncake's master and store, the drafter checks' vLLM jobs):
 started with their output in a log file, waited for until ready, watched, and stopped with everything they
-started. The one place that starts, watches and stops them.
+started. The one place that starts, watches and stops them; how a stop goes, and why: docs/engines.md, "Engine
+processes".
 
 - A child leads a process group of its own (a session): Ctrl-C in the terminal reaches only this process, and
   a stop signals the child's whole group (vLLM's API server, engine core and workers).
 - It gets SIGTERM from the kernel when the *thread* that started it exits (parent_death.py): start it from a
   thread that lives as long as the child should.
-- A guard process stops the group if this process dies without doing so (SIGKILL, the OOM killer): the
-  parent-death SIGTERM is not enough where the child ignores SIGTERM (vLLM's API server while its engine
-  starts) or leaves processes behind (its engine core and workers get no signal of their own). See `Guard`.
-- `stop`: SIGTERM to the leader alone (vLLM's API server then stops its engine core and workers in order;
-  signalling the whole group at once kills the engine under the server's feet), SIGKILL to the group and every
-  process below the leader after the grace period, or at once for a child that never became ready (it has
-  served nothing, and vLLM does not act on SIGTERM while its engine starts). It returns once every member has
-  exited; a zombie (exited, not yet reaped, or never where the parent is a container's init that does not
-  reap) holds nothing and counts as gone (process_tree.live_group_members).
+- A guard process stops the group if this process dies without doing so (SIGKILL, the OOM killer). See `Guard`.
 """
 
 from __future__ import annotations
@@ -138,8 +131,9 @@ class ChildProcess:
             self._guard.ready()
 
     def stop(self) -> None:
-        """Stop the child's process group (see the module's docstring); idempotent. A second Ctrl-C during the
-        grace period kills at once."""
+        """Stop the child's process group; idempotent. SIGTERM to the leader alone (vLLM's API server stops its engine
+        core and workers in order; a signal to the whole group would kill the engine under it), SIGKILL to the group
+        after the grace period, or at once for a child never ready; a second Ctrl-C in the grace period kills now."""
         process, self.process = self.process, None
         guard, self._guard = self._guard, None
         if process is None:
@@ -206,9 +200,7 @@ def wait_group_gone(group: int, timeout: float) -> None:
 
 # The guard's program (python -c). Its stdin is a pipe whose write end only this process holds: it writes
 # "ready" once the child is ready and "stopped" once it has stopped the child itself, so EOF without "stopped"
-# means this process died (SIGKILL, the OOM killer). The guard then does what ChildProcess.stop() would have
-# done: SIGKILL to the child's whole process group at once if it never became ready, else SIGTERM to the
-# leader and, after the grace period, SIGKILL to the group.
+# means this process died (SIGKILL, the OOM killer), and the guard does what ChildProcess.stop() would have.
 _GUARD_PROGRAM = """
 import os, signal, sys, time
 

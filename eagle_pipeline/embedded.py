@@ -42,17 +42,11 @@ def _cached_dir(name: str, cache_dir: Path) -> tuple[Path, str]:
     return Path(cache_dir) / f"{name}-{digest}", digest
 
 
-def converted_path(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path | None:
-    """The embedded model's HF directory where it is converted already (None otherwise); converts nothing."""
-    target, _ = _cached_dir(name, cache_dir)
-    return target if (target / "conversion.json").exists() else None
-
-
 def not_converted_yet(verifier_path: str) -> bool:
     """Whether `verifier_path` names an embedded model not converted yet: its shape is read once stage 01 has
     converted it (a dry run converts nothing)."""
     name = verifier_path.removeprefix(EMBEDDED_PREFIX)
-    return name != verifier_path and converted_path(name) is None
+    return name != verifier_path and not (_cached_dir(name, DEFAULT_CACHE)[0] / "conversion.json").exists()
 
 
 def materialize(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
@@ -86,13 +80,5 @@ def materialize(name: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
 
 
 def resolve_verifier_path(path: str, cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Turn `embedded:<name>` into a converted HF directory; leave other paths as they are."""
-    if path.startswith(EMBEDDED_PREFIX):
-        return materialize(path[len(EMBEDDED_PREFIX):], cache_dir)
-    return Path(path).expanduser()
-
-
-if __name__ == "__main__":
-    import sys
-
-    print(materialize(sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct"))
+    """Turn `embedded:<name>` into a converted HF directory (verifier.py resolves every other path)."""
+    return materialize(path.removeprefix(EMBEDDED_PREFIX), cache_dir)

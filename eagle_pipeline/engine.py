@@ -37,11 +37,7 @@ def engine_env(cfg: RunConfig) -> dict[str, str]:
 
 def in_process_engine(cfg: RunConfig) -> bool:
     """Whether an offline engine (stage 01's answers, stage 02's and the replay's capture) runs in the stage's own
-    process: on a CPU host without tensor parallelism. There vLLM otherwise starts an engine-core process and,
-    since the CPU platform forces its multiprocessing executor, a worker below it; the engine core busy-waits on
-    the worker's message queue, taking a core of the two the worker computes on (docs/engines.md, "Engine
-    processes"; the A/B in docs/benchmarks/generation.md). Servers keep their processes everywhere, and the GPU
-    host runs offline engines as vLLM does by default."""
+    process: on a CPU host without tensor parallelism (why: docs/engines.md, "Engine processes")."""
     return cfg.device == "cpu" and cfg.verifier.tensor_parallel_size == 1
 
 
@@ -116,8 +112,8 @@ def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None,
         "dtype": dtype or v.dtype,
         "max_model_len": max_model_len or v.max_model_len,
         "tensor_parallel_size": v.tensor_parallel_size,
-        "trust_remote_code": v.trust_remote_code,
         "seed": cfg.seed,
+        "trust_remote_code": v.trust_remote_code,
         **target_engine_settings(cfg),
     }
     if cfg.device == "cuda":
@@ -127,27 +123,19 @@ def llm_kwargs(cfg: RunConfig, model: str, max_model_len: int | None = None,
     return kwargs
 
 
-def as_server_flags(kwargs: dict[str, Any]) -> list[str]:
-    """Engine arguments as `vllm serve` flags: `key_name: value` -> `--key-name value`, a true flag alone."""
+def server_args(cfg: RunConfig) -> list[str]:
+    """The same engine settings as `llm_kwargs`, as `vllm serve` flags (model, dtype and max_model_len aside):
+    `key_name: value` -> `--key-name value`, a true flag alone."""
     args: list[str] = []
-    for key, value in kwargs.items():
+    for key, value in llm_kwargs(cfg, "").items():
         flag = "--" + key.replace("_", "-")
+        if key in ("model", "dtype", "max_model_len"):  # config keys own them: engine_args never holds one
+            continue
         if value is True:
             args.append(flag)
         elif value is not False and value is not None:
             args += [flag, value if isinstance(value, str) else json.dumps(value)]
     return args
-
-
-def server_args(cfg: RunConfig) -> list[str]:
-    """The same engine settings as `llm_kwargs`, as `vllm serve` flags (dtype and max_model_len aside)."""
-    v = cfg.verifier
-    kwargs: dict[str, Any] = {"tensor_parallel_size": v.tensor_parallel_size, "seed": cfg.seed,
-                              "trust_remote_code": v.trust_remote_code, **target_engine_settings(cfg)}
-    if cfg.device == "cuda":
-        kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
-        kwargs["enable_expert_parallel"] = v.enable_expert_parallel
-    return as_server_flags({**kwargs, **v.engine_args})
 
 
 def server_kwargs(cfg: RunConfig) -> dict[str, Any]:

@@ -40,11 +40,8 @@ def text_fingerprint(text: str) -> str:
 
 
 def _identity(path: Path) -> str:
-    """What must stay the same for a cached hash of `path` to hold: the file (device, inode) and its state.
-
-    ctime is in it because no user-space call can set it: a file rewritten in place with its old mtime put
-    back (`touch -d`) still gets a new ctime, so it is hashed again.
-    """
+    """What must stay the same for a cached hash of `path` to hold: the file (device, inode) and its state (why
+    ctime: docs/contracts.md, "Fingerprints of model folders")."""
     st = path.stat()
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
@@ -67,8 +64,7 @@ def _write_cache(cache: Path, entries: dict[str, dict[str, str]]) -> None:
 
 def cached_file_fingerprints(paths: list[Path], cache: Path | None = None) -> dict[Path, str]:
     """The sha256 of each file's bytes, taken from `cache` (default HASH_CACHE) where the file is still the one
-    that was hashed: same path, device, inode, size, mtime and ctime. A copy or a `touch` of the same bytes is
-    hashed once again and gives the same hash; a file rewritten with other bytes gives another."""
+    that was hashed (same path and `_identity`)."""
     cache = HASH_CACHE if cache is None else Path(cache)
     entries = _read_cache(cache)
     found: dict[Path, str] = {}
@@ -99,13 +95,8 @@ def cached_file_fingerprints(paths: list[Path], cache: Path | None = None) -> di
 
 def model_dir_fingerprint(path: str | Path, cache: Path | None = None) -> str:
     """Fingerprint of a model folder's content: its metadata files (config, generation config, weight index)
-    and the bytes of every weight file, by name.
-
-    It depends on bytes only, so copying the folder or touching its files leaves it unchanged, while a weight
-    file swapped for another of the same shape (a fine-tune) changes it. Hashing hundreds of GB at every stage
-    start would take minutes: the weight hashes are cached (`cached_file_fingerprints`), so a folder is read in
-    full once, and again only for files that changed on disk.
-    """
+    and the bytes of every weight file, by name, the weights' hashes cached (`cached_file_fingerprints`). Why
+    bytes, and why cached: docs/contracts.md, "Fingerprints of model folders"."""
     path = Path(path)
     parts: dict[str, Any] = {}
     for name in MODEL_METADATA_FILES:

@@ -1,14 +1,7 @@
 """Aux hidden-state layer ids: the one rule for what an id means, which ids are valid, and how each engine
-spells them (docs/layer_ids.md).
-
-The pipeline keeps ids in one convention everywhere, HF `output_hidden_states` indices: id k is the
-residual stream entering decoder layer k (= the output of layer k-1). vLLM and speculators read ids the
-same way. SGLang and SpecForge read id k as the *output* of layer k, i.e. HF index k+1; an id written in
-the wrong convention makes the drafter read a layer one off from the one it was trained on, which loads
-without any error and only shows as low acceptance.
-
-The final layer (id L, its output before the final norm) is always captured as the last slot, so valid
-aux ids lie in 1..L-1, strictly increasing (vLLM returns states in layer order and merges duplicates).
+spells them (docs/layer_ids.md). Ids are HF `output_hidden_states` indices everywhere (vLLM's and speculators'
+convention; SGLang's id k is HF index k+1); the final layer L is always captured as the last slot, so valid aux
+ids lie in 1..L-1, strictly increasing (vLLM returns states in layer order and merges duplicates).
 """
 
 from __future__ import annotations
@@ -78,14 +71,10 @@ def from_convention(ids: Sequence[int], convention: Convention) -> list[int]:
 
 
 def vllm_read_aux_ids(config: dict) -> dict[str, list[int] | None]:
-    """The aux ids vLLM 0.32 takes from a flat drafter config, by model runner (None: the target's defaults).
-
-    V1 (`GPUModelRunner._get_eagle3_aux_layers_from_config`, vllm/v1/worker/gpu_model_runner.py:5251-5285;
-    the CPU build's runner): the top-level `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s.
-    V2 (`get_eagle3_aux_layers_from_config`, vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py): the top
-    level only (else `eagle_config["layer_ids"]`). Without ids both capture `(2, L//2, L-3)`
-    (`SupportsEagle3.get_eagle3_default_aux_hidden_state_layers`, model_executor/models/interfaces.py).
-    """
+    """The aux ids vLLM 0.32 takes from a flat drafter config, by model runner (None: the target's defaults), as
+    docs/engines.md, "vLLM model runner V2" cites vLLM's code: V1 the top-level
+    `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s; V2 the top level only, else
+    `eagle_config["layer_ids"]`."""
     top = config.get("eagle_aux_hidden_state_layer_ids") or None
     eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
     v1 = top or eagle.get("eagle_aux_hidden_state_layer_ids") or None

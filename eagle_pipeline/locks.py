@@ -2,8 +2,7 @@
 per GPU on the host (two runs never load a model onto the same GPUs).
 
 A lock is an advisory `flock` on a file that also records its holder (pid, host, run, stage, start time,
-command). The kernel releases the flock when the holder dies however it dies, so a lock left by a dead
-process is taken over at once; its record is then reported as a note. A refusal names the live holder.
+command): docs/contracts.md, "Locks".
 
 The run lock of a detached job (scripts/launch.sh, scripts/jobs.sh: one job per run) is the same kind of lock,
 taken and read through this module's command line:
@@ -12,16 +11,15 @@ taken and read through this module's command line:
     python -m eagle_pipeline.locks state|describe|clear LOCK
     python -m eagle_pipeline.locks get LOCK KEY
 
-`hold` takes LOCK (exit 2 with one `error:` line naming the holder when a live process has it), records its own
-pid and process group with the KEY=VALUEs, links PATH to LOCK while it holds it, runs COMMAND and exits with
-its exit code; SIGTERM, SIGINT and SIGHUP are left to COMMAND (a stop signals the job's whole process group),
-so the lock is held until COMMAND has ended. `state` prints live, stale (a record left by a holder that ended
-without releasing) or free; `get` one field of the record, `describe` the record in one line; `clear` empties a
-stale record (exit 1 while a live process holds the lock).
+`hold` is `hold()` (exit 2 with one `error:` line naming a live holder; SIGTERM, SIGINT and SIGHUP are left to
+COMMAND, whose whole process group a stop signals, so the lock is held until COMMAND has ended); `state` prints
+live, stale or free (`probe`); `get` one field of the record, `describe` the record in one line; `clear` is
+`clear()` (exit 1 while a live process holds the lock).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import fcntl
 import json
 import os
@@ -68,8 +66,6 @@ class HeldLocks:
 
 
 def holder_record(**what: Any) -> dict[str, Any]:
-    import datetime as dt
-
     return {"pid": os.getpid(), "host": socket.gethostname(),
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv), **what}
@@ -200,8 +196,9 @@ def clear(path: Path) -> bool:
 
 
 def hold(path: Path, fields: dict[str, str], command: list[str], link: Path | None = None) -> int:
-    """Run `command` while holding the lock at `path` (recording this process, its process group and `fields`);
-    its exit code, 128 + the signal that ended it. BadInput naming the holder when a live process has the lock."""
+    """Run `command` while holding the lock at `path` (recording this process, its process group and `fields`;
+    `link`, where given, points at `path` meanwhile); its exit code, 128 + the signal that ended it. BadInput naming
+    the holder when a live process has the lock."""
     with HeldLocks() as held:
         take(path, holder_record(pgid=os.getpgrp(), **fields), held,
              busy="wait for it to end, or stop it with scripts/jobs.sh stop")
@@ -231,14 +228,12 @@ def main(argv: list[str]) -> int:
         link = None
         if options[:1] == ["--link"] and len(options) >= 2:
             link, options = Path(options[1]), options[2:]
-        if not all("=" in option for option in options):
-            print(f"error: {usage}", file=sys.stderr)
-            return 2
-        try:
-            return hold(lock, dict(option.split("=", 1) for option in options), command, link)
-        except BadInput as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        if all("=" in option for option in options):  # else the usage line below
+            try:
+                return hold(lock, dict(option.split("=", 1) for option in options), command, link)
+            except BadInput as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
     if action in ("state", "describe", "clear") and len(args) == 1 or action == "get" and len(args) == 2:
         lock = Path(args[0])
         if action == "clear":
@@ -249,8 +244,7 @@ def main(argv: list[str]) -> int:
         elif action == "describe":
             print(describe(record or {}))
         else:
-            value = (record or {}).get(args[1], "")
-            print(value)
+            print((record or {}).get(args[1], ""))
         return 0
     print(f"error: {usage}", file=sys.stderr)
     return 2

@@ -1,9 +1,5 @@
-"""Killing a process together with every process below it (Linux, read from /proc).
-
-vLLM's engine core and its workers do not exit when the process that started them dies (they were seen
-running on as orphans), and on a GPU host they would keep the GPUs' memory from the next engine; so a job
-that must end is killed with its whole tree.
-"""
+"""Killing a process together with every process below it (Linux, read from /proc): vLLM's engine core and workers
+outlive the process that started them (docs/engines.md, "Engine processes")."""
 
 from __future__ import annotations
 

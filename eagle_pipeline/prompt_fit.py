@@ -1,19 +1,6 @@
 """Which prompts stage 01 can answer and train on: each is rendered with the chat template the engine uses
-and measured once, in file order, until data.num_samples of them fit.
-
-A prompt is dropped when
-- it leaves no room for an answer within verifier.max_model_len: prompt tokens plus the least answer
-  (generation.min_answer_tokens, or generation.max_tokens when that is lower) exceed it. vLLM refuses a
-  prompt of max_model_len tokens or more outright, which would stop every rerun on the same prompt;
-- it leaves nothing to train on: stage 02 cuts each sequence at hidden_states.max_seq_len, so a prompt of
-  that many tokens or more keeps no answer token (and no loss);
-- the chat template refuses it (a template that wants alternating roles, say), as vLLM would.
-
-A multi-turn prompt is dropped whole, never trimmed: trimming the oldest turns would train on a history the
-prompt's author did not write, and the ids in `dropped_prompts.jsonl` say which to shorten.
-
-Sample i answers the i-th prompt that fits, so sample ids stay tied to the same prompts on every rerun with
-the same file, tokenizer, template and limits; stage 01 checks that the samples it resumes still are.
+and measured once, in file order, until data.num_samples of them fit. When a prompt is dropped, and why sample i
+answers the i-th prompt that fits: docs/contracts.md, "Stage 01's prompts".
 """
 
 from __future__ import annotations

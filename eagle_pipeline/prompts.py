@@ -1,14 +1,7 @@
-"""Prompt sources for generation: a JSONL file, or a local `datasets` folder.
-
-A record may name its `topic` (a short string: "chess", "the water cycle"); stage 04 keeps whole topics
-out of training to validate on. A record without one is its own topic (its id), so the split is then by
-prompt.
-
-Every problem is refused with the file and the line (or record) it is on, before any engine starts: a
-path that is not a regular file or a folder (a named pipe or a device is never opened, since reading one
-could block or never end), a file above MAX_PROMPT_FILE_BYTES, a line above MAX_LINE_BYTES, bytes that are
-not UTF-8, a line that is not JSON (nested too deeply included), text holding a lone surrogate, and records
-of the wrong shape. Training prompts that match held-out prompts are refused too (`match_key`).
+"""Prompt sources for generation: a JSONL file, or a local `datasets` folder (records and their topics:
+docs/formats.md, "Prompts and their topics"). Every problem is refused with the file and the line (or record) it
+is on, before any engine starts (what is refused: docs/contracts.md, "What is refused as bad input"); a named pipe
+or a device is never opened, since reading one could block or never end.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Prompts the target writes itself (Magpie, Xu et al. 2024): its chat template rendered up to and
-including the user header, nothing after it, so that sampling from there writes a user turn. Any number
-of prompts without a download, in the target's own distribution of requests.
-
-Attempt k is sampled with its own seed (derived from the run's seed and k), so the kept prompts are the
-same however the attempts are batched, and raising data.num_samples appends prompts instead of changing
-the first ones. Every attempt is recorded in `self_written/part-*.jsonl` with the filter's verdict
-(eagle_pipeline/prompt_filter.py): a rerun continues after the last recorded attempt, and the rejection
-counts come from the records.
+"""Prompts the target writes itself (Magpie, Xu et al. 2024): its chat template rendered up to and including the
+user header, so that sampling from there writes a user turn; any number of prompts without a download, in the
+target's own distribution of requests. Each attempt's seed, and its record with the filter's verdict (a rerun
+continues after the last one recorded): docs/formats.md, "Prompts and their topics".
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +105,7 @@ def write_prompts(llm: Any, tokenizer: Any, settings: SelfWrittenPrompts, *, wan
 
 def attempt_stats(folder: Path, written_now: int = 0, seconds: float = 0.0) -> dict[str, Any]:
     attempts = read_attempts(folder)
-    verdicts: dict[str, int] = {}
-    for a in attempts:
-        verdicts[a["verdict"] or "kept"] = verdicts.get(a["verdict"] or "kept", 0) + 1
+    verdicts = Counter(a["verdict"] or "kept" for a in attempts)
     return {
         "attempts": len(attempts),
         "kept": verdicts.get("kept", 0),

@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -187,17 +187,10 @@ class Stage:
 
     # -- the manifest protocol -----------------------------------------------------------------
     def start(self, inputs: dict[str, Any], samples: int | None = None, keep: tuple[str, ...] = ()) -> "Start":
-        """Start (or resume) the stage for these inputs, or say that it is already complete for them.
-
-        STARTED: the manifest now says "running" with these inputs and the stage does its work.
-        ALREADY_COMPLETE: nothing was written; the finished output is for exactly these inputs.
-
-        `samples` is how many samples this run wants: more than the finished output holds resumes the
-        stage to extend it (scaling up keeps finished work); fewer is refused, since later stages would
-        mix a smaller set with artifacts built from the larger one.
-
-        `keep`: names in the stage folder that --force leaves in place besides logs/ (what this run reads).
-        """
+        """Start (or resume) the stage for these inputs (STARTED: the manifest now says "running"), or say that it is
+        already complete for exactly them (ALREADY_COMPLETE: nothing was written). `samples`: how many this run
+        wants, more extending a finished output, fewer refused (later stages would mix a smaller set with artifacts
+        of the larger one). `keep`: names in the folder that --force leaves besides logs/ (what this run reads)."""
         self.inputs = inputs
         # --force does not read the old manifest: it is how a damaged one gets replaced.
         if self.force and (self.dir / "manifest.json").exists():
@@ -230,13 +223,10 @@ class Stage:
 
     def begin(self, inputs: dict[str, Any], samples: int | None = None, keep: tuple[str, ...] = (),
               before_writing: Callable[[], None] | None = None) -> "Start":
-        """The steps from a stage's inputs to its work, the same in every stage, each stage saying what differs.
-
-        An output made from other inputs is refused first (`check_unchanged`). Unless the output is complete for
-        these inputs, the stage's own checks (`before_writing`: stages 05 and 06 rehearse their engines there,
-        eagle_pipeline/plan/rehearsal.py) refuse what they find before anything is written; then `start`
-        (`samples`, `keep`: as there). ALREADY_COMPLETE: nothing was written.
-        """
+        """The steps from a stage's inputs to its work, the same in every stage: an output made from other inputs is
+        refused first (`check_unchanged`); unless the output is complete for these inputs (ALREADY_COMPLETE: nothing
+        was written), the stage's own checks (`before_writing`: stages 05 and 06 rehearse their engines there), then
+        `start` (`samples`, `keep`: as there)."""
         self.check_unchanged(inputs, samples)
         if self.already_complete(inputs, samples):
             self.inputs = inputs
@@ -434,16 +424,14 @@ def main(number: int, description: str, body: Callable[[Stage, bool], None], arg
             setup_logging(None if args.dry_run else stage.log_path)
             for note in held.notes:
                 log.warning("%s", note)
-            if args.dry_run:  # the whole plan first: what the host lacks is its last line
-                # scripts/run_pipeline.sh --dry-run says it once, after every stage's plan.
-                with preconditions.host_shortfall_last(report=os.environ.get("EAGLE_DRY_RUN_HOST") != "later"):
-                    preconditions.check_preconditions(cfg, number)
-                    body(stage, True)
-                    if rehearsal is not None:  # every engine the stage would start, configured by vLLM's code
-                        rehearsal(cfg, number)
-            else:
+            # A dry run's whole plan first: what the host lacks is its last line (scripts/run_pipeline.sh --dry-run
+            # says it once, after every stage's plan).
+            host_last = os.environ.get("EAGLE_DRY_RUN_HOST") != "later"
+            with preconditions.host_shortfall_last(report=host_last) if args.dry_run else nullcontext():
                 preconditions.check_preconditions(cfg, number)
-                body(stage, False)
+                body(stage, args.dry_run)
+                if args.dry_run and rehearsal is not None:  # every engine the stage would start, configured by vLLM
+                    rehearsal(cfg, number)
     finally:
         held.release()
         signal.signal(signal.SIGTERM, previous_sigterm)

@@ -1,18 +1,9 @@
-"""Captured hidden states checked for meaning, not only for shape, before anything trains or replays on them.
-
-A capture can be whole, finite and of the right shape and still hold the wrong thing: vLLM bugs have written
-zero states from a wrong slot mapping (hybrid models, vLLM PR #51328) and dropped the final-layer state of
-DeepSeek-family targets (vLLM #48124), and a slot or a position off by one passes every shape check. Two
-checks, on a fixed set of samples (every one up to `MAX_SAMPLES`, else that many spread evenly):
-
-- no token's row is all zero or constant in any slot (a real layer's residual stream never is); stage 04 makes
-  this test on every sample it reads, since a file damaged after stage 02 checked it passes the spread;
-- the final-layer slot, put through the target's own final norm and lm_head (those two tensors only, read
-  from the target's safetensors), predicts the answer's next tokens as the target did: greedy answers
-  (temperature 0) agree with the argmax on at least `MIN_GREEDY_AGREEMENT` of the rows, sampled answers
-  have a mean log-likelihood above `SAMPLED_NLL_FRACTION` of a uniform guess's.
-
-The first failure is refused with one `error:` line naming the slot (its layer) and the sample.
+"""Captured hidden states checked for meaning, not only for shape, before anything trains or replays on them, on
+every sample up to `MAX_SAMPLES`, else that many spread evenly: no token's row all zero or constant in any slot,
+and the final-layer slot through the target's own final norm and lm_head predicting the answer's next tokens as
+the target did (`MIN_GREEDY_AGREEMENT`, `SAMPLED_NLL_FRACTION`). Why: docs/engines.md, "Hidden-state capture
+through vLLM" (its "Meaning" item). The first failure is one `error:` line naming the slot (its layer) and the
+sample.
 """
 
 from __future__ import annotations
@@ -188,5 +179,4 @@ def check_replay_states(states: Sequence[torch.Tensor], pairs: Sequence[tuple[Se
     samples = [CapturedSample(f"{where}, answer {i}", list(pairs[i][0]) + list(pairs[i][1]), states[i],
                               range(len(pairs[i][0]) - 1, len(pairs[i][0]) + len(pairs[i][1]) - 1)) for i in picked]
     return check_meaning(samples, head_loader(), slot_names(layer_ids, num_layers), greedy=greedy,
-                         fix="the engine captured wrong states; check its settings "
-                             "(docs/engines.md, \"Engine settings\") and rerun stage 06")
+                         fix=STAGE02_FIX.replace("stage 02 with --force", "stage 06"))

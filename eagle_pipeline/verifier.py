@@ -58,8 +58,7 @@ def check_verifier_path(cfg: RunConfig) -> None:
 def _import_fix(error: ImportError) -> str:
     """What to do when a model's remote tokenizer code imports something this transformers lacks."""
     if "bytes_to_unicode" in str(error):
-        # Older Kimi-K2 revisions of tokenization_kimi.py import it from the GPT-2 tokenizer module, which
-        # transformers 5 removed; Moonshot's current revision imports it from convert_slow_tokenizer.
+        # Older Kimi-K2 revisions of tokenization_kimi.py: docs/engines.md, "Kimi-K2 and Kimi-K2.5".
         return ("take the model's current tokenization_kimi.py, or change its import to "
                 "`from transformers.convert_slow_tokenizer import bytes_to_unicode` (docs/engines.md)")
     return "the model's remote code was written for another transformers version: update the model's code files"

@@ -1,23 +1,15 @@
 """One engine configured by vLLM's own code, without loading a model: its `VllmConfig`, the model runner, and the
 attention backend vLLM's selector returns for each kind of layer in it (the target's, the drafter's), with the
-KV-cache block size they must share.
-
-On the GPU host the platform is the real one. Where a config for CUDA is checked on a machine without CUDA (dry
-runs and the test suite on the CPU machine), the selection is CUDA's own: `vllm.platforms.cuda`'s platform class
-with its device capability set to the host's (`CUDA_CAPABILITY`). That module imports vLLM's compiled CUDA kernels
-only to register them; the CPU build has none, so a stand-in module takes their place while it is imported, and
-the kernels are never called. Each attention backend's `validate_configuration` then answers exactly as it does
-on the GPU (the reason CUDA refuses a named backend that the CPU platform silently replaces).
-
-It also holds the names the installed vLLM accepts (engine arguments, attention backends, KV-cache dtypes), which
-every config load checks (eagle_pipeline/config/): read from vLLM's source files, not imported, since importing
-vLLM takes seconds. Everything else imports vLLM inside its functions; eagle_pipeline.plan.rehearsal calls them.
+KV-cache block size they must share. On a machine without CUDA a config for CUDA is checked by CUDA's own selector
+at the GPU host's capability (`CUDA_CAPABILITY`; how, and why: docs/engines.md, "The engine rehearsal"). vLLM is
+imported inside the functions; eagle_pipeline.plan.rehearsal calls them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import re
@@ -115,21 +107,6 @@ def quiet_vllm() -> Iterator[None]:
         os.environ.update(saved_env)
 
 
-@contextlib.contextmanager
-def engine_environment(env: dict[str, str]) -> Iterator[None]:
-    """The engine's own environment (model runner, logging) in force while vLLM reads it."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def short_error(error: BaseException) -> str:
     """vLLM's refusal in one line: pydantic's wrapping (model name, input dump, help link) taken off."""
     text = " ".join(str(error).split())
@@ -212,20 +189,14 @@ def requested_schedule(engine_args: dict[str, Any] | None, server_argv: list[str
     """The `num_speculative_tokens_per_batch_size` an engine's settings ask for (None where they ask for none)."""
     spec = (engine_args or {}).get("speculative_config")
     if server_argv is not None and "--speculative-config" in server_argv:
-        import json
-
         spec = json.loads(server_argv[server_argv.index("--speculative-config") + 1])
     return (spec or {}).get("num_speculative_tokens_per_batch_size") if isinstance(spec, dict) else None
 
 
 def schedule_problem(vllm_config, requested: Any) -> str | None:
-    """Why vLLM would not run the speculation schedule `requested` (None when it would, or none is asked for).
-
-    `create_engine_config` checks only its shape (entries of three integers); the ranges are checked when the
-    engine core builds its scheduler, which expands them with `build_dynamic_sd_schedule_lookup`
-    (`v1/core/sched/scheduler.py`, `v1/spec_decode/dynamic/utils.py`). The same call here refuses what the
-    scheduler would, before any model loads. With data parallelism vLLM drops the schedule and speculates with
-    `num_speculative_tokens` everywhere (`VllmConfig._maybe_disable_dynamic_sd_for_data_parallel`)."""
+    """Why vLLM would not run the speculation schedule `requested` (None when it would, or none is asked for): the
+    scheduler's own expansion of it, and vLLM dropping it under data parallelism (docs/engines.md, "Speculation
+    per batch size")."""
     if requested is None:
         return None
     spec = vllm_config.speculative_config
@@ -318,7 +289,8 @@ def check_engine(device: str, engine_args: dict[str, Any] | None = None, server_
     from vllm.config.cache import CacheConfig
     from vllm.v1.worker.utils import select_common_block_size
 
-    with quiet_vllm(), engine_environment(env or {}):
+    with quiet_vllm():  # which puts the environment back: the engine's own (model runner, logging) is set for vLLM
+        os.environ.update(env or {})
         try:
             vllm_config = create_config(engine_args, server_argv)
         except Exception as error:  # noqa: BLE001 - vLLM's refusal of the settings is the finding

@@ -1,8 +1,5 @@
-"""Judges a draft vocabulary map (d2t, t2d): would it send every draft id to the right target id?
-
-The one place with the rules (docs/formats.md, "Draft vocabulary"): d2t is int64 [draft_vocab_size],
-t2d is bool [vocab_size], target id = draft id + d2t[draft id] lies in the target vocabulary, rises
-strictly with the draft id, and t2d marks exactly those target ids. The maps come as tensors (a
+"""Judges a draft vocabulary map (d2t, t2d): would it send every draft id to the right target id? The one place
+with the rules (what the two arrays mean: docs/formats.md, "Draft vocabulary"). The maps come as tensors (a
 checkpoint being converted), as a drafter's safetensors files, or as stage 03's .npy files.
 """
 

@@ -1,9 +1,9 @@
 """Two or more finished runs side by side, drafter against drafter (EAGLE-3 against DFlash on the same data, say):
 acceptance per position, output tokens/s and speed-up over no speculation at each load, and which method wins at
-each concurrency among every one served (each run's drafter, n-gram, none); training time and peak memory.
+each concurrency among every one served (each run's drafter, n-gram, none); training time and peak memory (of the
+run that trained the drafter, for a run that served another's with serve.drafter).
 
-    .venv/bin/python scripts/compare_runs.py --config configs/tiny.yaml --config configs/tiny-quality.yaml \
-        [--out FILE.md]
+    .venv/bin/python scripts/compare_runs.py --run runs/tiny --run runs/tiny-quality [--out FILE.md]
 With --out, the markdown goes there (headed by this command) and a PNG of tokens/s per load beside it.
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from eagle_pipeline import atomic, plots
-from eagle_pipeline.config import load_config
+from eagle_pipeline.config import resolve_path
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.report import format_number, read_report
 from eagle_pipeline.stage import STAGES, read_stage_records
@@ -21,20 +21,22 @@ from eagle_pipeline.stage import STAGES, read_stage_records
 BASELINES = ("none", "ngram")
 
 
-def run_figures(config: str) -> dict:
+def run_figures(run_dir: Path) -> dict:
     """A finished run's figures: its drafter's mode, acceptance, tokens/s per level of every mode, training cost."""
-    cfg = load_config(config)
-    records = {record.name: record for record in read_stage_records(cfg.run_dir)}
-    if records[STAGES[6]].manifest.get("status") != "complete":
-        raise BadInput(f"{config}: stage 06 of run {cfg.run_name!r} has not finished ({cfg.run_dir}); run "
-                       f"scripts/run_pipeline.sh {config} first")
-    report = read_report(cfg.stage_dir(STAGES[6]) / "report.json")
+    records = {record.name: record for record in read_stage_records(run_dir)}
+    served = records[STAGES[6]].manifest
+    if served.get("status") != "complete":
+        raise BadInput(f"--run: stage 06 of {run_dir} has not finished; run it first")
+    report = read_report(run_dir / STAGES[6] / "report.json")
     modes = report["modes"]
     drafter = next(mode for mode in modes if mode not in (*BASELINES, "schedule"))
     levels = {mode: {row["concurrency"]: row["tokens_per_s"] for row in summary.get("levels") or []}
               for mode, summary in modes.items() if mode != "schedule"}
     training = records[STAGES[4]].manifest
-    return {"name": cfg.run_name, "drafter": drafter, "k": report["num_speculative_tokens"],
+    drafter_dir = (served.get("config") or {}).get("serve", {}).get("drafter")
+    if not training and drafter_dir:  # a folder stage 05 of another run wrote: <run>/05_convert/vllm
+        training = read_stage_records(resolve_path(drafter_dir).parent.parent)[3].manifest
+    return {"name": run_dir.name, "drafter": drafter, "k": report["num_speculative_tokens"],
             "acceptance": report["mean_acceptance_length"], "per_position": report["per_position_acceptance"],
             "predicted": report.get("predicted_mean_acceptance_length"), "levels": levels,
             "train_s": training.get("wall_time_s"), "peak_rss_mb": (training.get("counts") or {}).get("peak_rss_mb")}
@@ -68,22 +70,23 @@ def compare(runs: list[dict]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", required=True, help="a finished run's config (twice or more)")
+    parser.add_argument("--run", action="append", required=True, type=Path, help="a finished run's folder (twice or "
+                        "more)")
     parser.add_argument("--out", type=Path, help="write the markdown here, and a PNG beside it")
     args = parser.parse_args()
     try:
-        if len(args.config) < 2:
-            raise BadInput("--config: name at least two finished runs to compare")
-        runs = [run_figures(config) for config in args.config]
+        if len(args.run) < 2:
+            raise BadInput("--run: name at least two finished runs to compare")
+        runs = [run_figures(run_dir) for run_dir in args.run]
         if len({r["name"] for r in runs}) < len(runs):
-            raise BadInput("--config: the configs name the same run twice; name different runs")
+            raise BadInput("--run: two runs share a name; name different runs")
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     lines = compare(runs)
     print("\n".join(lines))
     if args.out:
-        command = shlex.join(["scripts/compare_runs.py", *(f"--config={c}" for c in args.config), f"--out={args.out}"])
+        command = shlex.join(["scripts/compare_runs.py", *(f"--run={r}" for r in args.run), f"--out={args.out}"])
         atomic.write_text(args.out, f"Regenerated by `{command}` on finished runs.\n\n" + "\n".join(lines) + "\n")
         series = {f"{r['name']} {r['drafter']}": r["levels"][r["drafter"]] for r in runs}
         series |= {m: runs[0]["levels"][m] for m in BASELINES if m in runs[0]["levels"]}

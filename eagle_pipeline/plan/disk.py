@@ -4,11 +4,10 @@ space before they write (eagle_pipeline.stage.check_disk).
 
 - stage 01: the conversations (token ids and text, CONVERSATION_BYTES_PER_TOKEN);
 - stage 02: every token's hidden states (samples.estimate_bytes); none in online mode;
-- stage 03: the vocabulary map (d2t int64, t2d bool);
-- stage 04: the checkpoints on disk at once (`kept_checkpoints`; speculators 0.9 saves every weight in bf16 and,
-  for the trained ones only, the optimizer's moments in bf16: AdamW's two, Muon's one; the embedding and the
-  draft lm_head are the target's, frozen (speculators.model.DraftVocabMixin), and have none), a flat
-  `train.init_from` rewritten in speculators' layout, and online the states in flight and the kept validation rows;
+- stage 03: the vocabulary map (d2t int64, t2d bool; in every drafter file too);
+- stage 04: the checkpoints on disk at once (`kept_checkpoints`, each `DrafterSize.checkpoint`; the embedding and the
+  draft lm_head are the target's, frozen, with no optimizer moments), a flat `train.init_from` rewritten in
+  speculators' layout, and online the states in flight and the kept validation rows;
 - stage 05: the flat vLLM folder, and the SGLang folder with `convert.sglang`;
 - stage 06: the replay's captured states of the no-speculation answers (kept as its baseline): every layer any
   reading of the drafter needs (eagle_pipeline.predict.diagnose.capture_ids), not only the trained ones.
@@ -51,11 +50,6 @@ CONVERSATION_BYTES_PER_TOKEN = 16
 CHECKPOINT_DTYPE_BYTES = 2
 
 
-def vocab_map_bytes(draft_vocab: int, vocab: int) -> int:
-    """d2t (int64, one per draft token) and t2d (bool, one per target token), in every drafter file and stage 03."""
-    return 8 * draft_vocab + vocab
-
-
 def kept_checkpoints(train) -> int:
     """The most complete checkpoints stage 04's folder holds at once (eagle_pipeline/train/checkpoints.py).
 
@@ -69,12 +63,6 @@ def kept_checkpoints(train) -> int:
     patience = train.early_stop_patience
     best_apart = patience is None or train.keep_last < patience
     return min(train.epochs, train.keep_last + 1 + int(best_apart))
-
-
-def checkpoint_bytes(params: int, trainable: int, optimizer: str) -> int:
-    """One checkpoint: every weight in bf16, and the optimizer's bf16 moments of each trained weight (AdamW two;
-    Muon one: speculators' Muon steps every trained matrix, AdamW only the norms, train/optimizers.py)."""
-    return CHECKPOINT_DTYPE_BYTES * (params + (1 if optimizer == "muon" else 2) * trainable)
 
 
 @dataclass(frozen=True)
@@ -91,10 +79,13 @@ class DrafterSize:
         embedding = dims.vocab_size * dims.hidden_size * (dims.layer_shape != DFLASH)
         return cls(params=drafter_params(dims) - dims.vocab_size * dims.hidden_size + embedding, embedding=embedding,
                    lm_head=dims.draft_vocab_size * dims.hidden_size,
-                   map_bytes=vocab_map_bytes(dims.draft_vocab_size, dims.vocab_size))
+                   map_bytes=8 * dims.draft_vocab_size + dims.vocab_size)  # d2t int64, t2d bool
 
     def checkpoint(self, optimizer: str) -> int:
-        return checkpoint_bytes(self.params, self.params - self.embedding - self.lm_head, optimizer) + self.map_bytes
+        """One checkpoint: every weight in bf16, and the optimizer's bf16 moments of each trained weight (AdamW two;
+        Muon one: speculators' Muon steps every trained matrix, AdamW only the norms, train/optimizers.py)."""
+        trainable = self.params - self.embedding - self.lm_head
+        return CHECKPOINT_DTYPE_BYTES * (self.params + (1 if optimizer == "muon" else 2) * trainable) + self.map_bytes
 
     def flat_folder(self) -> int:
         """A converted folder (stage 05): the checkpoint's weights without embed_tokens, and the vocabulary map."""
@@ -105,7 +96,6 @@ def _flat_init_from(cfg) -> bool:
     """Whether stage 04 rewrites train.init_from in speculators' layout: a flat folder, or one not readable here."""
     if not cfg.train.init_from:
         return False
-
     return not is_speculators_drafter(cfg.resolve_path(cfg.train.init_from))
 
 

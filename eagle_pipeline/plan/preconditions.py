@@ -1,21 +1,6 @@
 """What every stage checks first, dry run included, before it writes anything: the config against the target
-model, the host and the folders it names.
-
-- `verifier.tensor_parallel_size` splits the target's attention heads evenly (and its key/value heads, as
-  vLLM's QKV layer needs: one count divides the other), read from the target's config.json (`text_config`
-  for Kimi-K2.5 and other VLMs); `train.draft_layer: mla` finds MLA attention there, and a flat released drafter's
-  config.json (`vocab.from_drafter`, `train.init_from`) the target's width, vocabulary, MLA sizes and rope;
-- the GPUs the run asks for are there: `train.num_gpus`, and on `device: cuda` `verifier.tensor_parallel_size`
-  (counted by `nvidia-smi -L`, or CUDA_VISIBLE_DEVICES where set, or by torch where a stage has already
-  imported it; a CPU run with `train.num_gpus: 0` asks for none and nothing is counted);
-- every folder the config names exists: `vocab.from_drafter`, `train.init_from`, `convert.reference_dir`,
-  `serve.drafter` (drafter folders, with a config.json) and `serve.baseline`. Every stage refuses a missing
-  one, not only the stage that reads it, so that a mistyped path is found before hours of earlier stages;
-- stage 04 of an online run with `hidden_states.transfer: mooncake` finds the Mooncake package and programs;
-- the run folder stays within `disk_budget_gb`: refused when it already holds more, and when what this stage and
-  the later ones plan to write (eagle_pipeline.plan.disk: hidden states from stage 01's token counts, or before
-  stage 01 from data.num_samples x the expected tokens of a sample; checkpoints, converted folders, stage 06's
-  captured states) would take it above. Dry run included, and before stage 01 starts.
+model, the host and the folders it names. What each check refuses, and why: docs/contracts.md, "What is refused
+as bad input" (the rows from "the target and the host" to "disk budget").
 
 Stage-specific checks (a drafter's shapes, its layer ids, the vocabulary map) stay with the stage that uses it.
 In a dry run what the host lacks (GPUs, the Mooncake software) is said after the plan, as its last line
@@ -38,7 +23,7 @@ from eagle_pipeline.drafter.layouts import flat_architecture_of
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.online.mooncake import mooncake_refusal
 from eagle_pipeline.outputs import folder_bytes
-from eagle_pipeline.plan.disk import plan_for_config
+from eagle_pipeline.plan.disk import GB, amount, plan_for_config
 from eagle_pipeline.released_drafter import check_against_target
 from eagle_pipeline.train.draft_config import check_draft_shape
 from eagle_pipeline.verifier import Verifier
@@ -48,13 +33,6 @@ DRAFTER_FOLDERS = (("vocab.from_drafter", "vocab", "from_drafter", "03_build_voc
                    ("train.init_from", "train", "init_from", "04_train"),
                    ("convert.reference_dir", "convert", "reference_dir", "05_convert"),
                    ("serve.drafter", "serve", "drafter", "06_serve_test"))
-GB = 1e9
-
-
-def _amount(n: float) -> str:
-    if n >= 0.1 * GB:
-        return f"{n / GB:.2f} GB"
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"
 
 
 def check_preconditions(cfg: RunConfig, stage_number: int) -> None:
@@ -249,7 +227,7 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
     run_dir = cfg.run_dir
     held = folder_bytes(run_dir)
     if held > budget * GB:
-        raise BadInput(f"disk_budget_gb: the run folder {run_dir} already holds {_amount(held)}, above disk_budget_gb "
+        raise BadInput(f"disk_budget_gb: the run folder {run_dir} already holds {amount(held)}, above disk_budget_gb "
                        f"({budget:g} GB); raise disk_budget_gb if the run needs more, or free space in it")
 
     try:
@@ -266,7 +244,7 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
         fix = (", or lower data.num_samples or hidden_states.max_seq_len, or store hidden_states.storage_dtype: fp8"
                if states else ", or free space in the run folder")
         raise BadInput(f"disk_budget_gb: {', '.join(stage.phrase() for stage in adding)} would take the run folder "
-                       f"{run_dir} to ~{_amount(projected)}, above disk_budget_gb ({budget:g} GB); raise "
+                       f"{run_dir} to ~{amount(projected)}, above disk_budget_gb ({budget:g} GB); raise "
                        f"disk_budget_gb to at least {math.ceil(projected / GB)}{fix}")
 
 
@@ -275,9 +253,7 @@ def check_disk_budget(cfg: RunConfig, stage_number: int) -> None:
 
 def speculation_warnings(cfg: RunConfig) -> list[str]:
     """Settings that work but cost speculation what it is for, printed by stage 06's dry run (which serves the
-    target speculating): decode context parallelism on TRITON_MLA (vLLM's MLA backend on SM120), whose metadata
-    builder lacks `supports_dcp_with_varlen`, so that vLLM sends every verification of drafts through the prefill
-    path (vllm/v1/attention/backend.py, `_init_reorder_batch_threshold`)."""
+    target speculating): decode context parallelism on TRITON_MLA (docs/engines.md, "Engine settings")."""
     warnings = []
     dcp = cfg.verifier.engine_args.get("decode_context_parallel_size", 1)
     if isinstance(dcp, int) and dcp > 1 and cfg.verifier.attention_backend in (None, "TRITON_MLA"):

@@ -1,19 +1,6 @@
-"""The engine rehearsal: every vLLM engine a stage will start, configured by vLLM's own code before any model loads.
-
-vLLM's CPU platform replaces a named attention backend that does not fit a layer with one of its own, while its
-CUDA platform refuses it ("Selected backend ... is not valid for this configuration"); a run configured on a
-CPU can therefore stop on the GPU host after hours of work, at the first engine that meets such a setting. So
-each engine a stage starts (the answering engine, the hidden-state capture, the drafter load check, the
-servers of stage 06 and its capture, the capture servers of online training) is built here from exactly the
-arguments the stage will use, and handed to vLLM: `create_engine_config()`, then the backend vLLM's selector
-returns for each kind of layer in it (the target's, the drafter's) and the KV-cache block size they must share
-(eagle_pipeline/vllm_config.py). On the GPU host that is the real platform; on a machine without CUDA a
-config for CUDA is checked by CUDA's own selector at the host's compute capability.
-
-It runs in every dry run (the stage's engines) and again before the stage loads its first model; on the GPU
-host stage 01, the first to load the target, rehearses the engines of every stage of the run, so that a
-setting stage 05 or 06 cannot use is refused before the target is first loaded, not after a day of training.
-A refusal is one `error:` line naming the engine, the layer, vLLM's reason and the config key to change.
+"""The engine rehearsal: every vLLM engine a stage will start, built here from exactly the arguments the stage will
+use and configured by vLLM's own code (eagle_pipeline/vllm_config.py) before any model loads. Why, where it runs,
+and what a refusal says: docs/engines.md, "The engine rehearsal".
 """
 
 from __future__ import annotations
@@ -308,12 +295,6 @@ def check_engines(cfg: RunConfig, stages: tuple[int, ...] | list[int], *, show: 
     return done
 
 
-def stages_before_first_load(cfg: RunConfig, stage: int) -> tuple[int, ...]:
-    """What a stage rehearses before it loads its first model: its own engines, and on the GPU host, at stage 01
-    (the run's first target load), every stage's."""
-    return engine_stages(cfg) if stage == 1 and cfg.device == "cuda" else (stage,)
-
-
 def dry_run_lines(cfg: RunConfig, stage: int) -> None:
     """The dry run's engine lines for `stage` (and its refusal)."""
     if not stage_engines(cfg, stage):
@@ -328,7 +309,7 @@ def dry_run_lines(cfg: RunConfig, stage: int) -> None:
 def before_first_load(cfg: RunConfig, stage: int) -> None:
     """A real run's rehearsal, right before the stage loads its first model (on the GPU host, stage 01 rehearses
     every stage's engines): one line per engine, and a refusal before any weight is read."""
-    stages = stages_before_first_load(cfg, stage)
+    stages = engine_stages(cfg) if stage == 1 and cfg.device == "cuda" else (stage,)
     print(f"stage {stage:02d}: engine rehearsal of stage{'s' if len(stages) > 1 else ''} "
           f"{', '.join(f'{s:02d}' for s in stages)} (vLLM's configuration, no model loaded)")
     check_engines(cfg, stages)
