@@ -330,9 +330,9 @@ def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     verifier = Verifier.from_config(cfg)
     num_layers = verifier.num_layers
     if foreign:
-        from eagle_pipeline.drafter.folder import read_flat_config
+        from eagle_pipeline.drafter.folder import read_config
 
-        ids = (vllm_read_aux_ids(read_flat_config(drafter_dir))["v1" if cfg.device == "cpu" else "v2"]
+        ids = (vllm_read_aux_ids(read_config(drafter_dir) or {})["v1" if cfg.device == "cpu" else "v2"]
                or default_layer_ids(num_layers))
     else:
         ids = planned_sample_layout(cfg, num_layers, verifier.hidden_size, verifier.vocab_size).layer_ids
@@ -365,11 +365,11 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
                            s.num_speculative_tokens)
     else:
         _, layout = require_sample_layout(cfg)
-        from eagle_pipeline.drafter.folder import read_flat_config
+        from eagle_pipeline.drafter.folder import read_config
         from eagle_pipeline.drafter.layouts import weight_files
         from eagle_pipeline.predict.diagnose import config_findings
 
-        findings = config_findings(read_flat_config(drafter_dir), num_layers=num_layers,
+        findings = config_findings(read_config(drafter_dir) or {}, num_layers=num_layers,
                                    target_vocab_size=verifier.vocab_size,
                                    has_d2t="d2t" in weight_files(drafter_dir))
         plan = trained_plan(served_checkpoint(cfg, require_complete(cfg, 4)), layout.layer_ids, num_layers, findings)

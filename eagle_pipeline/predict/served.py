@@ -23,7 +23,7 @@ import torch
 
 from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
 from eagle_pipeline.config import RunConfig
-from eagle_pipeline.drafter.folder import read_flat_config
+from eagle_pipeline.drafter.folder import read_config, read_flat_config
 from eagle_pipeline.drafter.layouts import (
     drafter_mode,
     flat_norm_flags,
@@ -90,11 +90,12 @@ def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_si
     """A flat folder read as vLLM reads it: the ids the runner of `device` takes, the declared flags."""
     from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
 
-    config = read_flat_config(drafter_dir)
+    config = read_config(drafter_dir) or {}
     if is_dflash_config(config):  # a speculators DFlash folder is its own checkpoint
         return block_plan(drafter_dir, config["aux_hidden_state_layer_ids"], num_layers, "as_declared",
                           dx.config_findings(config, num_layers=num_layers, target_vocab_size=vocab_size,
                                              has_d2t=True))
+    config = read_flat_config(drafter_dir)
     has_d2t = "d2t" in weight_files(drafter_dir)
     read = vllm_read_aux_ids(config)["v1" if device == "cpu" else "v2"] or default_layer_ids(num_layers)
     findings = dx.config_findings(config, num_layers=num_layers, target_vocab_size=vocab_size, has_d2t=has_d2t)
