@@ -26,11 +26,14 @@ metrics.csv, loss_curves.png, tensorboard/, manifest.json (tokens/s, peak memory
 import contextlib
 from pathlib import Path
 
+import numpy as np
+
 from eagle_pipeline import released_drafter
+from eagle_pipeline.chat_template import chat_template_kwargs
 from eagle_pipeline.config.base import REPO_ROOT
 from eagle_pipeline.datacheck import check_training_data
 from eagle_pipeline.drafter.folder import FlatDrafter, check_weights_whole, is_speculators_drafter, read_flat_drafter
-from eagle_pipeline.drafter.layouts import MLA
+from eagle_pipeline.drafter.layouts import DFLASH, MLA
 from eagle_pipeline.drafter.planned import drafter_params, planned_draft_dims
 from eagle_pipeline.drafter.tensors import mla_attention_shapes
 from eagle_pipeline.errors import BadInput
@@ -63,6 +66,7 @@ from eagle_pipeline.train.inputs import check_inputs
 from eagle_pipeline.train.settings import TrainRun, recorded_settings
 from eagle_pipeline.train.topic_split import dataset_topics, split_by_topic
 from eagle_pipeline.verifier import Verifier
+from eagle_pipeline.vocab import mask_token_id
 
 INIT_FROM_DIR = "init_from"  # a flat train.init_from in speculators' layout
 
@@ -97,6 +101,18 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[FlatDr
     return drafter, {"convention": convention, "written": drafter.written_layer_ids, "hf": ids}
 
 
+def dflash_mask_token(cfg, verifier: Verifier) -> int | None:
+    """A DFlash run's mask token (vocab.mask_token_id), kept off the answers stage 03 counted once it has; None for
+    EAGLE-3, which has none."""
+    if cfg.train.family != "dflash":
+        return None
+    counts = cfg.stage_dir("03_build_vocab_map") / "token_counts.npy"
+    g = cfg.generation
+    kwargs = chat_template_kwargs(verifier.chat_template(), g.reasoning, g.chat_template_kwargs)
+    return mask_token_id(verifier.tokenizer, verifier.vocab_size, kwargs, cfg.train.dflash.mask_token_id,
+                         np.load(counts) if is_complete(cfg, 3) else None)
+
+
 def online_session(cfg, stage: Stage, train_run: TrainRun, verifier: Verifier, layout):
     """Stage 04's online part around training (eagle_pipeline/online/session.py), for the rows and validation
     split this run trains on."""
@@ -111,6 +127,7 @@ def run(stage: Stage, dry_run: bool) -> None:
     t = cfg.train
     verifier = Verifier.from_config(cfg)
     check_draft_shape(t, verifier.text_config())  # dry run too, and before --force deletes anything
+    mask_token = dflash_mask_token(cfg, verifier)
     planning = dry_run and not (is_complete(cfg, 2) and is_complete(cfg, 3))
     if planning:  # a fresh host: the shapes and the disk from the config and the target alone
         layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
@@ -136,10 +153,13 @@ def run(stage: Stage, dry_run: bool) -> None:
         launcher = f"torch.distributed.run on {t.num_gpus} GPU(s), drafter {sharding}"
 
     if dry_run:
-        print(f"stage 04: train an EAGLE-3 drafter {launcher}, {t.epochs} epochs, {t.optimizer}, {t.dtype}, lr {t.lr}")
+        family = "a DFlash" if t.family == "dflash" else "an EAGLE-3"
+        print(f"stage 04: train {family} drafter {launcher}, {t.epochs} epochs, {t.optimizer}, {t.dtype}, lr {t.lr}")
         if planning:
             print(not_run_yet_note(cfg, 2 if not is_complete(cfg, 2) else 3))
-        print(f"  verifier {verifier.path} ({verifier.architecture}); aux layer ids {layer_ids}")
+        print(f"  verifier {verifier.path} ({verifier.architecture}); aux layer ids {layer_ids}; stage 02 stores "
+              f"{layout.num_hidden_states} slots x {layout.hidden_size} x {layout.storage_dtype.bytes_per_value} B = "
+              f"{layout.num_hidden_states * layout.hidden_size * layout.storage_dtype.bytes_per_value} B per token")
         fc = f"fc [{hidden}, {len(layer_ids) * verifier.hidden_size}]"
         head = f"gate/up [{inter}, {hidden}], lm_head [{cfg.vocab.draft_vocab_size}, {hidden}]"
         if dims.layer_shape == MLA:  # the target's MLA attention (vLLM's Eagle3DeepseekV2ForCausalLM)
@@ -151,10 +171,15 @@ def run(stage: Stage, dry_run: bool) -> None:
                                   for name, shape in mla_attention_shapes(dims, 2 * hidden).items() if len(shape) == 2)
             print(f"  shapes: {fc}, {attention}, {head}")
         else:
+            d, attn_in = t.dflash, hidden if dims.layer_shape == DFLASH else 2 * hidden
+            if dims.layer_shape == DFLASH:  # speculators' DFlashDraftModel, vLLM's DFlashQwen3ForCausalLM
+                print(f"  DFlash: {dims.num_layers} Qwen3 layer(s) with full attention, block {d.block_size} "
+                      f"({d.block_size - 1} drafts per pass), {d.max_anchors} anchors per pack, mask token "
+                      f"{mask_token} ({verifier.tokenizer.convert_ids_to_tokens(mask_token)})")
             print(f"  drafter: hidden {hidden}, heads {heads}/{kv_heads} kv, head_dim {head_dim}, "
                   f"intermediate {inter}, draft vocab {cfg.vocab.draft_vocab_size}, ~{params / 1e6:.1f}M parameters")
-            print(f"  shapes: {fc}, q_proj [{heads * head_dim}, {2 * hidden}], k/v_proj [{kv_heads * head_dim}, "
-                  f"{2 * hidden}], o_proj [{hidden}, {heads * head_dim}], {head}")
+            print(f"  shapes: {fc}, q_proj [{heads * head_dim}, {attn_in}], k/v_proj [{kv_heads * head_dim}, "
+                  f"{attn_in}], o_proj [{hidden}, {heads * head_dim}], {head}")
         print(trainer_memory_line(cfg, verifier, len(layer_ids)))
         init_note = ""
         if t.init_from:
@@ -185,6 +210,8 @@ def run(stage: Stage, dry_run: bool) -> None:
         "init_from": model_dir_fingerprint(init_from) if init_from else None,
         "seed": cfg.seed,
     }
+    if mask_token is not None:  # chosen from the tokenizer, the template and the answers: recorded as chosen
+        inputs["mask_token_id"] = mask_token
     if layer_id_record:  # only then, so that other runs keep their recorded inputs
         inputs["init_from_layer_ids"] = layer_id_record
     if online:  # fp8 in flight changes what the drafter learns from; where the states come from does not
@@ -196,7 +223,7 @@ def run(stage: Stage, dry_run: bool) -> None:
         verifier_dir=verifier.path, out_dir=stage.dir, layer_ids=layer_ids, seed=cfg.seed,
         storage_dtype=layout.storage_dtype, device="cpu" if t.num_gpus == 0 else "cuda",
         init_from_dir=stage.dir / INIT_FROM_DIR if released else None,
-        online=OnlineTraining.from_config(cfg.hidden_states) if online else None,
+        online=OnlineTraining.from_config(cfg.hidden_states) if online else None, mask_token_id=mask_token,
     )
     samples = hidden_manifest["counts"]["samples"]
 
@@ -225,8 +252,6 @@ def run(stage: Stage, dry_run: bool) -> None:
             return
 
     if released:
-        import numpy as np
-
         written = released_drafter.write_speculators_folder(
             released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids,
             ttt_steps=t.ttt_steps,

@@ -52,6 +52,7 @@ from eagle_pipeline.serve.engine_probe import describe, probe_engine, variant_co
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.plan import (
     SCHEDULE_MODE,
+    drafter_mode,
     plan_serving,
     plan_speculative_config,
     served_by,
@@ -268,8 +269,9 @@ def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messa
     s = cfg.serve
     plan = plan_serving(report["modes"], s.concurrency_levels, s.num_speculative_tokens,
                         s.num_speculative_tokens_per_batch_size)
-    spec = plan_speculative_config(plan, report["modes"]["eagle3"]["speculative_config"])
-    confirmed_by, confirmed, served_now = served_by(plan, s.num_speculative_tokens), None, False
+    drafter = drafter_mode(report["modes"])
+    spec = plan_speculative_config(plan, report["modes"][drafter]["speculative_config"])
+    confirmed_by, confirmed, served_now = served_by(plan, s.num_speculative_tokens, drafter), None, False
     if confirmed_by is not None:
         confirmed = {"summary": report["modes"].get(confirmed_by), "texts": report["texts"].get(confirmed_by)}
     elif spec is not None and s.confirm_schedule:
@@ -307,12 +309,14 @@ def probe(cfg, target, drafter_dir, messages, log_dir, template_kwargs, report: 
     """The engine variants served with the drafter in turn; the verdict with what they showed."""
     from eagle_pipeline.predict.diagnose import with_probe
 
+    drafter = drafter_mode(report["modes"])
+
     def serve_variant(index: int, variant) -> dict:
         folder = log_dir / f"engine-variant-{index}"
         # Acceptance is what a variant is served for: the headline level alone.
-        served = measure_modes(variant_config(cfg, variant), target, drafter_dir, messages, ["eagle3"], folder,
+        served = measure_modes(variant_config(cfg, variant), target, drafter_dir, messages, [drafter], folder,
                                template_kwargs, levels=cfg.serve.concurrency_levels[:1])
-        return {**served["modes"]["eagle3"], "engine": served["engine"], "log": str(folder / "server-eagle3.log")}
+        return {**served["modes"][drafter], "engine": served["engine"], "log": str(folder / f"server-{drafter}.log")}
 
     rows = probe_engine(cfg.serve.engine_variants, serve_variant, report.get("predicted_per_position_acceptance") or [],
                         report.get("predicted_num_drafts"))
@@ -326,9 +330,9 @@ def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     verifier = Verifier.from_config(cfg)
     num_layers = verifier.num_layers
     if foreign:
-        from eagle_pipeline.drafter.folder import read_flat_config
+        from eagle_pipeline.drafter.folder import read_config
 
-        ids = (vllm_read_aux_ids(read_flat_config(drafter_dir))["v1" if cfg.device == "cpu" else "v2"]
+        ids = (vllm_read_aux_ids(read_config(drafter_dir) or {})["v1" if cfg.device == "cpu" else "v2"]
                or default_layer_ids(num_layers))
     else:
         ids = planned_sample_layout(cfg, num_layers, verifier.hidden_size, verifier.vocab_size).layer_ids
@@ -361,11 +365,11 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
                            s.num_speculative_tokens)
     else:
         _, layout = require_sample_layout(cfg)
-        from eagle_pipeline.drafter.folder import read_flat_config
+        from eagle_pipeline.drafter.folder import read_config
         from eagle_pipeline.drafter.layouts import weight_files
         from eagle_pipeline.predict.diagnose import config_findings
 
-        findings = config_findings(read_flat_config(drafter_dir), num_layers=num_layers,
+        findings = config_findings(read_config(drafter_dir) or {}, num_layers=num_layers,
                                    target_vocab_size=verifier.vocab_size,
                                    has_d2t="d2t" in weight_files(drafter_dir))
         plan = trained_plan(served_checkpoint(cfg, require_complete(cfg, 4)), layout.layer_ids, num_layers, findings)

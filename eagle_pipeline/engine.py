@@ -8,6 +8,8 @@ import os
 from typing import Any
 
 from eagle_pipeline.config import RunConfig
+from eagle_pipeline.drafter.folder import read_config
+from eagle_pipeline.drafter.layouts import is_dflash_config
 from eagle_pipeline.fingerprint import value_fingerprint
 
 # vLLM's switch between its model runners; unset leaves vLLM's own choice (V2 on GPUs with Triton).
@@ -164,12 +166,13 @@ def serve_flags(model: str, *, host: str, port: int, max_model_len: int, dtype: 
     return flags
 
 
-def eagle3_speculative_config(drafter_dir: str | os.PathLike, num_speculative_tokens: int,
-                              drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """vLLM's `speculative_config` for speculating with the EAGLE-3 drafter folder `drafter_dir`, the same
-    dict for the offline engine (`LLM`, `EngineArgs`) and for `vllm serve --speculative-config`;
-    `drafter_settings` (`drafter_engine_settings`) say how vLLM computes the drafter."""
-    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens,
+def drafter_speculative_config(drafter_dir: str | os.PathLike, num_speculative_tokens: int,
+                               drafter_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's `speculative_config` for speculating with the drafter folder `drafter_dir` (method eagle3, or dflash
+    for a DFlash drafter), the same dict for the offline engine (`LLM`, `EngineArgs`) and for `vllm serve
+    --speculative-config`; `drafter_settings` (`drafter_engine_settings`) say how vLLM computes the drafter."""
+    method = "dflash" if is_dflash_config(read_config(drafter_dir) or {}) else "eagle3"
+    return {"method": method, "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens,
             **(drafter_settings or {})}
 
 
@@ -185,7 +188,7 @@ def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: i
         **(engine_kwargs or {}),
         **(overrides or {}),
         "model": target,
-        "speculative_config": eagle3_speculative_config(drafter, num_speculative_tokens, drafter_settings),
+        "speculative_config": drafter_speculative_config(drafter, num_speculative_tokens, drafter_settings),
     }
 
 

@@ -75,7 +75,9 @@ def vllm_read_aux_ids(config: dict) -> dict[str, list[int] | None]:
     docs/engines.md, "vLLM model runner V2" cites vLLM's code: V1 the top-level
     `eagle_aux_hidden_state_layer_ids`, else `eagle_config`'s; V2 the top level only, else
     `eagle_config["layer_ids"]`."""
-    top = config.get("eagle_aux_hidden_state_layer_ids") or None
+    # A speculators DFlash folder names them aux_hidden_state_layer_ids, which vLLM writes to the top level
+    # (transformers_utils/configs/speculators/algos.py, update_dflash).
+    top = config.get("eagle_aux_hidden_state_layer_ids") or config.get("aux_hidden_state_layer_ids") or None
     eagle = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
     v1 = top or eagle.get("eagle_aux_hidden_state_layer_ids") or None
     v2 = top or eagle.get("layer_ids") or None

@@ -63,3 +63,34 @@ def coverage_curve(counts: np.ndarray, sizes) -> list[float]:
     cumulative = np.cumsum(ranked)
     total = cumulative[-1] if cumulative.size and cumulative[-1] else 1
     return [float(cumulative[min(s, ranked.size) - 1] / total) for s in sizes]
+
+
+# A chat with every kind of turn: the ids the chat template itself writes are those of its rendering.
+TEMPLATE_PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                  {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+
+
+def mask_token_id(tokenizer, vocab_size: int, chat_kwargs: dict, configured: int | None = None,
+                  token_counts: np.ndarray | None = None) -> int:
+    """DFlash's mask token, the input of every drafted slot: `configured` checked (inside the target's vocabulary,
+    never written by the chat template), or chosen: the lowest added special token that is not bos/eos/pad/unk, not
+    written by the chat template rendered with the run's `chat_kwargs` and not among the answers' `token_counts`
+    (stage 03's). speculators' own fallback, the pad token, is a turn marker the drafter also reads as text."""
+    rendered = set(tokenizer.apply_chat_template(TEMPLATE_PROBE, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=False, **chat_kwargs))
+    if configured is not None:
+        if configured >= vocab_size:
+            raise BadInput(f"train.dflash.mask_token_id: {configured} is outside the target's vocabulary of "
+                           f"{vocab_size}; choose a special token of the target's tokenizer, or leave it out")
+        if configured in rendered:
+            raise BadInput(f"train.dflash.mask_token_id: {configured} ({tokenizer.convert_ids_to_tokens(configured)}) "
+                           f"is written by the chat template, so drafted slots would read as turn markers; choose "
+                           f"another special token, or leave it out")
+        return configured
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    seen = set() if token_counts is None else set(np.flatnonzero(token_counts).tolist())
+    for token_id in sorted(i for i, token in tokenizer.added_tokens_decoder.items() if token.special):
+        if token_id < vocab_size and token_id not in reserved | rendered | seen:
+            return token_id
+    raise BadInput("train.dflash.mask_token_id: the target's tokenizer has no special token that its chat template "
+                   "and the answers leave unused; set one")

@@ -283,6 +283,8 @@ CASES = [
     ("checkpoint-without-weights", {}, lambda r, t: fake_trained(r, with_weights=False), "05_convert.py", [], "checkpoints/0"),
     ("reference-drafter-not-a-model", {"convert": {"reference_dir": "/nonexistent/ref"}}, lambda r, t: fake_trained(r, with_weights=True), "05_convert.py", [], "convert.reference_dir: /nonexistent/ref does not exist"),
     ("serve-port-in-use", {}, _busy_port, "06_serve_test.py", [], "serve.port"),
+    ("dflash-mask-token-in-the-chat", {"train": {"family": "dflash", "dflash": {"mask_token_id": 2}}}, None,
+     "04_train.py", ["--dry-run"], "train.dflash.mask_token_id: 2 (<|im_end|>) is written by the chat template"),
     # config files
     ("config-not-utf8", {}, _config_file(b"extends: TINY\nrun_name: caf\xe9\ndata_root: ROOT\n"),
      "01_generate_data.py", ["--dry-run"], "raw.yaml line 2: byte 0xe9 is not UTF-8"),

@@ -219,6 +219,15 @@ def test_empty_data_root_is_refused(tmp_path):
     (["serve.min_acceptance_length=4.5"], r"serve\.min_acceptance_length: 4\.5 can never be reached"),
     (["seed=true"], r"seed: expected a number, got true"),
     (["verifier.path=/models/a\x00b"], r"verifier\.path: contains a NUL character"),
+    # A DFlash drafter (train.family: dflash) has none of EAGLE-3's layer settings; its own section needs the family.
+    (["train.family=dflash", "train.draft_layer=mla"], r"train\.draft_layer: an EAGLE-3 setting, but train\.family "
+                                                       r"is dflash: .*DFlashQwen3ForCausalLM"),
+    (["train.family=dflash", "train.draft_shape={num_hidden_layers: 2}"], r"train\.draft_shape: .*dflash\.num_layers"),
+    (["train.family=dflash", "train.norm_before_fc=true"], r"train\.norm_before_fc: an EAGLE-3 setting"),
+    (["train.family=dflash", "train.fc_norm=false"], r"train\.fc_norm: an EAGLE-3 setting"),
+    (["train.family=dflash", "train.ttt_steps=4"], r"train\.ttt_steps: .*dflash\.block_size"),
+    (["train.dflash={block_size: 4}"], r"train\.dflash: applies to train\.family dflash only"),
+    (["train.family=dflash", "train.dflash.block_size=1"], r"train\.dflash\.block_size: Input should be greater"),
 ])
 def test_cross_field_and_type_rules(tmp_path, overrides, expected):
     with pytest.raises(BadInput, match=expected):
@@ -368,3 +377,18 @@ def test_a_capture_endpoints_password_is_never_printed_or_recorded(tmp_path):
         load_config(write_config(tmp_path / "c.yaml", hidden_states={"mode": "online",
                                                                      "capture_endpoints": ["http://me:s3cret@10.0.0.5:99999/v1"]}))
     assert "s3cret" not in str(error.value)
+
+
+def test_a_dflash_drafter_takes_speculators_defaults_and_eagle3_runs_record_no_new_setting(tmp_path):
+    from eagle_pipeline.train.settings import recorded_settings
+
+    eagle = load_config(write_config(tmp_path / "c.yaml"))
+    # Runs finished before the family existed keep their recorded inputs, so they stay complete.
+    assert not {"train.family", "train.dflash"} & set(recorded_settings(eagle.train))
+    dflash = load_config(write_config(tmp_path / "c.yaml"), ["train.family=dflash"])
+    assert dflash.train.dflash.model_dump() == {"block_size": 8, "num_layers": 5, "max_anchors": 512,
+                                                "mask_token_id": None}
+    recorded = recorded_settings(dflash.train)
+    assert recorded["train.family"] == "dflash" and "train.dflash" not in recorded
+    changed = load_config(write_config(tmp_path / "c.yaml"), ["train.family=dflash", "train.dflash.block_size=4"])
+    assert recorded_settings(changed.train)["train.dflash"]["block_size"] == 4

@@ -64,6 +64,9 @@ COMPANIONS = {
     "train.predict_conversations": ["train.select_by=val_loss"],
     # A capture server's share of the GPUs is an online run's setting.
     "hidden_states.capture_gpu_memory_utilization": ["hidden_states.mode=online"],
+    # The DFlash section is the DFlash family's.
+    **{f"train.dflash.{key}": ["train.family=dflash"] for key in ("block_size", "num_layers", "max_anchors",
+                                                                  "mask_token_id")},
 }
 
 

@@ -596,7 +596,7 @@ def test_engine_settings_reach_every_engine_and_the_environment_reaches_every_pr
         MODEL_RUNNER_VARIABLE,
         capture_engine_kwargs,
         drafter_engine_settings,
-        eagle3_speculative_config,
+        drafter_speculative_config,
         engine_env,
         llm_kwargs,
         server_args,
@@ -609,7 +609,7 @@ def test_engine_settings_reach_every_engine_and_the_environment_reaches_every_pr
         assert kwargs["attention_backend"] == "TRITON_MLA" and kwargs["kv_cache_dtype"] == "fp8"
     flags = server_args(cfg)
     assert flags[flags.index("--attention-backend") + 1] == "TRITON_MLA" and flags[flags.index("--kv-cache-dtype") + 1] == "fp8"
-    assert eagle3_speculative_config("/d", 3, drafter_engine_settings(cfg)) == {
+    assert drafter_speculative_config("/d", 3, drafter_engine_settings(cfg)) == {
         "method": "eagle3", "model": "/d", "num_speculative_tokens": 3, "attention_backend": "TRITON_MLA"}
     env = engine_env(cfg)
     # The config's env wins over the pipeline's own defaults (log level INFO on cuda).

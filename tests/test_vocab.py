@@ -45,3 +45,38 @@ def test_coverage_is_share_of_masked_tokens_in_draft_vocab():
     counts = np.array([10, 0, 30, 60], dtype=np.int64)
     assert vocab.coverage(counts, np.array([2, 3])) == pytest.approx(0.9)
     assert vocab.coverage_curve(counts, [1, 2, 4]) == pytest.approx([0.6, 0.9, 1.0])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.verifier import Verifier
+
+    verifier = Verifier.from_config(load_config("configs/tiny.yaml"))
+    return verifier.tokenizer, verifier.vocab_size
+
+
+def test_the_dflash_mask_token_is_a_special_token_no_chat_and_no_answer_uses(smollm2):
+    tokenizer, size = smollm2
+    # SmolLM2: 0-2 are unk/bos/eos-pad (the template writes 1 and 2); 3 (<repo_name>) is the first one left.
+    assert vocab.mask_token_id(tokenizer, size, {}) == 3
+    counts = np.zeros(size, dtype=np.int64)
+    counts[[3, 5]] = 1  # the answers use <repo_name>: the next special token
+    assert vocab.mask_token_id(tokenizer, size, {}, token_counts=counts) == 4
+    assert vocab.mask_token_id(tokenizer, size, {}, configured=7) == 7
+
+
+@pytest.mark.parametrize("configured,expected", [
+    (2, r"train\.dflash\.mask_token_id: 2 \(<\|im_end\|>\) is written by the chat template"),
+    (49152, r"train\.dflash\.mask_token_id: 49152 is outside the target's vocabulary of 49152"),
+])
+def test_a_configured_mask_token_the_template_writes_or_the_target_lacks_is_refused(smollm2, configured, expected):
+    tokenizer, size = smollm2
+    with pytest.raises(BadInput, match=expected):
+        vocab.mask_token_id(tokenizer, size, {}, configured=configured)
+
+
+def test_no_free_special_token_asks_for_one(smollm2):
+    tokenizer, size = smollm2
+    with pytest.raises(BadInput, match=r"train\.dflash\.mask_token_id: .*no special token .* set one"):
+        vocab.mask_token_id(tokenizer, size, {}, token_counts=np.ones(size, dtype=np.int64))

@@ -15,6 +15,7 @@ from eagle_pipeline.config.base import (
     MAX_COUNT,
     MAX_PARALLEL,
     MAX_TOKENS,
+    MAX_VOCAB,
     MAX_WIDTH,
     PathStr,
     Section,
@@ -48,7 +49,36 @@ class DraftShape(Section):
         return self
 
 
+class DFlashConfig(Section):
+    """A DFlash block drafter (train.family: dflash): speculators' DFlashDraftModel, Qwen3 layers of the verifier's
+    width over its aux states, drafting block_size - 1 tokens in one pass. Defaults are speculators'."""
+
+    block_size: int = Field(8, ge=2, le=64, description="tokens per block: the last verified token and "
+                                                        "block_size - 1 mask tokens, one draft each")
+    num_layers: int = Field(5, ge=1, le=64)
+    # Every pack pads to exactly max_anchors blocks, so a step costs max_anchors x block_size query tokens whatever the
+    # data: size it to the answer tokens of a pack.
+    max_anchors: int = Field(512, ge=1, le=MAX_TOKENS, description="anchor blocks per packed batch")
+    mask_token_id: Optional[int] = Field(None, ge=0, lt=MAX_VOCAB, description="None: the lowest added special "
+                                         "token the chat template and the answers never use (eagle_pipeline/vocab.py)")
+
+
+# What a DFlash drafter has no use for, and why: each refused with family dflash.
+EAGLE3_ONLY = {
+    "draft_layer": "vLLM's DFlash drafter (DFlashQwen3ForCausalLM) has Qwen3 layers; leave draft_layer out",
+    "draft_shape": "a DFlash drafter has the verifier's width (speculators: another is not yet supported); set "
+                   "train.dflash.num_layers instead",
+    "ttt_steps": "a DFlash drafter drafts a block in one pass; set train.dflash.block_size instead",
+    **{flag: "a DFlash drafter has no EAGLE-3 norm variants; leave it out" for flag in (
+        "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")},
+}
+
+
 class TrainConfig(Section):
+    # eagle3: a chain of one-token draft steps (speculators' Eagle3DraftModel); dflash: a block of tokens drafted in
+    # one pass (DFlashDraftModel, train.dflash), vLLM's method dflash.
+    family: Literal["eagle3", "dflash"] = "eagle3"
+    dflash: DFlashConfig = Field(default_factory=DFlashConfig)
     epochs: int = Field(3, ge=1, le=100_000)
     lr: float = Field(1e-4, gt=0, le=1)
     optimizer: Literal["adamw", "muon"] = "adamw"
@@ -127,6 +157,21 @@ class TrainConfig(Section):
         if convention is not None and not info.data.get("init_from"):
             raise ValueError("names the layer-id convention of train.init_from, which is not set; set both or neither")
         return convention
+
+    @model_validator(mode="after")
+    def _settings_of_the_family(self):
+        if self.family == "eagle3":
+            if self.dflash != DFlashConfig():
+                raise cross_field("dflash", "applies to train.family dflash only; set family: dflash or remove it")
+            return self
+        # A norm flag is refused when set at all; the other settings when changed from their defaults.
+        defaults = {name: TrainConfig.model_fields[name].default
+                    for name in ("draft_layer", "draft_shape", "ttt_steps")}
+        for field, why in EAGLE3_ONLY.items():
+            changed = getattr(self, field) != defaults[field] if field in defaults else field in self.model_fields_set
+            if changed:
+                raise cross_field(field, f"an EAGLE-3 setting, but train.family is dflash: {why}")
+        return self
 
     @model_validator(mode="after")
     def _mla_has_no_input_norm(self):

@@ -21,6 +21,10 @@ SPECULATORS, FLAT, SGLANG = "speculators", "flat", "sglang"
 # The drafter's decoder layer: Llama-shaped attention, or the target's MLA attention (DeepSeek-V3, Kimi-K2).
 LLAMA, MLA = "llama", "mla"
 LAYER_SHAPES = (LLAMA, MLA)
+# A DFlash drafter: speculators' type, and its Qwen3 layers as stage 04 plans them (drafter/planned.py), each reading
+# the hidden width only; the architecture speculators' checkpoints and z-lab's flat releases name.
+DFLASH = "dflash"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
 # The flat architecture of each layer shape: vLLM's llama_eagle3.py and deepseek_eagle3.py.
 FLAT_ARCHITECTURES = {LLAMA: "LlamaForCausalLMEagle3", MLA: "Eagle3DeepseekV2ForCausalLM"}
 FLAT_ARCHITECTURE = FLAT_ARCHITECTURES[LLAMA]
@@ -157,6 +161,20 @@ def flat_architecture_of(config: dict[str, Any]) -> str | None:
 def config_layout(config: dict[str, Any]) -> str:
     """SPECULATORS for speculators' own nested config, FLAT for any other (flat and SGLang folders share it)."""
     return SPECULATORS if SPECULATORS_TYPE_KEY in config else FLAT
+
+
+def is_dflash_config(config: dict[str, Any]) -> bool:
+    """A DFlash drafter's config, in speculators' layout or z-lab's flat one: vLLM serves it with method dflash."""
+    return config.get(SPECULATORS_TYPE_KEY) == DFLASH or DFLASH_ARCHITECTURE in (config.get("architectures") or [])
+
+
+# The stage-06 modes that serve a drafter, named by vLLM's method for its family (train.family).
+DRAFTER_MODES = ("eagle3", DFLASH)
+
+
+def drafter_mode(modes) -> str:
+    """The mode among `modes` (names, or a mapping keyed by them) that served the drafter (eagle3 where none did)."""
+    return next((mode for mode in modes if mode in DRAFTER_MODES), "eagle3")
 
 
 def strip_export_prefix(name: str) -> str:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 
-from eagle_pipeline.drafter.layouts import MLA, SPECULATORS
+from eagle_pipeline.drafter.layouts import DFLASH, LLAMA, MLA, SPECULATORS
 from eagle_pipeline.drafter.tensors import DraftDims, mla_attention_shapes
 
 
 def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
     """The drafter stage 04 will train, in speculators' layout: train.draft_shape where given, the verifier's
-    decoder shape otherwise."""
+    decoder shape otherwise (a DFlash drafter's train.dflash.num_layers)."""
     text = verifier.text_config()
     shape = cfg.train.draft_shape.model_dump(exclude_none=True) if cfg.train.draft_shape else {}
     hidden = shape.get("hidden_size", verifier.hidden_size)
@@ -31,9 +31,12 @@ def planned_draft_dims(cfg, verifier, n_aux: int) -> DraftDims:
                          layer_shape=MLA, q_lora_rank=None if q_lora is None else int(q_lora),
                          kv_lora_rank=int(text["kv_lora_rank"]), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                          v_head_dim=int(text["v_head_dim"]))
+    dflash = cfg.train.family == "dflash"
     return DraftDims(**same, head_dim=shape.get("head_dim", text.get("head_dim") or hidden // heads),
                      num_key_value_heads=shape.get("num_key_value_heads", text.get("num_key_value_heads", heads)),
-                     num_layers=int(shape.get("num_hidden_layers", 1)), norm_before_fc=bool(cfg.train.norm_before_fc))
+                     num_layers=int(shape.get("num_hidden_layers", cfg.train.dflash.num_layers if dflash else 1)),
+                     norm_before_fc=bool(cfg.train.norm_before_fc) and not dflash,
+                     layer_shape=DFLASH if dflash else LLAMA)
 
 
 def layer_params(dims: DraftDims, first: bool = True) -> int:
@@ -51,9 +54,10 @@ def layer_params(dims: DraftDims, first: bool = True) -> int:
 
 def drafter_params(dims: DraftDims) -> int:
     """speculators' Eagle3DraftModel as saved: fc, decoder layers (the first reads 2 x hidden), lm_head and
-    embed_tokens; the final norm where the layer is MLA (every tensor its checkpoint saves)."""
+    embed_tokens; the final norm where the layer is MLA (every tensor its checkpoint saves). A DFlashDraftModel the
+    same, every layer reading the hidden width."""
     hidden = dims.hidden_size
     final_norm = hidden if dims.layer_shape == MLA else 0
-    return (dims.num_aux * dims.target_hidden_size * hidden + layer_params(dims)
+    return (dims.num_aux * dims.target_hidden_size * hidden + layer_params(dims, first=dims.layer_shape != DFLASH)
             + (dims.num_layers - 1) * layer_params(dims, first=False) + final_norm
             + dims.draft_vocab_size * hidden + dims.vocab_size * hidden)

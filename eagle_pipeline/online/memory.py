@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_pipeline.drafter.layouts import MLA
+from eagle_pipeline.drafter.layouts import DFLASH, MLA
 from eagle_pipeline.drafter.planned import drafter_params, layer_params, planned_draft_dims
 from eagle_pipeline.gpus import CUDA_CONTEXT_GIB, GIB, gpu_memory_bytes
 
@@ -106,11 +106,13 @@ class DrafterShape:
         hidden, draft_vocab = dims.hidden_size, dims.draft_vocab_size
         params = drafter_params(dims)  # with the embedding, not verifier_lm_head
         embedding = dims.vocab_size * hidden
-        layer = layer_params(dims)
+        layer = layer_params(dims, first=dims.layer_shape != DFLASH)
         # speculators 0.9 trains neither the embedding nor the drafter's lm_head (speculators/model.py sets both
         # requires_grad False: the head keeps the verifier's draft-vocabulary rows, or a release's).
         head = verifier_head = draft_vocab * hidden
-        return cls(draft_vocab=draft_vocab, layer_activations=layer_activations(dims),
+        # A DFlash block passes through every layer once; an EAGLE-3 drafter's one layer once per ttt step.
+        passes = dims.num_layers if dims.layer_shape == DFLASH else 1
+        return cls(draft_vocab=draft_vocab, layer_activations=passes * layer_activations(dims),
                    trainable_params=params - embedding - head, frozen_params=embedding + head + verifier_head,
                    layer_params=layer, root_params=params - layer + verifier_head)
 
@@ -223,19 +225,29 @@ def trainer_memory(drafter: DrafterShape, *, gpus: int, sharded: bool, vocab: in
             "CUDA context": CUDA_CONTEXT_GIB * GIB}
 
 
+def activation_tokens(train) -> tuple[int, int]:
+    """(tokens, passes) a training step holds activations for: a pack's tokens once per ttt step, or a DFlash pack's
+    query blocks (max_anchors x block_size, whatever the data: speculators pads to max_anchors) once."""
+    if train.family == "dflash":
+        return train.dflash.max_anchors * train.dflash.block_size, 1
+    return train.total_seq_len, train.ttt_steps
+
+
 def trainer_memory_line(cfg, verifier, n_aux: int) -> str:
     """Stage 04's dry-run line: the memory one training rank needs (per GPU, or the CPU's for an in-process run),
     by part, for this run's drafter (Llama-shaped or MLA) and pack length."""
     t = cfg.train
     gpus = max(1, t.num_gpus)
+    tokens, passes = activation_tokens(t)
     drafter = DrafterShape.from_dims(planned_draft_dims(cfg, verifier, n_aux))
     parts = trainer_memory(drafter, gpus=gpus, sharded=t.fsdp_shard, vocab=verifier.vocab_size,
-                           total_seq_len=t.total_seq_len, ttt_steps=t.ttt_steps)
+                           total_seq_len=tokens, ttt_steps=passes)
     if t.num_gpus == 0:
         parts.pop("CUDA context")
     where = "per GPU" if t.num_gpus else "on the CPU"
     how = f"FSDP over {gpus} ranks" if t.fsdp_shard else ("replicated on each rank" if gpus > 1 else "one process")
-    return (f"  memory {where} (trainer, {how}, packs of {t.total_seq_len} tokens, estimate): {named(parts)} = "
+    pack = f"{tokens} block tokens a pack" if t.family == "dflash" else f"packs of {tokens} tokens"
+    return (f"  memory {where} (trainer, {how}, {pack}, estimate): {named(parts)} = "
             f"{sum(parts.values()) / GIB:.1f} GiB")
 
 
@@ -277,11 +289,12 @@ def run_plan(cfg, verifier, layout) -> MemoryPlan | str | None:
     if cfg.train.num_gpus != gpus:
         return (f"  memory plan: the capture server spans {gpus} GPUs and training {cfg.train.num_gpus}; co-location "
                 f"is planned for the same GPUs: set train.num_gpus to verifier.tensor_parallel_size")
+    tokens, passes = activation_tokens(cfg.train)
     return plan_memory(gpu_bytes=gpu_bytes, gpus=gpus, utilization=capture_share(cfg),
                        target=target_shape(verifier.path, verifier.text_config(), gpus),
                        drafter=DrafterShape.from_dims(planned_draft_dims(cfg, verifier, len(layout.layer_ids))),
                        num_states=layout.num_hidden_states, longest_sequence=hs.max_seq_len,
-                       total_seq_len=cfg.train.total_seq_len, ttt_steps=cfg.train.ttt_steps, window=hs.online_window)
+                       total_seq_len=tokens, ttt_steps=passes, window=hs.online_window)
 
 
 def run_plan_lines(cfg, verifier, layout) -> list[str]:

@@ -30,6 +30,7 @@ from eagle_pipeline.atomic import nearest_existing
 from eagle_pipeline.capture import ENGINE_DTYPE_BYTES
 from eagle_pipeline.config import STAGES
 from eagle_pipeline.drafter.folder import is_speculators_drafter, read_flat_config
+from eagle_pipeline.drafter.layouts import DFLASH
 from eagle_pipeline.drafter.planned import drafter_params, planned_draft_dims
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
@@ -75,7 +76,9 @@ class DrafterSize:
     @classmethod
     def for_run(cls, cfg, verifier, n_aux: int) -> "DrafterSize":
         dims = planned_draft_dims(cfg, verifier, n_aux)
-        return cls(params=drafter_params(dims), embedding=dims.vocab_size * dims.hidden_size,
+        # A DFlash checkpoint leaves the embedding to the verifier.
+        embedding = dims.vocab_size * dims.hidden_size * (dims.layer_shape != DFLASH)
+        return cls(params=drafter_params(dims) - dims.vocab_size * dims.hidden_size + embedding, embedding=embedding,
                    lm_head=dims.draft_vocab_size * dims.hidden_size,
                    map_bytes=8 * dims.draft_vocab_size + dims.vocab_size)  # d2t int64, t2d bool
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eagle_pipeline.config import STAGES, RunConfig
+from eagle_pipeline.drafter.folder import read_config
+from eagle_pipeline.drafter.layouts import is_dflash_config
 from eagle_pipeline.serve.plan import SCHEDULE_MODE
 
 
@@ -21,16 +23,24 @@ class Engine:
     name: str
     loads_target: bool = True  # the drafter load check reads the target's config only
     starts: int = 1  # convert.parity vllm starts its engine once for each of the two drafters it compares
-    mode: str | None = None  # what a stage-06 server serves: none, ngram, eagle3, schedule
+    mode: str | None = None  # what a stage-06 server serves: none, ngram, the drafter's (eagle3, dflash), schedule
     variant: int = 0  # a serve.engine_variants entry (from 1) served by the engine probe
     # In a full pass's count: the probe's servers start only on an engine verdict unless probe_engine is always.
     counted: bool = True
 
 
+def drafter_method(cfg: RunConfig) -> str:
+    """vLLM's method for the run's drafter, which names its stage-06 mode: train.family, or for a drafter from
+    elsewhere (serve.drafter) its folder's (dflash for a DFlash config)."""
+    if cfg.serve.drafter is None:
+        return cfg.train.family
+    return "dflash" if is_dflash_config(read_config(cfg.resolve_path(cfg.serve.drafter)) or {}) else "eagle3"
+
+
 def served_modes(cfg: RunConfig) -> list[str]:
-    """Stage 06's servers in the order it starts them: none (unless a kept baseline answers), n-gram, EAGLE-3."""
+    """Stage 06's servers in the order it starts them: none (unless a kept baseline answers), n-gram, the drafter."""
     s = cfg.serve
-    return ["none"] * (s.baseline is None) + ["ngram"] * s.ngram_baseline + ["eagle3"]
+    return ["none"] * (s.baseline is None) + ["ngram"] * s.ngram_baseline + [drafter_method(cfg)]
 
 
 def stage_engines(cfg: RunConfig, stage: int) -> list[Engine]:
@@ -53,7 +63,8 @@ def stage_engines(cfg: RunConfig, stage: int) -> list[Engine]:
     if s.confirm_schedule:
         engines.append(Engine(6, f"server {SCHEDULE_MODE}", mode=SCHEDULE_MODE))
     if s.predict and s.probe_engine != "never":
-        engines += [Engine(6, f"engine variant {i}", mode="eagle3", variant=i, counted=s.probe_engine == "always")
+        engines += [Engine(6, f"engine variant {i}", mode=drafter_method(cfg), variant=i,
+                           counted=s.probe_engine == "always")
                     for i in range(1, len(s.engine_variants) + 1)]
     if s.predict and s.baseline is None:  # a kept baseline holds the captured states too
         engines.append(Engine(6, "replay capture"))

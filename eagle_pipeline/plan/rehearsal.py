@@ -14,7 +14,7 @@ from eagle_pipeline import atomic
 from eagle_pipeline.capture import HiddenStateCapture, capture_sizing, one_pass_engine_args
 from eagle_pipeline.config import RunConfig
 from eagle_pipeline.convert import SpeculatorsCheckpoint, flat_config
-from eagle_pipeline.drafter.layouts import MLA, NORM_FLAGS, SPECULATORS_TYPE_KEY
+from eagle_pipeline.drafter.layouts import DFLASH, DFLASH_ARCHITECTURE, MLA, NORM_FLAGS, SPECULATORS_TYPE_KEY
 from eagle_pipeline.drafter.planned import planned_draft_dims
 from eagle_pipeline.drafter_checks.parity import acceptance_engine_kwargs
 from eagle_pipeline.drafter_checks.vllm_load import load_check_engine_kwargs
@@ -150,6 +150,11 @@ def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
 
     text = verifier.text_config()
     layout = planned_sample_layout(cfg, verifier.num_layers, verifier.hidden_size, verifier.vocab_size)
+    folder = scratch / "planned-drafter"
+    folder.mkdir(parents=True, exist_ok=True)
+    if cfg.train.family == DFLASH:  # vLLM loads speculators' DFlash folder as stage 05 writes it
+        atomic.write_json(folder / "config.json", planned_dflash_config(cfg, verifier, list(layout.layer_ids)))
+        return folder
     flags = {name: getattr(cfg.train, name) for name in NORM_FLAGS}
     config = {"draft_vocab_size": cfg.vocab.draft_vocab_size, "target_hidden_size": verifier.hidden_size}
     if cfg.train.draft_layer == MLA:
@@ -171,10 +176,27 @@ def drafter_folder(cfg: RunConfig, verifier, scratch: Path) -> Path:
     planned = SpeculatorsCheckpoint(scratch, config, layer, {}, flags)
     config = flat_config(planned, vocab_size=verifier.vocab_size, written_layer_ids=list(layout.layer_ids),
                          dtype="bfloat16", engine="vllm")
-    folder = scratch / "planned-drafter"
-    folder.mkdir(parents=True, exist_ok=True)
     atomic.write_json(folder / "config.json", config)
     return folder
+
+
+def planned_dflash_config(cfg: RunConfig, verifier, layer_ids: list[int]) -> dict[str, Any]:
+    """The config of the DFlash drafter stage 04 will train, as speculators saves it and stage 05 serves it (every
+    layer full attention, attending both ways), from its planned dimensions."""
+    dims, d, text = planned_draft_dims(cfg, verifier, len(layer_ids)), cfg.train.dflash, verifier.text_config()
+    layer = {"model_type": "qwen3", "hidden_size": dims.hidden_size, "num_attention_heads": dims.num_attention_heads,
+             "num_key_value_heads": dims.num_key_value_heads, "head_dim": dims.head_dim,
+             "intermediate_size": dims.intermediate_size, "num_hidden_layers": dims.num_layers,
+             "layer_types": ["full_attention"] * dims.num_layers, "vocab_size": verifier.vocab_size,
+             "rms_norm_eps": text.get("rms_norm_eps", 1e-6), "hidden_act": "silu",
+             "max_position_embeddings": text.get("max_position_embeddings", cfg.verifier.max_model_len)}
+    return {"architectures": [DFLASH_ARCHITECTURE], SPECULATORS_TYPE_KEY: DFLASH, "transformer_layer_config": layer,
+            "aux_hidden_state_layer_ids": layer_ids, "block_size": d.block_size, "mask_token_id": d.mask_token_id or 0,
+            "draft_vocab_size": cfg.vocab.draft_vocab_size, "sliding_window_non_causal": True,
+            "speculators_config": {"algorithm": DFLASH, "default_proposal_method": "greedy", "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": d.block_size - 1, "accept_tolerance": 0.0,
+                 "verifier_accept_k": 1}], "verifier": {"name_or_path": str(verifier.path),
+                                                        "architectures": text.get("architectures") or []}}}
 
 
 def rehearsed_schedule(cfg: RunConfig) -> list[list[int]] | None:

@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eagle_pipeline.drafter.layouts import is_dflash_config
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
 from eagle_pipeline.predict.variants import Variant
 
@@ -95,6 +96,9 @@ ATTENTION_TEXTS = {
     ("softmax_mscale", True): "softmax scale without YaRN's mscale**2 factor while the drafter was trained with it",
     ("softmax_mscale", False): "softmax scale with YaRN's mscale**2 factor (vLLM's deepseek_v2.py applies it for "
                                "a YaRN rope) while the drafter was trained without it",
+    ("causal", False): "causal attention inside the DFlash block (vLLM 0.32 reads a speculators folder's "
+                       "sliding_window_non_causal false so for every layer, vLLM PR #56692) while the drafter was "
+                       "trained attending both ways; write sliding_window_non_causal true",
 }
 
 
@@ -154,6 +158,10 @@ def as_variant(reading: Reading, captured_ids: Sequence[int], num_layers: int) -
 
 def config_findings(config: Mapping[str, Any], *, num_layers: int, target_vocab_size: int, has_d2t: bool) -> list[dict]:
     """What a flat drafter config makes vLLM do wrong, read from the config alone: [{name, fault, text}]."""
+    if is_dflash_config(dict(config)):  # ids and vocabulary as speculators writes them; its one trap is attention
+        layers = (config.get("transformer_layer_config") or {}).get("layer_types") or []
+        causal = not config.get("sliding_window_non_causal") and all(t == "full_attention" for t in layers)
+        return [{"name": "causal_flipped", "fault": True, "text": ATTENTION_TEXTS["causal", False]}] if causal else []
     findings = []
     read = vllm_read_aux_ids(dict(config))
     defaults = default_layer_ids(num_layers)

@@ -23,11 +23,18 @@ import torch
 
 from eagle_pipeline.capture import HiddenStateCapture, capture_sizing
 from eagle_pipeline.config import RunConfig
-from eagle_pipeline.drafter.folder import read_flat_config
-from eagle_pipeline.drafter.layouts import flat_norm_flags, speculators_norm_flags, weight_files
+from eagle_pipeline.drafter.folder import read_config, read_flat_config
+from eagle_pipeline.drafter.layouts import (
+    drafter_mode,
+    flat_norm_flags,
+    is_dflash_config,
+    speculators_norm_flags,
+    weight_files,
+)
 from eagle_pipeline.engine import apply_engine_env, capture_engine_kwargs
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
 from eagle_pipeline.predict import diagnose as dx
+from eagle_pipeline.predict.blocks import load_block_drafter, predict_block_acceptance
 
 
 def served_checkpoint(cfg: RunConfig, trained: dict[str, Any]) -> Path:
@@ -45,17 +52,27 @@ class ReplayPlan:
     reference: str
     d2t: Any  # "checkpoint" or None (the folder has none: the engine's identity)
     findings: list[dict]
+    block: bool = False  # a DFlash drafter, replayed as vLLM's DFlashProposer drafts its blocks (predict/blocks.py)
 
 
 def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, findings: list[dict]) -> ReplayPlan:
     import json
 
     config = json.loads((Path(checkpoint) / "config.json").read_text())
+    if is_dflash_config(config):
+        return block_plan(checkpoint, layer_ids, num_layers, "as_trained", findings)
     flags = speculators_norm_flags(config)
     has_d2t = int(config.get("draft_vocab_size") or 0) != int(config["transformer_layer_config"]["vocab_size"])
     return ReplayPlan(Path(checkpoint), dx.readings(layer_ids, num_layers, flags, has_d2t=has_d2t,
                                                     attention=checkpoint_attention(checkpoint)),
                       "as_trained", "checkpoint", findings)
+
+
+def block_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, reference: str,
+               findings: list[dict]) -> ReplayPlan:
+    """A DFlash drafter's readings: its ids and their neighbours, and causal attention inside the block."""
+    return ReplayPlan(Path(checkpoint), dx.readings(layer_ids, num_layers, {}, has_d2t=False, reference=reference,
+                                                    attention={"causal": False}), reference, None, findings, True)
 
 
 def checkpoint_attention(checkpoint: Path) -> dict[str, bool]:
@@ -73,6 +90,11 @@ def folder_plan(drafter_dir: Path, verifier_dir: Path, num_layers: int, vocab_si
     """A flat folder read as vLLM reads it: the ids the runner of `device` takes, the declared flags."""
     from eagle_pipeline.predict.flat_drafter import write_speculators_checkpoint
 
+    config = read_config(drafter_dir) or {}
+    if is_dflash_config(config):  # a speculators DFlash folder is its own checkpoint
+        return block_plan(drafter_dir, config["aux_hidden_state_layer_ids"], num_layers, "as_declared",
+                          dx.config_findings(config, num_layers=num_layers, target_vocab_size=vocab_size,
+                                             has_d2t=True))
     config = read_flat_config(drafter_dir)
     has_d2t = "d2t" in weight_files(drafter_dir)
     read = vllm_read_aux_ids(config)["v1" if device == "cpu" else "v2"] or default_layer_ids(num_layers)
@@ -101,9 +123,12 @@ def replay(plan: ReplayPlan, samples: list, captured_ids: Sequence[int], num_lay
     from eagle_pipeline.predict.acceptance import simulate_variants
     from eagle_pipeline.predict.speculators_drafter import load_drafter
 
-    model = load_drafter(plan.checkpoint)
     variants = [dx.as_variant(r, captured_ids, num_layers) for r in plan.readings]
-    return simulate_variants(model, samples, num_speculative_tokens, variants, d2t=plan.d2t)
+    if plan.block:
+        model = load_block_drafter(plan.checkpoint)
+        return {v.name: predict_block_acceptance(model, samples, num_speculative_tokens, aux_slots=v.aux_slots,
+                                                 causal=v.attention.get("causal", False)) for v in variants}
+    return simulate_variants(load_drafter(plan.checkpoint), samples, num_speculative_tokens, variants, d2t=plan.d2t)
 
 
 def predict_served(plan: ReplayPlan, token_ids: Sequence[tuple[Sequence[int] | None, Sequence[int] | None]],
@@ -138,9 +163,10 @@ def predict_served(plan: ReplayPlan, token_ids: Sequence[tuple[Sequence[int] | N
 
 
 def diagnosis(plan: ReplayPlan, report: dict[str, Any], prediction: dict[str, Any]) -> dict[str, Any] | None:
-    """The verdict with a cause (eagle_pipeline.predict.diagnose) for a report with eagle3 served and predicted;
+    """The verdict with a cause (eagle_pipeline.predict.diagnose) for a report with the drafter served and predicted;
     the engine facts of the served run (report["engine"]) are what an engine verdict names."""
-    served = (report.get("modes", {}).get("eagle3") or {})
+    modes = report.get("modes", {})
+    served = modes.get(drafter_mode(modes)) or {}
     if not served.get("per_position_acceptance") or not prediction.get("readings"):
         return None
     texts = {r.name: r.text for r in plan.readings}

@@ -1,12 +1,13 @@
 """Measure what speculative decoding buys: one server per mode, and the stage-06 summary of the runs.
 
-Each mode ("none", "ngram", "eagle3", and the chosen schedule: eagle_pipeline/serve/plan.py) gets its own server
-process, one at a time. For each mode we send a warm-up request, then for each concurrency level in turn scrape
-/metrics, run the prompts at that level, scrape again, and keep the difference, so that start-up, warm-up and
-the other levels' traffic never count. The first level is the headline: its first pass over the prompts gives
-the mode's texts and token ids. Each mode's record (`mode_record`: its summary, texts and token ids) is handed
-out as soon as its prompts are answered, before its server stops, so that a later mode's failure (a server that
-does not start) or a stop that hangs loses nothing measured; the report is built from the records
+Each mode ("none", "ngram", the drafter's ("eagle3" or "dflash"), and the chosen schedule:
+eagle_pipeline/serve/plan.py) gets its own server process, one at a time. For each mode we send a warm-up
+request, then for each concurrency level in turn scrape /metrics, run the prompts at that level, scrape again,
+and keep the difference, so that start-up, warm-up and the other levels' traffic never count. The first level
+is the headline: its first pass over the prompts gives the mode's texts and token ids. Each mode's record
+(`mode_record`: its summary, texts and token ids) is handed out as soon as its prompts are answered, before its
+server stops, so that a later mode's failure (a server that does not start) or a stop that hangs loses nothing
+measured; the report is built from the records
 (`served_report`), whether served now or by an earlier run.
 """
 
@@ -18,7 +19,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from eagle_pipeline.config import RunConfig
-from eagle_pipeline.engine import drafter_engine_settings, eagle3_speculative_config, server_kwargs
+from eagle_pipeline.drafter.layouts import DRAFTER_MODES, drafter_mode
+from eagle_pipeline.engine import drafter_engine_settings, drafter_speculative_config, server_kwargs
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, run_prompts
 from eagle_pipeline.serve.engine_facts import declared_settings, read_engine_facts, server_env
@@ -34,7 +36,7 @@ from eagle_pipeline.serve.spec_metrics import (
     wait_for_counted_tokens,
 )
 
-MODES = ("none", "ngram", "eagle3")
+MODES = ("none", "ngram", *DRAFTER_MODES)
 
 
 @dataclass
@@ -122,7 +124,9 @@ def summarize_records(
     num_prompts = {len(record["texts"]) for record in records.values()}
     if len(num_prompts) > 1:
         raise ValueError(f"modes ran different numbers of prompts: {sorted(num_prompts)}")
-    tokens_per_s = {**dict.fromkeys(MODES), **{name: summary["tokens_per_s"] for name, summary in modes.items()}}
+    drafter = drafter_mode(modes)
+    tokens_per_s = {**dict.fromkeys(("none", "ngram", drafter)),
+                    **{name: summary["tokens_per_s"] for name, summary in modes.items()}}
 
     mismatches: dict[str, list[int]] = {}
     if temperature == 0 and "none" in records:
@@ -130,8 +134,8 @@ def summarize_records(
         for name, record in records.items():
             if name != "none" and record["summary"].get("speculative_config") is not None:
                 mismatches[name] = greedy_mismatches(reference, record["texts"])
-    if "eagle3" in mismatches:
-        greedy_match = not mismatches["eagle3"]
+    if drafter in mismatches:
+        greedy_match = not mismatches[drafter]
     elif mismatches:
         greedy_match = all(not v for v in mismatches.values())
     else:
@@ -142,7 +146,7 @@ def summarize_records(
         name: ratio(tps, none_tps) if (tps is not None and none_tps) else None
         for name, tps in tokens_per_s.items() if name != "none"
     }
-    eagle = modes.get("eagle3", {})
+    eagle = modes.get(drafter, {})
     return {
         "num_prompts": num_prompts.pop() if num_prompts else 0,
         "num_speculative_tokens": num_speculative_tokens,
@@ -150,7 +154,7 @@ def summarize_records(
         "acceptance_rate": eagle.get("acceptance_rate"),
         "per_position_acceptance": eagle.get("per_position_acceptance", []),
         "tokens_per_s": tokens_per_s,
-        "speedup": speedups.get("eagle3"),
+        "speedup": speedups.get(drafter),
         "greedy_match": greedy_match,
         "greedy_mismatches": mismatches,
         "speedup_by_mode": speedups,
@@ -183,13 +187,13 @@ def speculative_config_for(
     if mode == "ngram":
         return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
                 "prompt_lookup_max": prompt_lookup_max, "prompt_lookup_min": prompt_lookup_min}
-    if mode in ("eagle3", SCHEDULE_MODE):
+    if mode in (*DRAFTER_MODES, SCHEDULE_MODE):
         if drafter_dir is None:
-            raise BadInput("eagle3 mode needs the drafter folder (stage 05 output); none was given")
+            raise BadInput(f"{mode} mode needs the drafter folder (stage 05 output); none was given")
         drafter_dir = Path(drafter_dir)
         if not (drafter_dir / "config.json").is_file():
             raise BadInput(f"{drafter_dir}: no config.json; point to a converted drafter (stage 05 output)")
-        config = eagle3_speculative_config(drafter_dir, num_speculative_tokens, drafter_settings)
+        config = drafter_speculative_config(drafter_dir, num_speculative_tokens, drafter_settings)
         if mode == SCHEDULE_MODE and schedule is not None:
             config["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule]
         return config
@@ -271,13 +275,14 @@ def measure_modes(cfg: RunConfig, target_dir: str | os.PathLike, drafter_dir: st
                       + (f", mean acceptance length {summary['mean_acceptance_length']:.2f}"
                          if summary.get("mean_acceptance_length") is not None else ""))
             records[mode] = sweep_record(swept, levels, len(prompts))
-            if mode == "eagle3":
+            if mode in DRAFTER_MODES:
                 records[mode]["engine"] = read_engine_facts(server.log_path, declared_settings(cfg))
             if on_measured is not None:
                 on_measured(mode, records[mode])
     report = served_report(records, num_speculative_tokens=num_speculative_tokens, temperature=s.temperature,
                            max_tokens=s.max_tokens, concurrency=levels)
-    if "eagle3" in modes:
-        report["engine"] = (records["eagle3"].get("engine")
-                            or read_engine_facts(log_dir / "server-eagle3.log", declared_settings(cfg)))
+    drafter = drafter_mode(modes)
+    if drafter in modes:
+        report["engine"] = (records[drafter].get("engine")
+                            or read_engine_facts(log_dir / f"server-{drafter}.log", declared_settings(cfg)))
     return report

@@ -30,6 +30,7 @@ import math
 import shlex
 from typing import Any, Mapping, Sequence
 
+from eagle_pipeline.drafter.layouts import drafter_mode
 from eagle_pipeline.engine import server_kwargs
 from eagle_pipeline.serve.server import VllmServer
 from eagle_pipeline.serve.spec_metrics import PER_REQUEST_FLAGS, ratio
@@ -135,7 +136,7 @@ def plan_serving(modes: Mapping[str, Mapping[str, Any]], levels: Sequence[int], 
     """The estimate at every level and the schedule chosen from it (or `configured`, the one the config names):
     {"estimate": rows, "schedule", "chosen_schedule", "source", "kind"} where kind is "none" (k = 0 everywhere),
     "static" (one k everywhere: `k`), "schedule" (k changes with batch size) or None (nothing to choose from)."""
-    none, drafter = mode_levels(modes.get("none"), levels), mode_levels(modes.get("eagle3"), levels)
+    none, drafter = mode_levels(modes.get("none"), levels), mode_levels(modes.get(drafter_mode(modes)), levels)
     rows = []
     for level in levels:
         speedups = estimate_speedups(none.get(level), drafter.get(level), k_max)
@@ -198,13 +199,13 @@ def plan_speculative_config(plan: Mapping[str, Any], drafter_config: Mapping[str
     return config
 
 
-def served_by(plan: Mapping[str, Any], k_max: int) -> str | None:
-    """The mode already served with the plan's setting ("none", "eagle3"; without a plan the drafter as measured),
-    or None when it needs its own server."""
+def served_by(plan: Mapping[str, Any], k_max: int, drafter: str = "eagle3") -> str | None:
+    """The mode already served with the plan's setting ("none", the `drafter`'s; without a plan the drafter as
+    measured), or None when it needs its own server."""
     if plan.get("kind") == "none":
         return "none"
     if plan.get("kind") is None or (plan["kind"] == "static" and plan.get("k") == k_max):
-        return "eagle3"
+        return drafter
     return None
 
 
@@ -303,7 +304,7 @@ def stuck_requests(per_request: Sequence[Mapping[str, Any] | None]) -> dict[str,
 
 
 def winning_method(plan: Mapping[str, Any], speedups: Mapping[str, Sequence[float | None]], levels: Sequence[int],
-                   confirmed: Sequence[Mapping[str, Any]] | None, drafter: str = "eagle3") -> tuple[str, list[dict]]:
+                   confirmed: Sequence[Mapping[str, Any]] | None, drafter: str) -> tuple[str, list[dict]]:
     """Per level the fastest of the methods served: the drafter as planned (its confirming run's speed-up where one
     served, its estimate otherwise; k = 0 is no speculation), n-gram and none; and the one method the command
     serves, since one server serves one: the fastest by the geometric mean of its speed-ups over the levels (1.0
@@ -332,6 +333,7 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
     s = cfg.serve
     levels, k_max = s.concurrency_levels, s.num_speculative_tokens
     modes = report["modes"]
+    drafter = drafter_mode(modes)
     none = mode_levels(modes.get("none"), levels)
     confirmed_rows, mismatches, failed = None, None, (confirmed or {}).get("failed")
     confirmed = None if failed else confirmed
@@ -339,15 +341,15 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
         confirmed_rows = confirmed_levels(none, mode_levels(confirmed["summary"], levels))
         revised = withdraw_slower(plan, confirmed_rows) if confirmed_by == SCHEDULE_MODE else plan
         if revised is not plan:
-            plan, spec = revised, plan_speculative_config(revised, modes["eagle3"]["speculative_config"])
+            plan, spec = revised, plan_speculative_config(revised, modes[drafter]["speculative_config"])
         reference = (report.get("texts") or {}).get("none")
         if s.temperature == 0 and reference is not None and confirmed.get("texts") is not None:
             mismatches = greedy_mismatches(reference, confirmed["texts"])
     schedule_levels = mode_levels(confirmed["summary"], levels) if confirmed_by == SCHEDULE_MODE and confirmed else None
     speedups = speedup_by_concurrency(modes, levels, schedule_levels)
-    method, by_level = winning_method(plan, speedups, levels, confirmed_rows)
+    method, by_level = winning_method(plan, speedups, levels, confirmed_rows, drafter)
     faster = ""
-    if method != "eagle3":  # n-gram, or no speculation, served faster over the levels than the drafter as planned
+    if method != drafter:  # n-gram, or no speculation, served faster over the levels than the drafter as planned
         spec = None if method == "none" else dict(modes[method]["speculative_config"])
         faster = (f" Over the levels {method} served faster than the drafter as planned ("
                   + ", ".join(f"{row['speedup'].get(method, 1.0):.2f}x at concurrency {row['concurrency']}"
@@ -373,8 +375,8 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
         "speedup_by_concurrency": speedups,
         "method": method,
         "method_by_concurrency": by_level,
-        "acceptance_by_concurrency": acceptance_by_concurrency(modes.get("eagle3"), levels),
-        "findings": collapse_findings(modes.get("eagle3"), levels),
+        "acceptance_by_concurrency": acceptance_by_concurrency(modes.get(drafter), levels),
+        "findings": collapse_findings(modes.get(drafter), levels, drafter),
         "confirm_failed": failed,
         "note": plan_sentence(plan, confirmed_rows is not None,
                               failed or (None if s.confirm_schedule else "serve.confirm_schedule is off"))

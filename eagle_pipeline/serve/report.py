@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eagle_pipeline import atomic
+from eagle_pipeline.drafter.layouts import DRAFTER_MODES, drafter_mode
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.serve.baseline import kept_baseline
@@ -100,14 +101,15 @@ def _recorded_elsewhere(stage_dir: Path, mode: str, shaped_by: dict | None) -> t
         return None, ""
     # The answers' ids are kept only for "none" (the replay reads them); the other modes' are not needed again.
     record = {"summary": summary, "texts": texts, "token_ids": [[None, None]] * len(texts)}
-    if mode == "eagle3" and isinstance(report.get("engine"), dict):
+    if mode in DRAFTER_MODES and isinstance(report.get("engine"), dict):
         record["engine"] = report["engine"]
     return record, "report.json and responses.jsonl"
 
 
 def per_prompt_acceptance(report: dict) -> list[dict]:
     """Served (vLLM's per-request metrics) and predicted (the replay) mean acceptance length per eval prompt."""
-    served = (report.get("modes", {}).get("eagle3") or {}).get("per_prompt") or []
+    modes = report.get("modes", {})
+    served = (modes.get(drafter_mode(modes)) or {}).get("per_prompt") or []
     predicted = report.get("predicted_per_prompt_mean_acceptance_length") or []
     predicted_drafts = report.get("predicted_per_prompt_num_drafts") or []
     ids = report.get("prompt_ids") or []
@@ -188,9 +190,10 @@ def render_report_md(report: dict) -> str:
             f"{format_number(s.get('mean_acceptance_length'))} | {format_number(s['server_start_s'], 1)} |"
         )
     predicted = report.get("predicted_per_position_acceptance")
-    served = (modes.get("eagle3") or {}).get("per_position_acceptance")
+    drafter = drafter_mode(modes)
+    served = (modes.get(drafter) or {}).get("per_position_acceptance")
     if predicted and served:
-        lines += ["", "## Predicted offline vs served (eagle3)", "",
+        lines += ["", f"## Predicted offline vs served ({drafter})", "",
                   "The trained checkpoint replayed on the answers served without speculation, fed as vLLM feeds it "
                   "(eagle_pipeline/predict). Served far below predicted would mean that the engine serves the drafter "
                   "differently from how it was trained; the diagnosis below says whether it does.", "",
@@ -295,14 +298,15 @@ def render_plan_md(plan: dict) -> list[str]:
     confirmed = {row["concurrency"]: row for row in ((plan.get("confirmed") or {}).get("levels") or [])}
     fastest = {row["concurrency"]: row["fastest"] for row in plan.get("method_by_concurrency") or []}
     k_max = plan["num_speculative_tokens"]
-    names = [name for name in ("ngram", "eagle3") if name in speedups]
+    names = [name for name in ("ngram", *DRAFTER_MODES) if name in speedups]
+    drafter = drafter_mode(names)
     lines = ["", "## Acceptance and speed-up across load", "",
              f"Each server answered the prompts at each concurrency level in turn. Speed-up: output tokens/s over no "
-             f"speculation's at the same level; eagle3 drafts k_max = {k_max}. Chosen k and its speed-up are "
+             f"speculation's at the same level; {drafter} drafts k_max = {k_max}. Chosen k and its speed-up are "
              f"estimates from the measured per-position acceptance and time per output token (eagle_pipeline/serve/"
              f"plan.py); the confirmed speed-up is the chosen setting served.", "",
              "| concurrency | " + " | ".join(f"{name} speed-up" for name in names)
-             + " | eagle3 mean acceptance length | per request: median [min-max] | chosen k | estimated speed-up "
+             + f" | {drafter} mean acceptance length | per request: median [min-max] | chosen k | estimated speed-up "
                "| confirmed speed-up | confirmed draft tokens per draft | fastest |",
              "|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|"]
     for i, level in enumerate(levels):
@@ -353,9 +357,9 @@ def render_report_png(report: dict) -> bytes:
             bars = left.bar([i + j * width for i in range(len(values))], values, width=width, label=name)
             left.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=8)
             predicted = report.get("predicted_per_position_acceptance")
-            if name == "eagle3" and predicted:  # the offline replay's figure on top of the served bar
+            if name in DRAFTER_MODES and predicted:  # the offline replay's figure on top of the served bar
                 left.scatter([i + j * width for i in range(len(predicted))], predicted, marker="_", s=400,
-                             color="black", zorder=3, label="eagle3 predicted offline")
+                             color="black", zorder=3, label=f"{name} predicted offline")
         # Centre each position's label under its group of bars.
         left.set_xticks([i + width * (len(spec_modes) - 1) / 2 for i in range(positions)],
                         [str(i) for i in range(positions)])
@@ -387,7 +391,7 @@ def _plot_load(plan: dict, speed, acceptance) -> None:
     speedups = plan.get("speedup_by_concurrency") or {}
     speed.axhline(1.0, color="tab:gray", linestyle=":", label="none")
     styles = {"ngram": ("tab:green", "-", "n-gram"),
-              "eagle3": ("tab:blue", "-", f"eagle3 k={plan['num_speculative_tokens']}"),
+              **{mode: ("tab:blue", "-", f"{mode} k={plan['num_speculative_tokens']}") for mode in DRAFTER_MODES},
               "schedule": ("tab:red", "-", "schedule (its confirming run)")}
     for name, (color, style, label) in styles.items():
         points = [(c, v) for c, v in zip(levels, speedups.get(name) or []) if v is not None]
@@ -416,7 +420,7 @@ def _plot_load(plan: dict, speed, acceptance) -> None:
     acceptance.set_xlabel("concurrency")
     acceptance.set_ylabel("mean acceptance length")
     # Dots: each request; bar: all drafts of the level; a red band: a finding at that level.
-    acceptance.set_title("eagle3 acceptance per request")
+    acceptance.set_title(f"{drafter_mode(plan.get('speedup_by_concurrency') or {})} acceptance per request")
 
 
 def write_report(out_dir: str | os.PathLike, report: dict, prompts: Sequence[list[dict]] | None = None) -> dict:

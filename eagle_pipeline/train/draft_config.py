@@ -164,16 +164,20 @@ def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: 
     if not shape:
         from speculators.train.cli import create_transformer_layer_config
 
+        # A DFlash drafter: Qwen3 layers (speculators' DFlashDraftModel), the verifier's width.
+        arch, layers = ("qwen3", train.dflash.num_layers) if train.family == "dflash" else ("llama", 1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = create_transformer_layer_config(
                 verifier_name_or_path=str(run.verifier_dir),
-                num_layers=1,
-                draft_arch="llama",
+                num_layers=layers,
+                draft_arch=arch,
                 hidden_act="silu",
                 sliding_window=2048,
-                # vLLM serves EAGLE-3 drafters with full attention: train them that way.
-                full_attention_indices=[0],
+                # vLLM serves EAGLE-3 drafters with full attention: train them that way. A DFlash layer with full
+                # attention is bidirectional inside the block (speculators' default makes every layer
+                # sliding-window, causal there; vLLM's V1 runner refuses a mix of the two).
+                full_attention_indices=list(range(layers)),
             )
         return config.to_dict()
 
@@ -237,11 +241,11 @@ def check_init_from(train: TrainConfig, run: TrainRun, draft_config: Mapping[str
     if not config_path.is_file() or not weights_path.is_file():
         raise BadInput(f"train.init_from: {source} needs config.json and model.safetensors (a speculators drafter)")
     config = json.loads(config_path.read_text())
-    if config.get(SPECULATORS_TYPE_KEY) != "eagle3":
+    if config.get(SPECULATORS_TYPE_KEY) != train.family:
         raise BadInput(
-            f"train.init_from: {config_path} is not a speculators EAGLE-3 config "
+            f"train.init_from: {config_path} is not a speculators {train.family} config "
             f"({SPECULATORS_TYPE_KEY}={config.get(SPECULATORS_TYPE_KEY)!r}); convert it with "
-            f"`speculators convert` first"
+            f"`speculators convert` first, or set train.family"
         )
 
     differences = []
@@ -249,12 +253,16 @@ def check_init_from(train: TrainConfig, run: TrainRun, draft_config: Mapping[str
     for key in COMPARED_SHAPE_KEYS:
         if theirs.get(key) != ours.get(key):
             differences.append(f"{key} {theirs.get(key)} vs {ours.get(key)}")
-    their_ids = config.get("eagle_aux_hidden_state_layer_ids")
+    dflash = train.family == "dflash"
+    their_ids = config.get("aux_hidden_state_layer_ids" if dflash else "eagle_aux_hidden_state_layer_ids")
     if their_ids is not None and list(their_ids) != list(run.layer_ids):
         differences.append(f"layer_ids {their_ids} vs {run.layer_ids}")
-    for flag in NORM_FLAGS:
-        if bool(config.get(flag, False)) != bool(getattr(train, flag)):
-            differences.append(f"{flag} {bool(config.get(flag, False))} vs {bool(getattr(train, flag))}")
+    ours = ({"block_size": train.dflash.block_size, "mask_token_id": run.mask_token_id} if dflash
+            else {flag: bool(getattr(train, flag)) for flag in NORM_FLAGS})
+    for key, value in ours.items():
+        theirs = config.get(key) if dflash else bool(config.get(key, False))
+        if theirs != value:
+            differences.append(f"{key} {theirs} vs {value}")
     if differences:
         raise BadInput(
             f"train.init_from: {source} has another drafter shape than this run (theirs vs ours): "

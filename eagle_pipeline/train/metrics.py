@@ -19,8 +19,18 @@ METRICS_CSV = "metrics.csv"
 LOSS_PNG = "loss_curves.png"
 
 
-def metric_columns(ttt_steps: int) -> list[str]:
-    per_position = [f"{name}_{k}" for name in ("loss", "full_acc", "cond_acc") for k in range(ttt_steps)]
+def position_columns(train) -> list[str]:
+    """Each draft position's accuracy, as speculators logs it: EAGLE-3's per ttt step, DFlash's per mask slot."""
+    if train.family == "dflash":
+        return [f"position_{k}_acc" for k in range(1, train.dflash.block_size)]
+    return [f"full_acc_{k}" for k in range(train.ttt_steps)]
+
+
+def metric_columns(train) -> list[str]:
+    if train.family == "dflash":  # the whole block's accuracy, each slot's, and the expected accepted length
+        per_position = ["full_acc", *position_columns(train), "eal"]
+    else:
+        per_position = [f"{name}_{k}" for name in ("loss", "full_acc", "cond_acc") for k in range(train.ttt_steps)]
     return ["split", "epoch", "step", "loss", *per_position, "lr", "tokens_per_s", PREDICTED_LENGTH]
 
 
@@ -82,14 +92,14 @@ class MetricsRecorder(logging.Handler):
     best.json (by `select_by`) and pruning.
     """
 
-    def __init__(self, out_dir: Path, ttt_steps: int, keep_last: int, select_by: str,
+    def __init__(self, out_dir: Path, columns: list[str], keep_last: int, select_by: str,
                  predictor: CheckpointPredictor | None = None):
         super().__init__(level=logging.INFO)
         self.out_dir = out_dir
         self.keep_last = keep_last
         self.select_by = select_by
         self.predictor = predictor
-        self.columns = metric_columns(ttt_steps)
+        self.columns = columns
         self.csv_path = out_dir / METRICS_CSV
         self.tokens = 0.0
         self.step_seconds = 0.0
@@ -162,7 +172,7 @@ def _csv_value(value: Any) -> Any:
     return value
 
 
-def plot_metrics(csv_path: Path, png_path: Path, ttt_steps: int) -> None:
+def plot_metrics(csv_path: Path, png_path: Path, positions: list[str]) -> None:
     """Loss and per-position full accuracy, train per step and validation per epoch; with predictions, the
     predicted acceptance length of each validated checkpoint."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -179,8 +189,7 @@ def plot_metrics(csv_path: Path, png_path: Path, ttt_steps: int) -> None:
     loss_axes.plot([r["step"] for r in val], [r["loss"] for r in val], "o-", label="val")
     loss_axes.set(xlabel="optimizer step", ylabel="loss (sum over positions)", title="Loss")
     loss_axes.legend()
-    for k in range(ttt_steps):
-        key = f"full_acc_{k}"
+    for k, key in enumerate(positions):
         line = acc_axes.plot(
             [r["step"] for r in train], [r[key] for r in train], lw=0.8, alpha=0.4, label=f"train pos {k}"
         )[0]
@@ -192,7 +201,7 @@ def plot_metrics(csv_path: Path, png_path: Path, ttt_steps: int) -> None:
     if predicted:
         axes = predicted_axes[0]
         axes.plot([r["step"] for r in predicted], [r[PREDICTED_LENGTH] for r in predicted], "o-", color="C3")
-        axes.set(xlabel="optimizer step", ylabel="mean acceptance length", ylim=(1, ttt_steps + 1),
+        axes.set(xlabel="optimizer step", ylabel="mean acceptance length", ylim=(1, len(positions) + 1),
                  title="Predicted acceptance on held-out conversations")
     figure.tight_layout()
     atomic.write_with(png_path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))

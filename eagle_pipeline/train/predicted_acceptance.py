@@ -66,21 +66,24 @@ class CheckpointPredictor:
     """Predicted acceptance per epoch checkpoint, computed once per process and kept for the handlers that
     ask (the metrics recorder and early stopping)."""
 
-    def __init__(self, data_dir: Path, out_dir: Path, checkpoint_dir: Path, conversations: int, draft_tokens: int):
+    def __init__(self, data_dir: Path, out_dir: Path, checkpoint_dir: Path, conversations: int, draft_tokens: int,
+                 family: str = "eagle3"):
         self.data_dir, self.out_dir, self.checkpoint_dir = data_dir, out_dir, checkpoint_dir
-        self.limit, self.draft_tokens = conversations, draft_tokens
+        self.limit, self.draft_tokens, self.family = conversations, draft_tokens, family
         self._conversations: list | None = None
         self._by_epoch: dict[int, dict[str, Any]] = {}
 
     def predict(self, epoch: int) -> dict[str, Any]:
         if epoch not in self._by_epoch:
             from eagle_pipeline.predict.acceptance import predict_acceptance
+            from eagle_pipeline.predict.blocks import predict_block_acceptance
 
             if self._conversations is None:
                 self._conversations = validation_conversations(self.data_dir, self.out_dir, self.limit)
             started = time.monotonic()
             if self._conversations:
-                result = predict_acceptance(self.checkpoint_dir / str(epoch), self._conversations, self.draft_tokens)
+                replay = predict_block_acceptance if self.family == "dflash" else predict_acceptance
+                result = replay(self.checkpoint_dir / str(epoch), self._conversations, self.draft_tokens)
                 length = round(float(result["predicted_mean_acceptance_length"]), 4)
                 per_position = [round(float(p), 4) for p in result["predicted_per_position_acceptance"]]
             else:  # no validation row with an answer: nothing to rank by

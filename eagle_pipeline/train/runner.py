@@ -38,12 +38,14 @@ from eagle_pipeline.train.metrics import (
     LOSS_PNG,
     METRICS_CSV,
     MetricsRecorder,
+    metric_columns,
     plot_metrics,
+    position_columns,
     read_metrics,
     truncate_metrics,
 )
 from eagle_pipeline.train.predicted_acceptance import CheckpointPredictor
-from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun
+from eagle_pipeline.train.settings import CHECKPOINTS, TrainRun, draft_positions
 from eagle_pipeline.train.stop import GracefulStop
 from eagle_pipeline.train.topic_split import dataset_topics, read_split, split_by_topic, split_summary, write_split_view
 
@@ -90,7 +92,7 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
     d2t = np.load(run.d2t_path, mmap_mode="r")
     on_cpu = run.device == "cpu"
     argv = [
-        "--speculator-type", "eagle3",
+        "--speculator-type", train.family,
         "--verifier-name-or-path", str(run.verifier_dir),
         # Stage 02's data with the validation topics last (topic_split.py); the ratio puts the boundary there.
         "--data-path", str(run.split_dir),
@@ -100,15 +102,10 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
         "--t2d-path", str(run.t2d_path),
         "--draft-vocab-size", str(d2t.shape[0]),
         "--target-layer-ids", *[str(i) for i in run.layer_ids],
-        # EAGLE-3 does not use a mask token; giving one skips loading the verifier's tokenizer
-        # (Kimi's needs remote code).
-        "--mask-token-id", "0",
         "--epochs", str(train.epochs),
         "--lr", str(train.lr),
         "--optimizer", train.optimizer,
         "--total-seq-len", str(train.total_seq_len),
-        "--ttt-steps", str(train.ttt_steps),
-        "--ttt-step-loss-decay", str(train.ttt_step_loss_decay),
         "--train-data-ratio", repr(read_split(run.out_dir)["train_data_ratio"]),
         "--hidden-states-dtype", train.dtype,
         "--num-workers", str(train.num_workers),
@@ -124,13 +121,25 @@ def speculators_argv(train: TrainConfig, run: TrainRun) -> list[str]:
         "--logger", "tensorboard",
         "--log-dir", str(run.tensorboard_dir),
         "--run-name", "train",
-        "--norm-before-residual" if train.norm_before_residual else "--no-norm-before-residual",
-        "--norm-before-fc" if train.norm_before_fc else "--no-norm-before-fc",
-        "--norm-output" if train.norm_output else "--no-norm-output",
     ]
-    # --fc-norm is a plain switch (off by default): it can only be given when on.
-    if train.fc_norm:
-        argv.append("--fc-norm")
+    if train.family == "dflash":  # a given mask token also spares speculators the verifier's tokenizer
+        d = train.dflash
+        argv += ["--block-size", str(d.block_size), "--max-anchors", str(d.max_anchors),
+                 "--mask-token-id", str(run.mask_token_id)]
+    else:
+        argv += [
+            # EAGLE-3 does not use a mask token; giving one skips loading the verifier's tokenizer
+            # (Kimi's needs remote code).
+            "--mask-token-id", "0",
+            "--ttt-steps", str(train.ttt_steps),
+            "--ttt-step-loss-decay", str(train.ttt_step_loss_decay),
+            "--norm-before-residual" if train.norm_before_residual else "--no-norm-before-residual",
+            "--norm-before-fc" if train.norm_before_fc else "--no-norm-before-fc",
+            "--norm-output" if train.norm_output else "--no-norm-output",
+        ]
+        # --fc-norm is a plain switch (off by default): it can only be given when on.
+        if train.fc_norm:
+            argv.append("--fc-norm")
     if run.max_steps is not None:
         argv += ["--max-steps", str(run.max_steps)]
     if train.fsdp_shard:
@@ -230,8 +239,8 @@ def run_speculators(train: TrainConfig, run: TrainRun) -> None:
     predictor = None
     if train.predict_conversations:
         predictor = CheckpointPredictor(run.data_dir, run.out_dir, run.checkpoint_dir, train.predict_conversations,
-                                        train.ttt_steps)
-    recorder = (MetricsRecorder(run.out_dir, train.ttt_steps, train.keep_last, train.select_by, predictor)
+                                        draft_positions(train), train.family)
+    recorder = (MetricsRecorder(run.out_dir, metric_columns(train), train.keep_last, train.select_by, predictor)
                 if _rank() == 0 else None)
     early_stop = None
     if train.early_stop_patience is not None:
@@ -309,7 +318,7 @@ def finalize_training(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
     last_epoch = max(complete)
     rows = read_metrics(out / METRICS_CSV)
     if rows:
-        plot_metrics(out / METRICS_CSV, out / LOSS_PNG, train.ttt_steps)
+        plot_metrics(out / METRICS_CSV, out / LOSS_PNG, position_columns(train))
     run_stats = json.loads((out / RUN_STATS_FILE).read_text()) if (out / RUN_STATS_FILE).is_file() else {}
     last_train = next((r for r in reversed(rows) if r["split"] == "train"), None)
     last_val = next((r for r in reversed(rows) if r["split"] == "val"), None)

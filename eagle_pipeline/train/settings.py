@@ -17,9 +17,9 @@ from eagle_pipeline.samples import StorageDtype
 # settings choose among checkpoints and never change one; a change applies from the next validation on.
 RESUMABLE_SETTINGS = ("epochs", "early_stop_patience", "keep_last", "num_workers", "threads", "select_by",
                       "predict_conversations")
-# Settings added after runs were finished with the pipeline: recorded only when set, so that those runs
-# stay complete for their unchanged inputs.
-RECORDED_WHEN_SET = ("init_from_convention",)
+# Settings added after runs were finished with the pipeline: recorded only when changed from their defaults, so that
+# those runs stay complete for their unchanged inputs.
+RECORDED_WHEN_SET = ("init_from_convention", "family", "dflash")
 
 CHECKPOINTS = "checkpoints"
 SPLIT_DIR = "split_data"  # the training data reordered so validation topics come last (topic_split.py)
@@ -44,6 +44,7 @@ class TrainRun:
     init_from_dir: Path | None = None
     # hidden_states.mode: online: the capture servers every rank asks for states (eagle_pipeline/online/).
     online: OnlineTraining | None = None
+    mask_token_id: int | None = None  # a DFlash drafter's (vocab.mask_token_id)
 
     def __post_init__(self) -> None:
         for name in ("data_dir", "d2t_path", "t2d_path", "verifier_dir", "out_dir"):
@@ -72,9 +73,14 @@ class TrainRun:
                 for key, value in asdict(self).items()}
 
 
+def draft_positions(train: TrainConfig) -> int:
+    """The draft tokens a drafter of this run proposes per step: EAGLE-3's ttt steps, a DFlash block's mask slots."""
+    return train.dflash.block_size - 1 if train.family == "dflash" else train.ttt_steps
+
+
 def recorded_settings(train: TrainConfig) -> dict[str, Any]:
     """The settings a run's stage manifest records, one input each ("train.lr"), so that a rerun with a
     changed one is refused naming it; the resumable ones are left out."""
-    values = train.model_dump(mode="json")
+    values, defaults = train.model_dump(mode="json"), TrainConfig().model_dump(mode="json")
     return {f"train.{name}": value for name, value in values.items()
-            if name not in RESUMABLE_SETTINGS and not (name in RECORDED_WHEN_SET and value is None)}
+            if name not in RESUMABLE_SETTINGS and not (name in RECORDED_WHEN_SET and value == defaults[name])}

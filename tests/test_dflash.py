@@ -1,0 +1,146 @@
+"""DFlash block drafters (train.family: dflash): stage 04 trains one in speculators' own model and Trainer on a tiny
+random verifier, each epoch's checkpoint replayed by the block replay (eagle_pipeline/predict/blocks.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from test_training import LAYER_IDS, VOCAB, llama_case, read_rows, settings  # noqa: F401 - llama_case: a fixture
+
+from eagle_pipeline.train import checkpoints, runner
+
+DFLASH = {"family": "dflash", "dflash": {"block_size": 4, "num_layers": 2, "max_anchors": 32}}
+MASK = VOCAB - 1
+
+
+@pytest.fixture(scope="module")
+def dflash_trained(llama_case, tmp_path_factory) -> dict:  # noqa: F811
+    out = tmp_path_factory.mktemp("dflash") / "04_train"
+    train = settings(epochs=2, **DFLASH)
+    summary = runner.train_drafter(train, llama_case.run(out, mask_token_id=MASK))
+    return {"out": out, "summary": summary, "train": train}
+
+
+def test_stage_04_trains_speculators_dflash_model_with_every_layer_full_attention(dflash_trained, llama_case):  # noqa: F811
+    out, summary = dflash_trained["out"], dflash_trained["summary"]
+    argv = json.loads((out / "run_stats.json").read_text())["argv"]
+    assert argv[argv.index("--speculator-type") + 1] == "dflash"
+    assert [argv[argv.index(flag) + 1] for flag in ("--block-size", "--max-anchors", "--mask-token-id")] == [
+        "4", "32", str(MASK)]
+    assert not {"--ttt-steps", "--norm-before-fc", "--no-norm-before-fc", "--norm-output"} & set(argv)
+    config = json.loads((out / summary["last"]["checkpoint"] / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == LAYER_IDS
+    assert (config["block_size"], config["mask_token_id"], config["draft_vocab_size"]) == (4, MASK, VOCAB // 4)
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["layer_types"] == ["full_attention"] * 2
+
+    # speculators' DFlash metrics in metrics.csv: the block's accuracy, each mask slot's, the expected length.
+    rows = read_rows(out)
+    assert [int(r["epoch"]) for r in rows if r["split"] == "val"] == [0, 1]
+    for key in ("loss", "full_acc", "position_1_acc", "position_3_acc", "eal"):
+        assert all(r[key] != "" for r in rows), key
+    assert "position_4_acc" not in rows[0] and "cond_acc_0" not in rows[0]
+    assert (out / "loss_curves.png").stat().st_size > 10_000
+
+    # The best checkpoint is chosen by the block replay of each epoch on the held-out conversations.
+    from eagle_pipeline.predict.blocks import predict_block_acceptance
+    from eagle_pipeline.train.predicted_acceptance import validation_conversations
+
+    best = json.loads((out / "best.json").read_text())
+    assert best["selected_by"] == "predicted_acceptance"
+    conversations = validation_conversations(llama_case.data, out, limit=16)
+    replayed = predict_block_acceptance(out / best["checkpoint"], conversations, 3)
+    assert best["predicted_acceptance_length"] == pytest.approx(replayed["predicted_mean_acceptance_length"], abs=1e-4)
+    validation = json.loads((out / best["checkpoint"] / "validation.json").read_text())
+    assert len(validation["predicted_per_position_acceptance"]) == 3 and replayed["num_drafts"] > 0
+
+
+def test_a_dflash_run_resumes_from_its_last_checkpoint(dflash_trained, llama_case, tmp_path):  # noqa: F811
+    import shutil
+
+    out = tmp_path / "04_train"
+    shutil.copytree(dflash_trained["out"], out)
+    summary = runner.train_drafter(settings(epochs=3, **DFLASH), llama_case.run(out, mask_token_id=MASK))
+    assert summary["this_run"]["resumed_from"]["epoch"] == 1 and summary["epochs_completed"] == 3
+    assert [int(r["epoch"]) for r in read_rows(out) if r["split"] == "val"] == [0, 1, 2]
+    assert 2 in checkpoints.complete_checkpoints(out / "checkpoints")
+
+
+def test_init_from_a_dflash_checkpoint_of_another_block_or_mask_is_refused(dflash_trained, llama_case, tmp_path):  # noqa: F811
+    from eagle_pipeline.errors import BadInput
+
+    source = dflash_trained["out"] / dflash_trained["summary"]["last"]["checkpoint"]
+    other = {**DFLASH, "dflash": {**DFLASH["dflash"], "block_size": 8}}
+    with pytest.raises(BadInput, match=r"train.init_from: .* has another drafter shape .*block_size 4 vs 8"):
+        runner.prepare(settings(init_from=str(source), **other), llama_case.run(tmp_path / "a", mask_token_id=MASK))
+    with pytest.raises(BadInput, match=r"mask_token_id 511 vs 7"):
+        runner.prepare(settings(init_from=str(source), **DFLASH), llama_case.run(tmp_path / "b", mask_token_id=7))
+    with pytest.raises(BadInput, match=r"is not a speculators eagle3 config \(speculators_model_type='dflash'\)"):
+        runner.prepare(settings(init_from=str(source)), llama_case.run(tmp_path / "c"))
+    runner.prepare(settings(init_from=str(source), **DFLASH), llama_case.run(tmp_path / "d", mask_token_id=MASK))
+
+
+@pytest.fixture(scope="module")
+def replay_case(dflash_trained, llama_case):  # noqa: F811
+    from eagle_pipeline.predict.blocks import load_block_drafter
+    from eagle_pipeline.train.predicted_acceptance import validation_conversations
+
+    model = load_block_drafter(dflash_trained["out"] / dflash_trained["summary"]["last"]["checkpoint"])
+    token_ids, states, prompt_len = validation_conversations(llama_case.data, dflash_trained["out"], limit=1)[0]
+    return model, torch.as_tensor(token_ids), states[:, :-1], prompt_len
+
+
+def test_a_block_reads_only_the_targets_states_before_its_anchor_and_chunks_change_nothing(replay_case, monkeypatch):
+    from eagle_pipeline.predict import blocks
+
+    model, tokens, aux, prompt_len = replay_case
+    n, k = tokens.shape[0], 3
+    table = blocks.block_draft_table(model, tokens, aux, k, prompt_len)
+    drafted = list(range(prompt_len - 1, n - k - 1))  # the rows walk_chains reads: anchors prompt_len..n-k-1
+    assert (table[drafted] >= 0).all() and (table[: prompt_len - 1] == -1).all() and (table[n - k - 1:] == -1).all()
+    assert set(table[drafted].flatten().tolist()) <= set(range(VOCAB))
+    # vLLM's context rule: the block anchored at x_p attends to the states of rows < p, and to no token after x_p.
+    p = prompt_len + 5
+    changed_aux, changed_tokens = aux.clone(), tokens.clone()
+    changed_aux[p:] += 1.0
+    changed_tokens[p + 1:] = (changed_tokens[p + 1:] + 1) % VOCAB
+    other = blocks.block_draft_table(model, changed_tokens, changed_aux, k, prompt_len)
+    assert torch.equal(other[: p], table[: p]) and not torch.equal(other[p:], table[p:])
+    monkeypatch.setattr(blocks, "ANCHORS_PER_PASS", 3)  # one pass of every anchor, or several: the same drafts
+    assert torch.equal(blocks.block_draft_table(model, tokens, aux, k, prompt_len), table)
+
+
+def test_the_replay_readings_change_the_drafts_and_leave_the_model_as_trained(replay_case):
+    from eagle_pipeline.predict.blocks import block_draft_table
+
+    model, tokens, aux, prompt_len = replay_case
+    table = block_draft_table(model, tokens, aux, 3, prompt_len)
+    # Served causally inside the block, or with another mask token, the drafter computes other drafts.
+    assert not torch.equal(block_draft_table(model, tokens, aux, 3, prompt_len, mask_token_id=0), table)
+    causal = block_draft_table(model, tokens, aux, 3, prompt_len, causal=True)
+    assert not torch.equal(causal, table)
+    assert model.config.mask_token_id == MASK and model.block_size == 4 and model.uses_full_attn
+    assert torch.equal(block_draft_table(model, tokens, aux, 3, prompt_len), table)
+
+
+def test_the_plan_counts_the_dflash_drafter_stage_04_writes(dflash_trained, llama_case):  # noqa: F811
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from eagle_pipeline.drafter.planned import drafter_params, planned_draft_dims
+
+    text = json.loads((llama_case.verifier / "config.json").read_text())
+    verifier = SimpleNamespace(text_config=lambda: text, hidden_size=text["hidden_size"], vocab_size=VOCAB)
+    cfg = SimpleNamespace(train=dflash_trained["train"], vocab=SimpleNamespace(draft_vocab_size=VOCAB // 4))
+    planned = planned_draft_dims(cfg, verifier, len(LAYER_IDS))
+    assert (planned.num_layers, planned.hidden_size, planned.draft_vocab_size) == (2, text["hidden_size"], VOCAB // 4)
+    checkpoint = dflash_trained["out"] / dflash_trained["summary"]["last"]["checkpoint"]
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        saved = {name: math.prod(f.get_slice(name).get_shape()) for name in f.keys() if name not in ("d2t", "t2d")}
+    norms = sum(size for name, size in saved.items() if "norm" in name)
+    # The checkpoint leaves the embedding to the verifier; the plan counts it (the trainer holds it), norms aside.
+    assert drafter_params(planned) == sum(saved.values()) - norms + VOCAB * text["hidden_size"]
