@@ -8,6 +8,8 @@ import os
 from typing import Any
 
 from eagle_pipeline.config import RunConfig
+from eagle_pipeline.drafter.folder import is_dflash_drafter
+from eagle_pipeline.drafter.layouts import DFLASH
 from eagle_pipeline.fingerprint import value_fingerprint
 
 # vLLM's switch between its model runners; unset leaves vLLM's own choice (V2 on GPUs with Triton).
@@ -176,8 +178,13 @@ def eagle3_speculative_config(drafter_dir: str | os.PathLike, num_speculative_to
     """vLLM's `speculative_config` for speculating with the EAGLE-3 drafter folder `drafter_dir`, the same
     dict for the offline engine (`LLM`, `EngineArgs`) and for `vllm serve --speculative-config`;
     `drafter_settings` (`drafter_engine_settings`) say how vLLM computes the drafter."""
-    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens,
-            **(drafter_settings or {})}
+    return {"method": speculative_method(drafter_dir), "model": str(drafter_dir),
+            "num_speculative_tokens": num_speculative_tokens, **(drafter_settings or {})}
+
+
+def speculative_method(drafter_dir: str | os.PathLike) -> str:
+    """vLLM's method for a drafter folder: dflash for a DFlash drafter, eagle3 for any other (or none yet)."""
+    return DFLASH if is_dflash_drafter(drafter_dir) else "eagle3"
 
 
 def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: int,

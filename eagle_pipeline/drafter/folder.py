@@ -30,6 +30,7 @@ from eagle_pipeline.drafter.layouts import (
     flat_architecture_of,
     flat_name,
     flat_norm_flags,
+    is_dflash_config,
     layer_shape,
     speculators_norm_flags,
     strip_export_prefix,
@@ -133,6 +134,12 @@ def describe(path: str | Path) -> DrafterFolder | None:
     """The drafter folder at `path`, or None without a readable config.json."""
     config = read_config(path)
     return None if config is None else DrafterFolder(Path(path), config)
+
+
+def is_dflash_drafter(path: str | Path) -> bool:
+    """A DFlash drafter folder, in speculators' layout or z-lab's (layouts.is_dflash_config)."""
+    config = read_config(path)
+    return config is not None and is_dflash_config(config)
 
 
 def folder_layout(path: str | Path) -> str | None:
