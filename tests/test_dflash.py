@@ -241,3 +241,43 @@ def test_stages_03_to_05_train_convert_and_verify_a_dflash_drafter_on_the_smoke_
     problems = wrong["checks"]["vllm_logits"]["detail"]["problems"]
     assert problems[0].startswith("the drafted slots of every block: vLLM's DFlashQwen3ForCausalLM differs"), problems
     assert any("mask token 4" in p for p in problems) and any("attends causally" in p for p in problems)
+
+
+def test_a_z_lab_dflash_release_is_read_tensor_by_tensor_and_fine_tuned(llama_case, tmp_path):  # noqa: F811
+    """A flat release in z-lab's layout (whole vocabulary, z-lab's ids) checked against the run, rewritten by
+    speculators' converter with the ids as HF layers, and fine-tuned by stage 04's trainer."""
+    import numpy as np
+    from released_drafter_standin import write_dflash_release_standin
+    from test_training import write_vocab_map
+
+    from eagle_pipeline import released_drafter
+    from eagle_pipeline.errors import BadInput
+
+    def read(path, ids=LAYER_IDS, **kwargs):
+        return released_drafter.read_dflash_release(path, verifier_dir=llama_case.verifier, layer_ids=ids,
+                                                    hidden_size=64, vocab_size=VOCAB, **kwargs)
+
+    release = write_dflash_release_standin(tmp_path / "release", llama_case.verifier, LAYER_IDS, num_layers=2,
+                                           block_size=4, mask_token_id=MASK)
+    folder, record = read(release)
+    assert record == {"convention": "sglang", "written": [0, 1, 2], "hf": LAYER_IDS}
+    with pytest.raises(BadInput, match=r"target_layer_ids \[0, 1, 2\] are HF layers \[1, 2, 3\] .*captured \[2, 3, 4\]"):
+        read(release, ids=[2, 3, 4])
+    with pytest.raises(BadInput, match=r"is not a DFlash release in z-lab's layout"):
+        read(release, convention="vllm")
+    for name, shape in (("layers.0.self_attn.g_proj.weight", (64, 64)), ("layers.1.self_attn.qkv_proj.weight", (8, 64))):
+        broken = write_dflash_release_standin(tmp_path / name, llama_case.verifier, LAYER_IDS, num_layers=2,
+                                              block_size=4, mask_token_id=MASK, extra={name: torch.zeros(shape)})
+        with pytest.raises(BadInput, match=rf"train.init_from: \S+: {name}: no tensor of speculators' DFlashDraftModel"):
+            read(broken)
+
+    written = released_drafter.write_dflash_release(folder, tmp_path / "init_from", verifier_dir=llama_case.verifier,
+                                                    layer_ids=LAYER_IDS)
+    config = json.loads((tmp_path / "init_from" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == LAYER_IDS
+    assert (config["block_size"], config["mask_token_id"], written["dir"]) == (4, MASK, str(tmp_path / "init_from"))
+    d2t, t2d = write_vocab_map(tmp_path, np.arange(VOCAB), name="_full")
+    train = settings(epochs=1, init_from=str(tmp_path / "init_from"), **DFLASH)
+    summary = runner.train_drafter(train, llama_case.run(tmp_path / "04_train", mask_token_id=MASK, d2t_path=d2t,
+                                                         t2d_path=t2d))
+    assert summary["epochs_completed"] == 1 and summary["best"]["predicted_acceptance_length"] >= 1.0

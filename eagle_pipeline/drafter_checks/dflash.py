@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from eagle_pipeline.drafter.layouts import WEIGHTS_NAME
-from eagle_pipeline.drafter.tensors import compare_with_reference, read_tensor_specs
+from eagle_pipeline.drafter.tensors import compare_with_reference, dflash_tensor_problems, read_tensor_specs
 from eagle_pipeline.drafter_checks import vllm_load, vllm_logits
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
 
-# What a DFlash checkpoint leaves to the verifier: its embedding, and its head and final norm (training targets).
-LENT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 ANCHORS = 8
 PARTS = (("blocks", "the drafted slots of every block"),)
 
@@ -32,20 +30,11 @@ PARTS = (("blocks", "the drafted slots of every block"),)
 def check_shapes(drafter_dir: str | Path, reference_dir: str | Path | None = None) -> dict[str, Any]:
     """Every tensor against speculators' DFlashDraftModel built from the folder's config (on the meta device), none
     missing but the verifier's, the d2t/t2d map, and tensor by tensor against a reference drafter's weights."""
-    import torch
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dflash import DFlashSpeculatorConfig
 
     config = DFlashSpeculatorConfig.from_pretrained(str(drafter_dir))
-    config.transformer_layer_config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()
-                    if name not in LENT}
     specs = read_tensor_specs(drafter_dir)
-    problems = [f"{name}: missing" for name in sorted(set(expected) - set(specs))]
-    problems += [f"{name}: no tensor of speculators' DFlashDraftModel for this config"
-                 for name in sorted(set(specs) - set(expected) - set(LENT))]
-    problems += [f"{name}: shape {list(spec.shape)}, the config implies {list(expected[name])}"
-                 for name, spec in sorted(specs.items()) if name in expected and tuple(spec.shape) != expected[name]]
+    problems = dflash_tensor_problems(config, specs)
     if not problems and "d2t" in specs:
         weights = Path(drafter_dir) / WEIGHTS_NAME
         problems += safetensors_vocab_map_problems(weights, weights, config.transformer_layer_config.vocab_size,
