@@ -85,6 +85,10 @@ def released_init(cfg, verifier: Verifier, layer_ids: list[int]) -> tuple[FlatDr
             raise BadInput(f"train.init_from_convention: sglang, but {init_from} is a speculators "
                            "drafter, whose ids are always HF indices (the vllm convention); leave it out")
         return None, None
+    if t.family == "dflash":  # z-lab's flat layout
+        return released_drafter.read_dflash_release(init_from, verifier_dir=verifier.path, layer_ids=list(layer_ids),
+                                                    hidden_size=verifier.hidden_size, vocab_size=verifier.vocab_size,
+                                                    convention=t.init_from_convention)
     drafter = read_flat_drafter(init_from, "train.init_from")
     released_drafter.check_against_target(drafter, hidden_size=verifier.hidden_size, vocab_size=verifier.vocab_size)
     released_drafter.check_draft_vocab_size(drafter, cfg.vocab.draft_vocab_size)
@@ -251,7 +255,10 @@ def run(stage: Stage, dry_run: bool) -> None:
             print(f"stage 04 already complete for these inputs: {stage.dir}")
             return
 
-    if released:
+    if released and t.family == "dflash":
+        written = released_drafter.write_dflash_release(released, Path(train_run.init_from_dir),
+                                                        verifier_dir=verifier.path, layer_ids=layer_ids)
+    elif released:
         written = released_drafter.write_speculators_folder(
             released, Path(train_run.init_from_dir), verifier_dir=verifier.path, layer_ids=layer_ids,
             ttt_steps=t.ttt_steps,

@@ -58,7 +58,7 @@ def print_plan(cfg, checkpoint, layer_ids, vocab_size: int, reference, note: str
         parity = (f"acceptance parity served by vLLM on {c.parity_prompts} eval prompts (tolerance "
                   f"{c.parity_tolerance}, two engine starts)")
     print(f"  verify shapes{' against ' + str(reference) if reference else ''}, config, vLLM load_weights, "
-          f"vLLM's logits (MLA drafters), {parity}")
+          f"vLLM's logits (MLA and DFlash drafters), {parity}")
 
 
 def run(stage: Stage, dry_run: bool) -> None:
@@ -105,8 +105,10 @@ def run(stage: Stage, dry_run: bool) -> None:
                                                               cfg.data.prompt_field,
                                                                "data.eval_prompts")[: c.parity_prompts]]
 
+    dflash = cfg.train.family == "dflash"
+
     def before_writing() -> None:  # a checkpoint without weights, and an engine vLLM refuses, before any write
-        convert.read_speculators_checkpoint(checkpoint)
+        convert.dflash_config(checkpoint, layer_ids) if dflash else convert.read_speculators_checkpoint(checkpoint)
         before_first_load(cfg, 5)
 
     if stage.begin(inputs, before_writing=before_writing) is Start.ALREADY_COMPLETE:
@@ -115,7 +117,11 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     # -- convert ----------------------------------------------------------------------------------
     vllm_dir = stage.dir / "vllm"
-    summary = convert.convert_for_vllm(checkpoint, vllm_dir, target_vocab_size=verifier.vocab_size, layer_ids=layer_ids)
+    if dflash:  # the checkpoint itself, its config as vLLM must read it
+        summary = convert.write_dflash_folder(checkpoint, vllm_dir, layer_ids)
+    else:
+        summary = convert.convert_for_vllm(checkpoint, vllm_dir, target_vocab_size=verifier.vocab_size,
+                                           layer_ids=layer_ids)
     if c.sglang:
         summary["sglang"] = convert.convert_for_sglang(checkpoint, stage.dir / "sglang",
                                                        target_vocab_size=verifier.vocab_size,
@@ -135,6 +141,10 @@ def run(stage: Stage, dry_run: bool) -> None:
         "target_hidden_size": verifier.hidden_size,
         "eagle_config.eagle_aux_hidden_state_layer_ids": layer_ids,
     }
+    if dflash:  # speculators' DFlash config: the layer's vocabulary, the ids, the mask token stage 04 trained with
+        expected = {"transformer_layer_config.vocab_size": verifier.vocab_size,
+                    "draft_vocab_size": cfg.vocab.draft_vocab_size, "aux_hidden_state_layer_ids": layer_ids,
+                    "mask_token_id": trained["inputs"]["mask_token_id"], "sliding_window_non_causal": True}
     result = drafter_checks.verify_drafter(
         vllm_dir, target_dir=verifier.path, reference_dir=reference, expected=expected,
         parity_source_dir=checkpoint, parity_prompts=parity_prompts,

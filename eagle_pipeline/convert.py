@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle_pipeline.atomic import atomic_dir
-from eagle_pipeline.drafter.folder import SpeculatorsCheckpoint, read_speculators_checkpoint, target_vocab
+from eagle_pipeline.drafter.folder import (
+    SpeculatorsCheckpoint,
+    read_config_json,
+    read_speculators_checkpoint,
+    target_vocab,
+)
 from eagle_pipeline.drafter.layouts import (
+    DFLASH_ARCHITECTURE,
     FLAT,
     FLAT_ARCHITECTURE,
     FLAT_ARCHITECTURES,
@@ -24,6 +30,7 @@ from eagle_pipeline.drafter.layouts import (
     SPECULATORS,
     VERIFIER_ONLY_KEYS,
     WEIGHTS_NAME,
+    is_dflash_config,
     layer_index,
     weight_name,
     weight_row,
@@ -266,6 +273,39 @@ def convert_for_vllm(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_
     vocab_size = target_vocab(ckpt, target_vocab_size)
     ids = resolve_layer_ids(ckpt, layer_ids)
     return _convert(ckpt, out_dir, engine="vllm", vocab_size=vocab_size, layer_ids=ids, written_layer_ids=ids)
+
+
+def dflash_config(ckpt_dir: str | Path, layer_ids: list[int]) -> dict[str, Any]:
+    """A DFlash checkpoint's config as vLLM is to read it, refused unless the checkpoint is a DFlash drafter of the
+    run's aux layers with its weights. vLLM 0.32 serves a speculators DFlash folder causally inside the block unless
+    sliding_window_non_causal is true (vLLM PR #56692), while speculators trains a full-attention layer bidirectional
+    there: a folder whose layers are all full attention says so."""
+    path = Path(ckpt_dir) / "config.json"
+    config = read_config_json(path, "rerun 04_train.py to write the checkpoint again")
+    if not is_dflash_config(config) or not (Path(ckpt_dir) / WEIGHTS_NAME).is_file():
+        raise BadInput(f"{path}: not a speculators DFlash checkpoint with {WEIGHTS_NAME} (train.family is dflash); "
+                       f"rerun 04_train.py with --force")
+    if list(config.get("aux_hidden_state_layer_ids") or []) != list(layer_ids):
+        raise BadInput(f"{path}: aux_hidden_state_layer_ids {config.get('aux_hidden_state_layer_ids')} differ from the "
+                       f"{list(layer_ids)} stage 02 captured; rerun 04_train.py with --force")
+    layer_types = (config.get("transformer_layer_config") or {}).get("layer_types") or []
+    if all(kind == "full_attention" for kind in layer_types):
+        config["sliding_window_non_causal"] = True
+    return config
+
+
+def write_dflash_folder(ckpt_dir: str | Path, out_dir: str | Path, layer_ids: list[int]) -> dict[str, Any]:
+    """The folder vLLM loads for method dflash: the speculators checkpoint itself (vLLM reads it through
+    transformers_utils/configs/speculators/algos.py, update_dflash), its weights as saved, its config `dflash_config`'s.
+    """
+    from safetensors.torch import load_file
+
+    config = dflash_config(ckpt_dir, layer_ids)
+    tensors = load_file(str(Path(ckpt_dir) / WEIGHTS_NAME))
+    write_flat_dir(out_dir, config, tensors)
+    return {"engine": "vllm", "source": str(ckpt_dir), "out_dir": str(out_dir), "architecture": DFLASH_ARCHITECTURE,
+            "layer_ids": list(layer_ids), "sliding_window_non_causal": config.get("sliding_window_non_causal"),
+            "tensors": {name: list(t.shape) for name, t in tensors.items()}}
 
 
 def sglang_refusal(ckpt: SpeculatorsCheckpoint, layer_ids: list[int], target_num_layers: int | None) -> str | None:

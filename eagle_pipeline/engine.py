@@ -8,8 +8,7 @@ import os
 from typing import Any
 
 from eagle_pipeline.config import RunConfig
-from eagle_pipeline.drafter.folder import read_config
-from eagle_pipeline.drafter.layouts import is_dflash_config
+from eagle_pipeline.drafter.folder import is_dflash_drafter
 from eagle_pipeline.fingerprint import value_fingerprint
 
 # vLLM's switch between its model runners; unset leaves vLLM's own choice (V2 on GPUs with Triton).
@@ -171,7 +170,7 @@ def drafter_speculative_config(drafter_dir: str | os.PathLike, num_speculative_t
     """vLLM's `speculative_config` for speculating with the drafter folder `drafter_dir` (method eagle3, or dflash
     for a DFlash drafter), the same dict for the offline engine (`LLM`, `EngineArgs`) and for `vllm serve
     --speculative-config`; `drafter_settings` (`drafter_engine_settings`) say how vLLM computes the drafter."""
-    method = "dflash" if is_dflash_config(read_config(drafter_dir) or {}) else "eagle3"
+    method = "dflash" if is_dflash_drafter(drafter_dir) else "eagle3"
     return {"method": method, "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens,
             **(drafter_settings or {})}
 

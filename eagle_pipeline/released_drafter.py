@@ -11,16 +11,19 @@ from typing import Any
 
 import numpy as np
 
+from eagle_pipeline.atomic import atomic_dir
 from eagle_pipeline.drafter.folder import (
+    DrafterFolder,
     FlatDrafter,
     is_speculators_drafter,
+    read_config_json,
     read_flat_drafter,
     read_flat_tensors,
     read_speculators_checkpoint,
     target_vocab,
 )
-from eagle_pipeline.drafter.layouts import EMBED_KEY, MLA
-from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS
+from eagle_pipeline.drafter.layouts import EMBED_KEY, MLA, is_dflash_config
+from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS, dflash_tensor_problems, read_tensor_specs
 from eagle_pipeline.drafter.to_speculators import MLA_ROPE_KEYS, rope_parameters
 from eagle_pipeline.drafter.to_speculators import write_speculators_folder as write_folder
 from eagle_pipeline.errors import BadInput
@@ -165,3 +168,54 @@ def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_di
                            verifier_dir=verifier_dir, layer_ids=layer_ids, flags=drafter.flags,
                            speculative_tokens=ttt_steps)
     return written | {"embed_tokens": "the target's, copied"} | note
+
+
+def read_dflash_release(path: Path, *, verifier_dir: Path, layer_ids: list[int], hidden_size: int, vocab_size: int,
+                        convention: str | None = None) -> tuple[DrafterFolder, dict[str, Any]]:
+    """A flat DFlash release in z-lab's layout (z-lab/Kimi-K2.5-DFlash: `DFlashDraftModel`, the Qwen3 fields at the
+    top level, `dflash_config` {mask_token_id, target_layer_ids}), refused unless it fits this run: its
+    target_layer_ids, which count the output of layer i (HF hidden_states[i + 1], the sglang convention, as vLLM
+    reads such a folder), are the run's aux layers; its width and vocabulary the target's; its tensors, read from
+    their headers, exactly those of speculators' DFlashDraftModel for its config (no fused or foreign tensor, none
+    missing but what the verifier lends). Returns the folder and the layer-id record for the manifest."""
+    from speculators.convert.dflash.converter import DFlashConverter
+
+    config_path = path / "config.json"
+    config = read_config_json(config_path, "point train.init_from at the release's own folder")
+    written = (config.get("dflash_config") or {}).get("target_layer_ids") if is_dflash_config(config) else None
+    if written is None or convention == "vllm":
+        raise BadInput(f"train.init_from: {config_path} is not a DFlash release in z-lab's layout "
+                       f"(DFlashDraftModel with dflash_config.target_layer_ids, ids in the sglang convention); "
+                       f"point it at one, or at a speculators DFlash folder")
+    ids = from_convention(written, "sglang")
+    if ids != list(layer_ids):
+        raise BadInput(f"train.init_from: {config_path}: dflash_config.target_layer_ids {written} are HF layers {ids} "
+                       f"(z-lab counts the output of layer i), but this run captured {list(layer_ids)}; set "
+                       f"hidden_states.layer_ids: {ids} and rerun stage 02")
+    for key, ours in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+        if config.get(key) != ours:
+            raise BadInput(f"train.init_from: {config_path}: {key} {config.get(key)} differs from the target's {ours}; "
+                           f"the drafter was built for another target model")
+    try:  # speculators' own reading of the folder (`speculators convert`), with the ids converted here
+        spec_config = DFlashConverter()._build_config(config, str(verifier_dir), ids)
+    except (ValueError, KeyError, TypeError) as error:
+        raise BadInput(f"train.init_from: {config_path}: speculators cannot read it ({error})") from None
+    folder = DrafterFolder(path, config)
+    problems = dflash_tensor_problems(spec_config, read_tensor_specs(path))
+    if problems:
+        raise BadInput(f"train.init_from: {path}: {problems[0]} ({len(problems)} problem(s) in all); the weights "
+                       f"and config.json disagree")
+    return folder, {"convention": "sglang", "written": list(written), "hf": ids}
+
+
+def write_dflash_release(release: DrafterFolder, out_dir: Path, *, verifier_dir: Path,
+                         layer_ids: list[int]) -> dict[str, Any]:
+    """A checked DFlash release (read_dflash_release) in speculators' layout, written atomically by speculators' own
+    converter with the run's ids: the embedding and head the verifier's, as vLLM serves a release with the
+    target's."""
+    from speculators.convert.dflash.converter import DFlashConverter
+
+    with atomic_dir(out_dir) as tmp:
+        DFlashConverter().convert(release.path, tmp, base_model=str(verifier_dir), validate=False,
+                                  aux_hidden_state_layer_ids=list(layer_ids))
+    return {"dir": str(out_dir), "embed_tokens": "the target's, copied"}

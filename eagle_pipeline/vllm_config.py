@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Iterator
 
@@ -232,11 +232,18 @@ def draft_vllm_config(vllm_config, runner: str):
     require_written_for()
     spec = vllm_config.speculative_config
     if runner == "V2":
-        return spec.apply_draft_overrides(vllm_config)
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+        config = spec.apply_draft_overrides(vllm_config)
+    else:
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    return SpecDecodeBaseProposer._create_draft_vllm_config(SimpleNamespace(speculative_config=spec,
-                                                                             vllm_config=vllm_config))
+        config = SpecDecodeBaseProposer._create_draft_vllm_config(SimpleNamespace(speculative_config=spec,
+                                                                                   vllm_config=vllm_config))
+    if spec.method == "dflash":  # a backend with non-causal attention for a bidirectional block (DFlashProposer's)
+        from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+
+        non_causal = dflash_has_any_non_causal(spec.draft_model_config.hf_config)
+        config = replace(config, attention_config=replace(config.attention_config, use_non_causal=non_causal))
+    return config
 
 
 def builds_mla_drafter(model_config) -> bool:

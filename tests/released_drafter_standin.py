@@ -244,3 +244,40 @@ def write_mla_standin(folder: Path, shape: MlaStandinShape = KIMI_MLA_STANDIN, s
                                       fc_norm=bool((config or {}).get("fc_norm")))
     config = config if config is not None else mla_standin_config(shape)
     return write_released_standin(folder, tensors=tensors, config=config)
+
+
+# -- a DFlash release in z-lab's flat layout ------------------------------------------------------------------------
+# z-lab/Kimi-K2.5-DFlash's: architecture DFlashDraftModel, the Qwen3 decoder fields at the top level, block_size,
+# dflash_config {mask_token_id, target_layer_ids} with z-lab's ids (the output of layer i = HF hidden_states[i + 1]),
+# the whole vocabulary (no d2t), weights layers.*, fc, hidden_norm, norm: the embedding and head are the target's.
+
+def write_dflash_release_standin(folder: Path, verifier_dir: Path, hf_layer_ids, *, num_layers: int, block_size: int,
+                                 mask_token_id: int, seed: int = 0, extra: dict | None = None) -> Path:
+    """A random (seeded) DFlash release of `num_layers` Qwen3 layers for the target in `verifier_dir`; `extra` tensors
+    added (a foreign or fused one)."""
+    from safetensors.torch import save_file
+    from speculators.train.cli import create_transformer_layer_config
+
+    layer = create_transformer_layer_config(verifier_name_or_path=str(verifier_dir), num_layers=num_layers,
+                                            draft_arch="qwen3", hidden_act="silu", sliding_window=2048,
+                                            full_attention_indices=list(range(num_layers))).to_dict()
+    config = {**layer, "architectures": ["DFlashDraftModel"], "block_size": block_size,
+              "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": sglang_ids(hf_layer_ids)}}
+    H, q, kv = layer["hidden_size"], layer["num_attention_heads"] * layer["head_dim"], \
+        layer["num_key_value_heads"] * layer["head_dim"]
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (H, len(hf_layer_ids) * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(num_layers):
+        p, ff, hd = f"layers.{i}.", layer["intermediate_size"], layer["head_dim"]
+        shapes |= {p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                   p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                   p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                   p + "mlp.gate_proj.weight": (ff, H), p + "mlp.up_proj.weight": (ff, H),
+                   p + "mlp.down_proj.weight": (H, ff), p + "input_layernorm.weight": (H,),
+                   p + "post_attention_layernorm.weight": (H,)}
+    tensors = {name: (torch.randn(*shape, generator=generator) * 0.02 + (len(shape) == 1)).to(torch.bfloat16)
+               for name, shape in shapes.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({**tensors, **(extra or {})}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

@@ -144,3 +144,140 @@ def test_the_plan_counts_the_dflash_drafter_stage_04_writes(dflash_trained, llam
     norms = sum(size for name, size in saved.items() if "norm" in name)
     # The checkpoint leaves the embedding to the verifier; the plan counts it (the trainer holds it), norms aside.
     assert drafter_params(planned) == sum(saved.values()) - norms + VOCAB * text["hidden_size"]
+
+
+def test_stage_05s_folder_is_the_checkpoint_read_as_trained_and_its_shapes_are_speculators(dflash_trained, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from eagle_pipeline import convert
+    from eagle_pipeline.drafter_checks import dflash
+    from eagle_pipeline.errors import BadInput
+
+    checkpoint = dflash_trained["out"] / dflash_trained["summary"]["last"]["checkpoint"]
+    summary = convert.write_dflash_folder(checkpoint, tmp_path / "vllm", LAYER_IDS)
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    # speculators trains full-attention layers bidirectional inside the block; vLLM 0.32 reads a speculators folder
+    # as causal there unless the config says otherwise.
+    assert json.loads((checkpoint / "config.json").read_text())["sliding_window_non_causal"] is False
+    assert config["sliding_window_non_causal"] is True and summary["sliding_window_non_causal"] is True
+    saved, written = load_file(str(checkpoint / "model.safetensors")), load_file(str(tmp_path / "vllm" /
+                                                                                    "model.safetensors"))
+    assert saved.keys() == written.keys() and all(torch.equal(saved[k], written[k]) for k in saved)
+    assert dflash.check_shapes(tmp_path / "vllm")["ok"]
+    with pytest.raises(BadInput, match=r"aux_hidden_state_layer_ids \[1, 2, 3\] differ from the \[2, 3, 4\]"):
+        convert.dflash_config(checkpoint, [2, 3, 4])
+
+    # A tensor of the wrong shape, one missing and one speculators' model has no place for, each named.
+    name = "layers.0.self_attn.k_norm.weight"
+    broken = {**{k: v for k, v in written.items() if k != "fc.weight"}, name: written[name][:-1],
+              "layers.7.mlp.up_proj.weight": written["layers.0.mlp.up_proj.weight"].clone()}
+    save_file(broken, str(tmp_path / "vllm" / "model.safetensors"))
+    problems = dflash.check_shapes(tmp_path / "vllm")["detail"]["problems"]
+    assert problems == ["fc.weight: missing", "layers.7.mlp.up_proj.weight: no tensor of speculators' DFlashDraftModel "
+                        "for this config", f"{name}: shape [{written[name].shape[0] - 1}], the config implies "
+                        f"[{written[name].shape[0]}]"]
+
+
+def test_the_logit_check_names_a_layer_id_offset_a_wrong_mask_token_and_causal_attention():
+    from eagle_pipeline.drafter_checks.dflash import readings
+
+    trained = {"aux_hidden_state_layer_ids": [2, 15, 27], "mask_token_id": 3, "sliding_window_non_causal": False,
+               "transformer_layer_config": {"layer_types": ["full_attention"]}}
+    faithful = {"aux_layer_ids": {"model_runner_v1": [2, 15, 27]}, "mask_token_id": 3, "causal": False}
+    assert readings(faithful, trained) == []
+    problems = readings({"aux_layer_ids": {"model_runner_v1": [3, 16, 28], "model_runner_v2": None},
+                         "mask_token_id": 2, "causal": True}, trained)
+    starts = ("vLLM's model_runner_v1 taps the target's layers [3, 16, 28]", "vLLM fills the block with mask token 2",
+              "vLLM attends causally inside the block")
+    assert len(problems) == 3 and all(p.startswith(start) for p, start in zip(problems, starts)), problems
+    assert "a layer-id offset of +1" in problems[0] and "a wrong mask token" in problems[1]
+    # speculators' default layers (sliding window, causal in the block) are served causally as trained.
+    sliding = {**trained, "transformer_layer_config": {"layer_types": ["sliding_attention"]}}
+    assert readings({**faithful, "causal": True}, sliding) == []
+
+
+@pytest.mark.vllm
+def test_stages_03_to_05_train_convert_and_verify_a_dflash_drafter_on_the_smoke_run(small_run, tmp_path):
+    """The shared smoke run's conversations and states; a DFlash drafter of one layer trained for one epoch (one
+    step), converted, and held by vLLM's own loader and DFlash class to the checkpoint. The same folder served
+    causally with another mask token fails the logit check, naming both."""
+    import shutil
+
+    from conftest import ok, run_stage, write_smoke_config
+    from fault_injection import link_stages
+
+    from eagle_pipeline.config import load_config
+    from eagle_pipeline.drafter_checks import verify_drafter
+    from eagle_pipeline.train.predicted_acceptance import validation_conversations
+    from eagle_pipeline.verifier import Verifier
+
+    _, _, reference = small_run
+    run_dir = tmp_path / "data" / "d"
+    link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden")
+    config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="d",
+                                train={"family": "dflash", "epochs": 1,
+                                       "dflash": {"block_size": 8, "num_layers": 1, "max_anchors": 64}},
+                                serve={"num_speculative_tokens": 7})
+    for script in ("03_build_vocab_map.py", "04_train.py", "05_convert.py"):
+        result = ok(run_stage(script, config))
+    verify = json.loads((run_dir / "05_convert" / "verify.json").read_text())
+    assert verify["ok"] and not any(check.get("skipped") for check in verify["checks"].values()), result.stdout
+    logits = verify["checks"]["vllm_logits"]["detail"]
+    assert logits["model_class"] == "DFlashQwen3ForCausalLM" and logits["causal"] is False
+    assert logits["mask_token_id"] == 3 and logits["blocks"]["relative_difference"] < 1e-4
+    assert verify["checks"]["vllm_load"]["detail"]["model_class"] == "DFlashQwen3ForCausalLM"
+
+    served = tmp_path / "served"
+    shutil.copytree(run_dir / "05_convert" / "vllm", served)
+    folder = json.loads((served / "config.json").read_text())
+    (served / "config.json").write_text(json.dumps({**folder, "sliding_window_non_causal": False, "mask_token_id": 4}))
+    manifest = json.loads((run_dir / "04_train" / "manifest.json").read_text())
+    checkpoint = run_dir / "04_train" / manifest["counts"]["best"]["checkpoint"]
+    verifier = Verifier.from_config(load_config(config))
+    conversations = validation_conversations(run_dir / "02_extract_hidden" / "data", run_dir / "04_train", 1)
+    wrong = verify_drafter(served, target_dir=verifier.path, parity_source_dir=checkpoint,
+                           parity_conversations=conversations, num_speculative_tokens=7,
+                           engine_kwargs={"max_model_len": 1280, "enforce_eager": True})
+    problems = wrong["checks"]["vllm_logits"]["detail"]["problems"]
+    assert problems[0].startswith("the drafted slots of every block: vLLM's DFlashQwen3ForCausalLM differs"), problems
+    assert any("mask token 4" in p for p in problems) and any("attends causally" in p for p in problems)
+
+
+def test_a_z_lab_dflash_release_is_read_tensor_by_tensor_and_fine_tuned(llama_case, tmp_path):  # noqa: F811
+    """A flat release in z-lab's layout (whole vocabulary, z-lab's ids) checked against the run, rewritten by
+    speculators' converter with the ids as HF layers, and fine-tuned by stage 04's trainer."""
+    import numpy as np
+    from released_drafter_standin import write_dflash_release_standin
+    from test_training import write_vocab_map
+
+    from eagle_pipeline import released_drafter
+    from eagle_pipeline.errors import BadInput
+
+    def read(path, ids=LAYER_IDS, **kwargs):
+        return released_drafter.read_dflash_release(path, verifier_dir=llama_case.verifier, layer_ids=ids,
+                                                    hidden_size=64, vocab_size=VOCAB, **kwargs)
+
+    release = write_dflash_release_standin(tmp_path / "release", llama_case.verifier, LAYER_IDS, num_layers=2,
+                                           block_size=4, mask_token_id=MASK)
+    folder, record = read(release)
+    assert record == {"convention": "sglang", "written": [0, 1, 2], "hf": LAYER_IDS}
+    with pytest.raises(BadInput, match=r"target_layer_ids \[0, 1, 2\] are HF layers \[1, 2, 3\] .*captured \[2, 3, 4\]"):
+        read(release, ids=[2, 3, 4])
+    with pytest.raises(BadInput, match=r"is not a DFlash release in z-lab's layout"):
+        read(release, convention="vllm")
+    for name, shape in (("layers.0.self_attn.g_proj.weight", (64, 64)), ("layers.1.self_attn.qkv_proj.weight", (8, 64))):
+        broken = write_dflash_release_standin(tmp_path / name, llama_case.verifier, LAYER_IDS, num_layers=2,
+                                              block_size=4, mask_token_id=MASK, extra={name: torch.zeros(shape)})
+        with pytest.raises(BadInput, match=rf"train.init_from: \S+: {name}: no tensor of speculators' DFlashDraftModel"):
+            read(broken)
+
+    written = released_drafter.write_dflash_release(folder, tmp_path / "init_from", verifier_dir=llama_case.verifier,
+                                                    layer_ids=LAYER_IDS)
+    config = json.loads((tmp_path / "init_from" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == LAYER_IDS
+    assert (config["block_size"], config["mask_token_id"], written["dir"]) == (4, MASK, str(tmp_path / "init_from"))
+    d2t, t2d = write_vocab_map(tmp_path, np.arange(VOCAB), name="_full")
+    train = settings(epochs=1, init_from=str(tmp_path / "init_from"), **DFLASH)
+    summary = runner.train_drafter(train, llama_case.run(tmp_path / "04_train", mask_token_id=MASK, d2t_path=d2t,
+                                                         t2d_path=t2d))
+    assert summary["epochs_completed"] == 1 and summary["best"]["predicted_acceptance_length"] >= 1.0

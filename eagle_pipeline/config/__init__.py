@@ -129,6 +129,13 @@ class RunConfig(Section):
                                                 "default): stage 06 then compares what vLLM serves with it")
         return self
 
+    @model_validator(mode="after")
+    def _sglang_folder_of_eagle3(self):
+        if self.convert.sglang and self.train.family == "dflash":
+            raise cross_field("convert.sglang", "writes SGLang's EAGLE-3 folder (llama_eagle3), not a DFlash "
+                                                "drafter's; set it false with train.family dflash")
+        return self
+
     # -- derived paths -------------------------------------------------------------------------
     def resolve_path(self, value: str) -> Path:
         return resolve_path(value)

@@ -65,11 +65,11 @@ class DFlashConfig(Section):
 
 # What a DFlash drafter has no use for, and why: each refused with family dflash.
 EAGLE3_ONLY = {
-    "draft_layer": "vLLM's DFlash drafter (DFlashQwen3ForCausalLM) has Qwen3 layers; leave draft_layer out",
+    "draft_layer": "vLLM's DFlash drafter (DFlashQwen3ForCausalLM) has Qwen3 layers; leave draft_layer at llama",
     "draft_shape": "a DFlash drafter has the verifier's width (speculators: another is not yet supported); set "
                    "train.dflash.num_layers instead",
     "ttt_steps": "a DFlash drafter drafts a block in one pass; set train.dflash.block_size instead",
-    **{flag: "a DFlash drafter has no EAGLE-3 norm variants; leave it out" for flag in (
+    **{flag: "a DFlash drafter has no EAGLE-3 norm variants; leave it at its default" for flag in (
         "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")},
 }
 
@@ -164,12 +164,9 @@ class TrainConfig(Section):
             if self.dflash != DFlashConfig():
                 raise cross_field("dflash", "applies to train.family dflash only; set family: dflash or remove it")
             return self
-        # A norm flag is refused when set at all; the other settings when changed from their defaults.
-        defaults = {name: TrainConfig.model_fields[name].default
-                    for name in ("draft_layer", "draft_shape", "ttt_steps")}
+        # Changed from its default: a config extending an EAGLE-3 one sets the defaults back (kimi-k2.5.yaml's flags).
         for field, why in EAGLE3_ONLY.items():
-            changed = getattr(self, field) != defaults[field] if field in defaults else field in self.model_fields_set
-            if changed:
+            if getattr(self, field) != TrainConfig.model_fields[field].default:
                 raise cross_field(field, f"an EAGLE-3 setting, but train.family is dflash: {why}")
         return self
 

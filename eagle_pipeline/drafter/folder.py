@@ -32,6 +32,7 @@ from eagle_pipeline.drafter.layouts import (
     flat_architecture_of,
     flat_name,
     flat_norm_flags,
+    is_dflash_config,
     layer_shape,
     speculators_norm_flags,
     strip_export_prefix,
@@ -98,9 +99,12 @@ class DrafterFolder:
 def written_layer_ids(config: dict[str, Any]) -> list[int] | None:
     """The aux layer ids as the folder writes them (a flat folder's `eagle_config` first, then the top level);
     their convention is the layout's and, for a flat folder, the writer's (layer_ids.py)."""
-    ids = None if config_layout(config) == SPECULATORS else (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
-    ids = ids if ids is not None else config.get("eagle_aux_hidden_state_layer_ids")
+    if is_dflash_config(config):  # speculators' DFlash config names them without eagle_
+        ids = config.get("aux_hidden_state_layer_ids")
+    else:
+        ids = None if config_layout(config) == SPECULATORS else (config.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+        ids = ids if ids is not None else config.get("eagle_aux_hidden_state_layer_ids")
     return None if ids is None else [int(k) for k in ids]
 
 
@@ -128,6 +132,11 @@ def describe(path: str | Path) -> DrafterFolder | None:
     """The drafter folder at `path`, or None without a readable config.json."""
     config = read_config(path)
     return None if config is None else DrafterFolder(Path(path), config)
+
+
+def is_dflash_drafter(path: str | Path) -> bool:
+    """A DFlash drafter folder, in speculators' layout or z-lab's (layouts.is_dflash_config)."""
+    return is_dflash_config(read_config(path) or {})
 
 
 @dataclass

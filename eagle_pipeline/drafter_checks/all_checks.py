@@ -6,9 +6,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.drafter.folder import describe
-from eagle_pipeline.drafter.layouts import MLA
-from eagle_pipeline.drafter_checks import vllm_logits
+from eagle_pipeline.drafter.folder import describe, is_dflash_drafter
+from eagle_pipeline.drafter.layouts import MLA, is_dflash_config
+from eagle_pipeline.drafter_checks import dflash, vllm_logits
 from eagle_pipeline.drafter_checks.config_checks import check_config
 from eagle_pipeline.drafter_checks.parity import acceptance_parity, replay_parity
 from eagle_pipeline.drafter_checks.shapes import check_shapes
@@ -36,7 +36,8 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
     as skipped (ok false, skipped true) and left out of the overall `ok`. An SGLang
     folder still goes through vLLM's loader (the same weight names) but its layer ids are SGLang's.
     vllm_logits runs for an MLA drafter with `parity_source_dir` and `parity_conversations` (the first one),
-    where vLLM's platform is the CPU; otherwise it is reported as skipped.
+    where vLLM's platform is the CPU; otherwise it is reported as skipped. A DFlash folder (drafter_checks/dflash.py)
+    is held to speculators' DFlashDraftModel, and vllm_logits runs for it as for an MLA drafter.
     """
     if engine not in ("vllm", "sglang"):
         raise BadInput(f"engine {engine!r}: expected 'vllm' or 'sglang'")
@@ -48,8 +49,9 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         if not (path / "config.json").exists():
             raise BadInput(f"{path / 'config.json'} is missing; the {what} folder is not a model folder")
     checks: dict[str, dict[str, Any]] = {}
+    blocks = is_dflash_drafter(drafter_dir)
     try:
-        checks["shapes"] = check_shapes(drafter_dir, reference_dir)
+        checks["shapes"] = (dflash.check_shapes if blocks else check_shapes)(drafter_dir, reference_dir)
     except BadInput as problem:
         checks["shapes"] = {"ok": False, "detail": {"problems": [str(problem)]}}
     with tempfile.TemporaryDirectory(prefix="eagle-logits-") as tmp:
@@ -57,11 +59,14 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
         # The speculators checkpoint, loaded once for this check and the replay parity.
         checkpoint, checkpoint_logits, logits_files = None, None, None
         if why_not is None:
+            from eagle_pipeline.predict.blocks import load_block_drafter
             from eagle_pipeline.predict.speculators_drafter import load_drafter
 
-            checkpoint = load_drafter(parity_source_dir)
+            checkpoint = (load_block_drafter if blocks else load_drafter)(parity_source_dir)
             logits_files = (Path(tmp) / "inputs.safetensors", Path(tmp) / "vllm.safetensors")
-            checkpoint_logits = vllm_logits.speculators_side(checkpoint, parity_conversations[0], logits_files[0])
+            checkpoint_logits = (dflash.speculators_side(checkpoint, parity_conversations[0], num_speculative_tokens,
+                                                         logits_files[0]) if blocks else
+                                 vllm_logits.speculators_side(checkpoint, parity_conversations[0], logits_files[0]))
         vllm = check_vllm(drafter_dir, target_dir, engine_kwargs=engine_kwargs, drafter_settings=drafter_settings,
                           env=env, timeout_s=timeout_s, log_dir=log_dir, logits_files=logits_files)
         checks["config"] = check_config(drafter_dir, target_dir, expected, vllm["config"], engine)
@@ -72,6 +77,9 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
             checks["vllm_logits"] = {"ok": False, "skipped": True, "detail": f"not run: {why_not or side['skipped']}"}
         elif "error" in side:
             checks["vllm_logits"] = {"ok": False, "detail": {"problems": [f"vLLM's side: {side['error']}"]}}
+        elif blocks:
+            trained = checkpoint.config.to_dict()
+            checks["vllm_logits"] = dflash.compare(checkpoint_logits, side, logits_files[1], trained)
         else:
             checks["vllm_logits"] = vllm_logits.compare(checkpoint_logits, side, logits_files[1])
     if engine == "sglang":
@@ -100,7 +108,7 @@ def logits_skip_reason(drafter_dir: Path, engine: str, parity_source_dir, parity
     if parity_source_dir is None or not parity_conversations:
         return "no speculators checkpoint and held-out conversation given (convert.parity: replay gives them)"
     folder = describe(drafter_dir)
-    if folder is None or folder.layer_shape != MLA:
+    if folder is None or (folder.layer_shape != MLA and not is_dflash_config(folder.config)):
         return ("a Llama-shaped drafter: vLLM's Eagle3LlamaForCausalLM is held to the checkpoint by stage 06's "
                 "served-against-predicted acceptance")
     return None

@@ -16,13 +16,16 @@ from eagle_pipeline.drafter.layouts import (
     NORM_FLAGS,
     SPECULATORS,
     config_layout,
+    is_dflash_config,
     layer_shape,
     vllm_config_flags,
 )
 from eagle_pipeline.drafter.tensors import draft_dims
 
-# vLLM's model class for each layer shape (llama_eagle3.py, deepseek_eagle3.py).
+# vLLM's model class for each layer shape (llama_eagle3.py, deepseek_eagle3.py), and a DFlash drafter's
+# (qwen3_dflash.py).
 VLLM_MODEL_CLASSES = {"llama": "Eagle3LlamaForCausalLM", MLA: "Eagle3DeepseekV2ForCausalLM"}
+DFLASH_MODEL_CLASS = "DFlashQwen3ForCausalLM"
 
 
 def _dotted(config: dict[str, Any], key: str) -> Any:
@@ -111,9 +114,11 @@ def transformers_parse(drafter_dir: Path, config: dict[str, Any]) -> tuple[dict[
     problems = []
     try:
         if config_layout(config) == SPECULATORS:
+            from speculators.models.dflash import DFlashSpeculatorConfig
             from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
-            parsed = Eagle3SpeculatorConfig.from_pretrained(str(drafter_dir))
+            reader = DFlashSpeculatorConfig if is_dflash_config(config) else Eagle3SpeculatorConfig
+            parsed = reader.from_pretrained(str(drafter_dir))
             summary = {"class": type(parsed).__name__, "draft_vocab_size": parsed.draft_vocab_size}
         else:
             from transformers import AutoConfig, DeepseekV3Config
@@ -159,7 +164,8 @@ def vllm_config_problems(config: dict[str, Any], view: dict[str, Any], check_lay
     if "error" in view:
         return [f"vLLM's config loader failed: {view['error']}"]
     problems = []
-    model_class = VLLM_MODEL_CLASSES[layer_shape(config)]
+    dflash = is_dflash_config(config)
+    model_class = DFLASH_MODEL_CLASS if dflash else VLLM_MODEL_CLASSES[layer_shape(config)]
     if view.get("model_class") != model_class:
         problems.append(f"vLLM resolves the drafter to {view.get('model_class')}, not {model_class}")
     dims = draft_dims(config)
@@ -167,7 +173,7 @@ def vllm_config_problems(config: dict[str, Any], view: dict[str, Any], check_lay
         problems.append(f"vLLM reads draft_vocab_size {view.get('draft_vocab_size')}, "
                         f"the file says {dims.draft_vocab_size}")
     ids = written_layer_ids(config)  # the ids the folder declares; vLLM's readings of them are compared below
-    flags = vllm_config_flags(config)
+    flags = {} if dflash else vllm_config_flags(config)  # a DFlash drafter has no norm variants
     for runner, captured in (view.get("aux_layer_ids") or {}).items() if check_layer_ids else ():
         if ids and captured != list(ids):
             problems.append(f"vLLM's {runner} would capture aux layers {captured or 'default'}, the file says "

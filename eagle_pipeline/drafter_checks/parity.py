@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from eagle_pipeline.drafter.folder import is_dflash_drafter
 from eagle_pipeline.drafter_checks.subprocess_json import SUBPROCESS_TIMEOUT_S, run_json_subprocess
 from eagle_pipeline.engine import eagle3_engine_kwargs
 
@@ -101,10 +102,12 @@ def compare_acceptance(run_a: dict[str, Any], run_b: dict[str, Any], tolerance: 
 def replay_run(drafter_dir: str | Path, conversations: list, num_speculative_tokens: int,
                model: Any = None) -> dict[str, Any]:
     """`acceptance_run`'s counters from the offline replay of a speculators drafter folder (`model`: that folder
-    already loaded by `predict.speculators_drafter.load_drafter`)."""
+    already loaded by `predict.speculators_drafter.load_drafter`, or a DFlash one's by `predict.blocks`)."""
     from eagle_pipeline.predict.acceptance import predict_acceptance
+    from eagle_pipeline.predict.blocks import predict_block_acceptance
 
-    result = predict_acceptance(drafter_dir if model is None else model, conversations, num_speculative_tokens)
+    replay = predict_block_acceptance if is_dflash_drafter(drafter_dir) else predict_acceptance
+    result = replay(drafter_dir if model is None else model, conversations, num_speculative_tokens)
     drafts = int(result["num_drafts"])
     per_position = [round(float(rate) * drafts) for rate in result["predicted_per_position_acceptance"]]
     return {"method": "replay", "drafter": str(drafter_dir), "num_drafts": drafts,
@@ -123,8 +126,9 @@ def replay_parity(speculators_dir: str | Path, flat_dir: str | Path, verifier_di
         return {"ok": False, "detail": {"method": "replay", "tolerance": tolerance,
                                         "problems": ["no held-out conversation with an answer to replay"]}}
     with tempfile.TemporaryDirectory(prefix="eagle-parity-") as tmp:
-        read_back = write_speculators_checkpoint(flat_dir, verifier_dir, Path(tmp) / "from-flat",
-                                                 speculative_tokens=num_speculative_tokens)
+        # A DFlash folder is a speculators folder already (convert.write_dflash_folder).
+        read_back = flat_dir if is_dflash_drafter(flat_dir) else write_speculators_checkpoint(
+            flat_dir, verifier_dir, Path(tmp) / "from-flat", speculative_tokens=num_speculative_tokens)
         runs = [replay_run(speculators_dir, conversations, num_speculative_tokens, checkpoint),
                 replay_run(read_back, conversations, num_speculative_tokens)]
     runs[1]["drafter"] = str(flat_dir)

@@ -23,7 +23,8 @@ def _summary(name: str, check: dict[str, Any]) -> str:
             return (f"per-position acceptance {detail['a']['acceptance_rate_per_position']} vs "
                     f"{detail['b']['acceptance_rate_per_position']} (tolerance {detail['tolerance']})")
         if name == "vllm_logits":
-            worst = max(detail[part]["relative_difference"] for part in ("context", "step"))
+            worst = max(part["relative_difference"] for part in detail.values() if isinstance(part, dict)
+                        and "relative_difference" in part)
             return (f"{detail.get('model_class')} computes the checkpoint's logits (differs by {worst:.1g} of the "
                     f"largest, tolerance {detail['tolerance']:g})")
         if name == "vllm_load":

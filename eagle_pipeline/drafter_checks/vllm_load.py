@@ -150,9 +150,10 @@ def vllm_load_weights(vllm_config, drafter_dir: str) -> dict[str, Any]:
 
 
 def unused_in_forward(name: str) -> bool:
-    """vLLM creates a hidden_norm in every draft layer but only the first one applies it."""
+    """vLLM creates a hidden_norm in every draft layer but only the first one applies it; its DFlash drafter a
+    mask_embedding that only a separate mask-embedding file fills (the target's embedding row serves otherwise)."""
     match = re.fullmatch(r"model\.layers\.(\d+)\.hidden_norm\.weight", name)
-    return bool(match) and int(match.group(1)) > 0
+    return bool(match) and int(match.group(1)) > 0 or name == "model.mask_embedding"
 
 
 def vllm_inspect(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None = None,

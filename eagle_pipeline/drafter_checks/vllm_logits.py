@@ -138,16 +138,19 @@ class _AttentionCache:
         return set_forward_context(metadata, self.vllm_config, slot_mapping={name: slots for name in self.layers})
 
 
+PARTS = (("context", "the context pass (draft position 0, every row)"),
+         ("step", "the next draft step (the last row, from the KV cache)"))
+
+
 def compare(expected: dict[str, Any], vllm: dict[str, Any], got_path: str | Path,
-            tolerance: float = TOLERANCE) -> dict[str, Any]:
+            tolerance: float = TOLERANCE, parts: tuple[tuple[str, str], ...] = PARTS) -> dict[str, Any]:
     """The check's result: the largest logit difference of each pass against `tolerance` x the largest logit;
     `vllm` is what `vllm_side` returned."""
     from safetensors.torch import load_file
 
     got = load_file(str(got_path))
     detail: dict[str, Any] = {**vllm, "tolerance": tolerance, "problems": []}
-    for part, what in (("context", "the context pass (draft position 0, every row)"),
-                       ("step", "the next draft step (the last row, from the KV cache)")):
+    for part, what in parts:
         a, b = expected[part], got[part]
         if a.shape != b.shape:
             detail["problems"].append(f"{what}: vLLM's logits have shape {tuple(b.shape)}, speculators' "
