@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from eagle_pipeline.atomic import atomic_dir
 from eagle_pipeline.drafter.folder import (
     SpeculatorsCheckpoint,
-    read_config_json,
     read_speculators_checkpoint,
     target_vocab,
 )
@@ -37,6 +36,7 @@ from eagle_pipeline.drafter.layouts import (
 )
 from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import to_convention
 from eagle_pipeline.vocab_map import check_vocab_map
 
@@ -281,7 +281,7 @@ def dflash_config(ckpt_dir: str | Path, layer_ids: list[int]) -> dict[str, Any]:
     sliding_window_non_causal is true (vLLM PR #56692), while speculators trains a full-attention layer bidirectional
     there: a folder whose layers are all full attention says so."""
     path = Path(ckpt_dir) / "config.json"
-    config = read_config_json(path, "rerun 04_train.py to write the checkpoint again")
+    config = read_json_object(path, "rerun 04_train.py to write the checkpoint again")
     if not is_dflash_config(config) or not (Path(ckpt_dir) / WEIGHTS_NAME).is_file():
         raise BadInput(f"{path}: not a speculators DFlash checkpoint with {WEIGHTS_NAME} (train.family is dflash); "
                        f"rerun 04_train.py with --force")

@@ -16,7 +16,6 @@ from eagle_pipeline.drafter.folder import (
     DrafterFolder,
     FlatDrafter,
     is_speculators_drafter,
-    read_config_json,
     read_flat_drafter,
     read_flat_tensors,
     read_speculators_checkpoint,
@@ -27,6 +26,7 @@ from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS, dflash_tensor_problems,
 from eagle_pipeline.drafter.to_speculators import MLA_ROPE_KEYS, rope_parameters
 from eagle_pipeline.drafter.to_speculators import write_speculators_folder as write_folder
 from eagle_pipeline.errors import BadInput
+from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import from_convention
 from eagle_pipeline.verifier import target_embedding
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
@@ -181,7 +181,7 @@ def read_dflash_release(path: Path, *, verifier_dir: Path, layer_ids: list[int],
     from speculators.convert.dflash.converter import DFlashConverter
 
     config_path = path / "config.json"
-    config = read_config_json(config_path, "point train.init_from at the release's own folder")
+    config = read_json_object(config_path, "point train.init_from at the release's own folder")
     written = (config.get("dflash_config") or {}).get("target_layer_ids") if is_dflash_config(config) else None
     if written is None or convention == "vllm":
         raise BadInput(f"train.init_from: {config_path} is not a DFlash release in z-lab's layout "

@@ -197,10 +197,12 @@ def test_the_logit_check_names_a_layer_id_offset_a_wrong_mask_token_and_causal_a
 
 
 @pytest.mark.vllm
-def test_stages_03_to_05_train_convert_and_verify_a_dflash_drafter_on_the_smoke_run(small_run, tmp_path):
+def test_stages_03_to_06_train_convert_verify_and_serve_a_dflash_drafter_on_the_smoke_run(finished_small_run,
+                                                                                          tmp_path):
     """The shared smoke run's conversations and states; a DFlash drafter of one layer trained for one epoch (one
-    step), converted, and held by vLLM's own loader and DFlash class to the checkpoint. The same folder served
-    causally with another mask token fails the logit check, naming both."""
+    step), converted, held by vLLM's own loader and DFlash class to the checkpoint, and served by stage 06 with
+    method dflash beside the smoke run's baseline, predicted by the block replay. The same folder served causally
+    with another mask token fails the logit check, naming both."""
     import shutil
 
     from conftest import ok, run_stage, write_smoke_config
@@ -211,7 +213,7 @@ def test_stages_03_to_05_train_convert_and_verify_a_dflash_drafter_on_the_smoke_
     from eagle_pipeline.train.predicted_acceptance import validation_conversations
     from eagle_pipeline.verifier import Verifier
 
-    _, _, reference = small_run
+    _, reference = finished_small_run
     run_dir = tmp_path / "data" / "d"
     link_stages(reference, run_dir, "01_generate_data", "02_extract_hidden")
     config = write_smoke_config(tmp_path / "run.yaml", data_root=str(tmp_path / "data"), run_name="d",
@@ -226,6 +228,16 @@ def test_stages_03_to_05_train_convert_and_verify_a_dflash_drafter_on_the_smoke_
     assert logits["model_class"] == "DFlashQwen3ForCausalLM" and logits["causal"] is False
     assert logits["mask_token_id"] == 3 and logits["blocks"]["relative_difference"] < 1e-4
     assert verify["checks"]["vllm_load"]["detail"]["model_class"] == "DFlashQwen3ForCausalLM"
+
+    # Stage 06: the drafter alone beside the smoke run's kept answers without speculation, the schedule the smoke
+    # config names served by its one confirming server.
+    ok(run_stage("06_serve_test.py", config, "--set", f"serve.baseline={reference / '06_serve_test'}",
+                 "--set", "serve.ngram_baseline=false", "--set", "serve.num_speculative_tokens_per_batch_size=null"))
+    report = json.loads((run_dir / "06_serve_test" / "report.json").read_text())
+    served = report["modes"]["dflash"]
+    assert served["speculative_config"]["method"] == "dflash", served
+    assert report["predicted_mean_acceptance_length"] >= 1.0 and report["verdict"].startswith("PASS"), report["verdict"]
+    assert "--speculative-config" in (run_dir / "06_serve_test" / "report.md").read_text()
 
     served = tmp_path / "served"
     shutil.copytree(run_dir / "05_convert" / "vllm", served)
