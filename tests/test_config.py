@@ -224,7 +224,7 @@ def test_empty_data_root_is_refused(tmp_path):
                                                        r"is dflash: .*DFlashQwen3ForCausalLM"),
     (["train.family=dflash", "train.draft_shape={num_hidden_layers: 2}"], r"train\.draft_shape: .*dflash\.num_layers"),
     (["train.family=dflash", "train.norm_before_fc=false"], r"train\.norm_before_fc: an EAGLE-3 setting"),
-    (["train.family=dflash", "train.fc_norm=true"], r"train\.fc_norm: an EAGLE-3 setting"),
+    (["train.family=dflash", "train.norm_output=false"], r"train\.norm_output: an EAGLE-3 setting"),
     (["train.family=dflash", "train.ttt_steps=4"], r"train\.ttt_steps: .*dflash\.block_size"),
     (["train.dflash={block_size: 4}"], r"train\.dflash: applies to train\.family dflash only"),
     (["train.family=dflash", "train.dflash.block_size=1"], r"train\.dflash\.block_size: Input should be greater"),

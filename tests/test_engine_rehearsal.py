@@ -9,6 +9,7 @@ vLLM's CPU platform silently replaces. No engine starts; each test imports vLLM 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,25 @@ def test_the_one_pass_configs_answering_engine_captures_and_is_accepted_by_cudas
     v1 = load_config(path, ["verifier.model_runner=v1"])
     (engine,) = planned_engines(v1, 1, standin / "scratch")
     assert engine.engine_args["async_scheduling"] is False
+
+
+def test_the_dflash_fine_tune_configs_servers_are_accepted_by_cudas_selector(standin):
+    """configs/kimi-k2.5-10k-finetune-dflash.yaml on the stand-in (its settings fitted as for the other Kimi configs,
+    the release left out: its drafter planned from the target): stage 05's load check and stage 06's drafter serve
+    method dflash, whose drafter CUDA's selector gives a backend with non-causal attention beside TRITON_MLA."""
+    from eagle_pipeline.plan.rehearsal import check_engines
+
+    path = standin / "dflash-finetune.yaml"
+    path.write_text(yaml.safe_dump({
+        "extends": str(REPO / "configs" / "kimi-k2.5-10k-finetune-dflash.yaml"), "run_name": "dflash-finetune",
+        "data_root": str(standin / "data"), **STANDIN_FIT,
+        "train": {"draft_shape": None, "init_from": None, "dflash": {"num_layers": 1, "mask_token_id": None}},
+        "vocab": {"draft_vocab_size": 49152}, "verifier": {"path": str(standin / "kimi"), **VERIFIER_FIT}}))
+    cfg = load_config(path, [])
+    assert cfg.train.family == "dflash"
+    done = check_engines(cfg, (5, 6), show=False)  # a refusal would raise BadInput
+    lines = [item.line() for item in done]
+    assert any("server dflash:" in line for line in lines), lines
+    drafted = [line for line in lines if "drafter" in line.split(":", 1)[1]]
+    assert len(drafted) == 7 and all(CUDA in line and "target MLA -> TRITON_MLA" in line and re.search(
+        r"drafter full attention -> (TRITON_ATTN|FLASH_ATTN);", line) for line in drafted), lines

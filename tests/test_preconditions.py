@@ -231,7 +231,10 @@ def test_every_kimi_configs_disk_budget_is_its_plan_with_room(path, kimi_target,
     assert 8.5e9 < plan.stage(4).bytes / 3 < 8.7e9 or cfg.train.init_from or cfg.hidden_states.mode == "online"
     # The replay reads each aux layer and its neighbours where the target has them (the diagnosis's readings).
     readings = {(2, 30, 58): "10 states: layers [1, 2, 3, 29, 30, 31, 57, 58, 59] and the final one",
-                (1, 29, 57): "7 states: layers [1, 2, 29, 30, 57, 58] and the final one"}  # the MLA release's ids
+                (1, 29, 57): "7 states: layers [1, 2, 29, 30, 57, 58] and the final one",  # the MLA release's ids
+                # z-lab's DFlash release's, and the default ids a DFlash folder without them would be read with
+                (2, 13, 25, 36, 48, 59): "20 states: layers [1, 2, 3, 12, 13, 14, 24, 25, 26, 30, 35, 36, 37, 47, 48, "
+                                         "49, 58, 59, 60] and the final one"}
     assert readings[tuple(cfg.hidden_states.layer_ids)] in plan.stage(6).detail
 
 
