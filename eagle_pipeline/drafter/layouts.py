@@ -20,7 +20,6 @@ SPECULATORS, FLAT, SGLANG = "speculators", "flat", "sglang"
 
 # The drafter's decoder layer: Llama-shaped attention, or the target's MLA attention (DeepSeek-V3, Kimi-K2).
 LLAMA, MLA = "llama", "mla"
-LAYER_SHAPES = (LLAMA, MLA)
 # A DFlash drafter: speculators' type, and its Qwen3 layers as stage 04 plans them (drafter/planned.py), each reading
 # the hidden width only; the architecture speculators' checkpoints and z-lab's flat releases name.
 DFLASH = "dflash"

@@ -353,10 +353,6 @@ def vocab_map_problems(model_dir: Path, specs: dict[str, TensorSpec], config: di
     return safetensors_vocab_map_problems(files["d2t"], files["t2d"], dims.vocab_size, dims.draft_vocab_size)
 
 
-# What a DFlash checkpoint leaves to the verifier: its embedding, and its head and final norm (training targets).
-DFLASH_LENT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-
-
 def dflash_tensor_problems(config, specs: dict[str, Any]) -> list[str]:
     """`specs` (name -> TensorSpec) against speculators' DFlashDraftModel built from `config` (a
     DFlashSpeculatorConfig) on the meta device: none missing but what the verifier lends (its head too, for a drafter
@@ -365,7 +361,8 @@ def dflash_tensor_problems(config, specs: dict[str, Any]) -> list[str]:
     from speculators.models.dflash import DFlashDraftModel
 
     config.transformer_layer_config._attn_implementation = "sdpa"
-    lent = DFLASH_LENT + ("lm_head.weight",) * (config.draft_vocab_size == config.transformer_layer_config.vocab_size)
+    # What the checkpoint leaves to the verifier: its embedding, and its head and final norm (training targets).
+    lent = VERIFIER_ONLY_KEYS + ("lm_head.weight",) * (config.draft_vocab_size == config.transformer_layer_config.vocab_size)
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
     problems = [f"{name}: missing" for name in sorted(set(expected) - set(specs) - set(lent))]
