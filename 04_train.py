@@ -196,7 +196,6 @@ def run(stage: Stage, dry_run: bool) -> None:
             print("\n".join(plan_lines(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
                             + run_plan_lines(cfg, verifier, layout)))
             if cfg.hidden_states.capture_endpoints:  # asked now, as the run asks them before it writes anything
-
                 rows = None if planning else dataset_rows(cfg.stage_dir("02_extract_hidden") / "data")
                 check_named_endpoints(cfg, verifier, layout, rows)
         return
@@ -241,10 +240,8 @@ def run(stage: Stage, dry_run: bool) -> None:
             check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states,
                                 layout.hidden_size, cfg.seed)
         elif cfg.hidden_states.capture_endpoints:  # servers elsewhere: the target, layer ids and connector each serves
-
             check_named_endpoints(cfg, verifier, layout, dataset_rows(train_run.data_dir))
         else:  # the capture server this stage starts, configured by vLLM's own code before it loads the target
-
             before_first_load(cfg, stage.number)
         check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest
 
@@ -278,7 +275,6 @@ def run(stage: Stage, dry_run: bool) -> None:
                 reason = stopped_reason(stage.dir)  # the ranks stopped themselves (a loss that is not finite)
                 if reason:
                     raise BadInput(reason)
-
                 if online and capture_failure(stage.dir):  # a capture server stayed away
                     raise CaptureUnavailable(capture_failure(stage.dir))
                 raise RuntimeError(f"torch.distributed.run exited with {returncode}")
