@@ -34,7 +34,7 @@ from eagle_pipeline.drafter.layouts import (
     weight_name,
     weight_row,
 )
-from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS
+from eagle_pipeline.drafter.tensors import MLA_LAYER_KEYS
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import to_convention
@@ -127,10 +127,6 @@ def eagle3_fields(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer
     return config
 
 
-# The MLA layer's fields vLLM's DeepseekV2MLAAttention and deepseek_eagle3.py read, as the target has them.
-MLA_LAYER_FIELDS = ("q_lora_rank", *MLA_DIM_KEYS)  # read_speculators_checkpoint refuses a layer without one
-
-
 def verifier_text_config(ckpt: SpeculatorsCheckpoint) -> dict[str, Any]:
     """The text model's config of the checkpoint's verifier, where its folder is local and readable; else {}."""
     verifier = ckpt.verifier_path
@@ -161,7 +157,7 @@ def mla_flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_lay
         "hidden_size": dims.hidden_size,
         "num_attention_heads": dims.num_attention_heads,
         "num_key_value_heads": dims.num_key_value_heads,
-        **{key: getattr(dims, key) for key in MLA_LAYER_FIELDS},
+        **{key: getattr(dims, key) for key in MLA_LAYER_KEYS},
         "intermediate_size": dims.intermediate_size,
         "hidden_act": layer.get("hidden_act", "silu"),
         "rms_norm_eps": float(layer["rms_norm_eps"]),

@@ -22,7 +22,7 @@ from eagle_pipeline.drafter.folder import (
     target_vocab,
 )
 from eagle_pipeline.drafter.layouts import EMBED_KEY, MLA, is_dflash_config
-from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS, dflash_tensor_problems, read_tensor_specs
+from eagle_pipeline.drafter.tensors import MLA_LAYER_KEYS, dflash_tensor_problems, read_tensor_specs
 from eagle_pipeline.drafter.to_speculators import MLA_ROPE_KEYS, rope_parameters
 from eagle_pipeline.drafter.to_speculators import write_speculators_folder as write_folder
 from eagle_pipeline.errors import BadInput
@@ -42,7 +42,7 @@ def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: 
                 ("vocab_size", dims.vocab_size, vocab_size, "vocabulary size")]
     if target is not None and drafter.layer_shape == MLA:  # vLLM's MLA drafter runs the target's latent and rope
         theirs, ours = rope_parameters(drafter.config), rope_parameters(target)
-        compared += [(key, drafter.config.get(key), target.get(key), key) for key in ("q_lora_rank", *MLA_DIM_KEYS)]
+        compared += [(key, drafter.config.get(key), target.get(key), key) for key in MLA_LAYER_KEYS]
         compared += [(f"rope_scaling.{key}", theirs[key], ours[key], f"rope_scaling.{key}") for key in MLA_ROPE_KEYS
                      if key in theirs and key in ours]
     for key, theirs, ours, what in compared:

@@ -39,7 +39,7 @@ from eagle_pipeline.drafter.layouts import (
     weight_files,
 )
 from eagle_pipeline.drafter.tensors import (
-    MLA_DIM_KEYS,
+    MLA_LAYER_KEYS,
     DraftDims,
     draft_dims,
     read_tensor_specs,
@@ -186,7 +186,7 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
             f"hold {' or '.join(SPECULATORS_LAYER_TYPES.values())} layers only ("
             + ", ".join(FLAT_ARCHITECTURES.values()) + "); serve this checkpoint with vLLM as it is"
         )
-    missing = [key for key in ("q_lora_rank", *MLA_DIM_KEYS, "intermediate_size", "rms_norm_eps") if key not in layer]
+    missing = [key for key in (*MLA_LAYER_KEYS, "intermediate_size", "rms_norm_eps") if key not in layer]
     if layer_shape(config) == MLA and missing:
         raise BadInput(f"{config_path}: transformer_layer_config has no {missing[0]}; the MLA layer's shape is unknown")
     if "norm_before_residual" not in config:

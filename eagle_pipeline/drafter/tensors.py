@@ -66,6 +66,7 @@ class DraftDims:
 
 
 MLA_DIM_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_LAYER_KEYS = ("q_lora_rank", *MLA_DIM_KEYS)  # the MLA layer's fields, as the target has them
 
 
 def mla_dims(layer: dict[str, Any]) -> dict[str, Any]:
