@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from eagle_pipeline.atomic import atomic_dir
 from eagle_pipeline.drafter.folder import (
     SpeculatorsCheckpoint,
+    read_config,
     read_speculators_checkpoint,
     target_vocab,
 )
@@ -129,12 +130,8 @@ def eagle3_fields(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer
 
 def verifier_text_config(ckpt: SpeculatorsCheckpoint) -> dict[str, Any]:
     """The text model's config of the checkpoint's verifier, where its folder is local and readable; else {}."""
-    verifier = ckpt.verifier_path
-    try:
-        config = json.loads((Path(verifier) / "config.json").read_text()) if verifier else {}
-    except (OSError, ValueError):
-        return {}
-    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    config = (read_config(ckpt.verifier_path) if ckpt.verifier_path else None) or {}
+    text = config.get("text_config", config)
     return text if isinstance(text, dict) else {}
 
 
