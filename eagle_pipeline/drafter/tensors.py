@@ -363,7 +363,8 @@ def dflash_tensor_problems(config, specs: dict[str, Any]) -> list[str]:
 
     config.transformer_layer_config._attn_implementation = "sdpa"
     # What the checkpoint leaves to the verifier: its embedding, and its head and final norm (training targets).
-    lent = VERIFIER_ONLY_KEYS + ("lm_head.weight",) * (config.draft_vocab_size == config.transformer_layer_config.vocab_size)
+    full_vocabulary = config.draft_vocab_size == config.transformer_layer_config.vocab_size
+    lent = VERIFIER_ONLY_KEYS + ("lm_head.weight",) * full_vocabulary
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
     problems = [f"{name}: missing" for name in sorted(set(expected) - set(specs) - set(lent))]

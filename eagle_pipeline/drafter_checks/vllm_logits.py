@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.drafter.folder import is_dflash_drafter
 from eagle_pipeline.drafter_checks import vllm_load
 from eagle_pipeline.vllm_config import require_written_for
 
@@ -52,14 +51,11 @@ def speculators_side(model, conversation, inputs_path: Path) -> dict[str, Any]:
     return {"context": context_logits.float(), "step": step_logits.float()}
 
 
-def vllm_side(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None,
+def vllm_side(side, target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None,
               drafter_settings: dict[str, Any] | None, inputs_path: str, out_path: str) -> dict[str, Any]:
-    """vLLM's class on the inputs `speculators_side` (a DFlash folder: `dflash.speculators_side`) wrote, its logits
-    written to `out_path`; {"error": ...} when vLLM's side fails, {"skipped": ...} off the CPU. In this process: the
-    vllm_load check's subprocess runs it (drafter_checks/cli.py)."""
-    from eagle_pipeline.drafter_checks import dflash
-
-    side = dflash.vllm_blocks if is_dflash_drafter(drafter_dir) else _vllm_side
+    """vLLM's class on the inputs `speculators_side` wrote, run by `side` (`eagle3_side`, or `dflash.vllm_blocks`
+    on `dflash.speculators_side`'s), its logits written to `out_path`; {"error": ...} when vLLM's side fails,
+    {"skipped": ...} off the CPU. In this process: the vllm_load check's subprocess runs it (drafter_checks/cli.py)."""
     try:
         from vllm.platforms import current_platform
 
@@ -89,7 +85,7 @@ def float32_drafter(target_dir, drafter_dir, engine_kwargs: dict[str, Any], draf
         yield spec, draft_config, model
 
 
-def _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_path, out_path) -> dict[str, Any]:
+def eagle3_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_path, out_path) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file, save_file
 
