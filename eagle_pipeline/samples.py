@@ -1,15 +1,5 @@
-"""The hidden-state sample: stage 02 writes it, stage 04 (through speculators) reads it (docs/formats.md).
-
-A run's training data is speculators' offline format: an arrow dataset (`sample_id`, `input_ids`,
-`loss_mask`, `seq_len`) and, for dataset row i, `hidden_states/hs_<i>.safetensors` holding
-- `hidden_states` [seq, n_aux + 1, H]: the aux layers in id order, then the final layer before its norm;
-- `token_ids` int64 [seq]: the row's input ids, so a file can be matched to its row without the dataset.
-
-Two storage dtypes (`hidden_states.storage_dtype`):
-- bfloat16: `hidden_states` as bf16, read by speculators' default file backend;
-- fp8: `hidden_states` float8_e4m3fn plus `hidden_states_scales` fp32 [seq, 1, 1], the format of
-  hs_connectors' FP8HiddenStatesConnector. speculators reads it only through its fp8 backend
-  (hs_connectors.FP8Transfer); the file backend would hand raw fp8 values to training without their scales.
+"""The hidden-state sample: stage 02 writes it, stage 04 (through speculators) reads it. Its tensors and the two
+storage dtypes (`hidden_states.storage_dtype`) are docs/formats.md's, "Hidden-state samples (stage 02)".
 
 This module owns the file name, the encoding and every check of a sample file.
 """
