@@ -1,15 +1,8 @@
 """The one reader of a drafter folder: which layout it is in (layouts.config_layout), its dimensions
 (`DrafterFolder.dims`: tensors.DraftDims, the one owner of every size), its norm flags and aux layer ids as each
-engine reads them, and its tensors.
-
-- `describe(path)`: any drafter folder, as `DrafterFolder`;
-- `read_speculators_checkpoint`: a speculators checkpoint (stage 04's), refused unless stage 05 can convert it;
-- `read_flat_config`: a flat folder's config.json, refused unless it names a flat architecture; the offline replay
-  reads no more, since it must run whatever the engine is asked to serve;
-- `read_flat_drafter`: a flat folder to adopt or fine-tune, refused unless its tensors are exactly the ones its
-  config implies;
-- `read_flat_tensors`: a folder's tensors under their flat names.
-Error lines name the config key the caller passes (`field`) and the file.
+engine reads them, and its tensors. The offline replay reads no more of a flat folder than `read_flat_config`, since
+it must run whatever the engine is asked to serve; error lines name the config key the caller passes (`field`) and
+the file.
 """
 
 from __future__ import annotations
