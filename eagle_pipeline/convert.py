@@ -270,9 +270,8 @@ def convert_for_vllm(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_
 
 def dflash_config(ckpt_dir: str | Path, layer_ids: list[int]) -> dict[str, Any]:
     """A DFlash checkpoint's config as vLLM is to read it, refused unless the checkpoint is a DFlash drafter of the
-    run's aux layers with its weights. vLLM 0.32 serves a speculators DFlash folder causally inside the block unless
-    sliding_window_non_causal is true (vLLM PR #56692), while speculators trains a full-attention layer bidirectional
-    there: a folder whose layers are all full attention says so."""
+    run's aux layers with its weights; a folder whose layers are all full attention says sliding_window_non_causal
+    (why: docs/drafter_families.md, "Traps the pipeline checks")."""
     path = Path(ckpt_dir) / "config.json"
     config = read_json_object(path, "rerun 04_train.py to write the checkpoint again")
     if not is_dflash_config(config) or not (Path(ckpt_dir) / WEIGHTS_NAME).is_file():

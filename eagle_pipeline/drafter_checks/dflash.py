@@ -8,9 +8,8 @@ vllm_logits: both sides on one held-out conversation stage 02 captured, blocks a
   `precompute_and_store_context_kv` into a KV cache of a few blocks, one forward of [x_p, mask x k] at positions
   p..p+k with its attention backend's own metadata (causal as vLLM reads the folder), the logits processor. Its
   embedding is the target's, as the proposer shares it; its mask token and attention mode are vLLM's reading.
-What vLLM reads otherwise than training is named whatever the logits say: the aux layers it taps (a layer-id offset;
-the states fed here are the trained ones, so the logits cannot show it), its mask token, causal attention in the
-block (vLLM 0.32 serves a speculators folder so unless sliding_window_non_causal is true, vLLM PR #56692).
+What vLLM reads otherwise than training (`readings`; docs/drafter_families.md, "Traps the pipeline checks") is named
+whatever the logits say: the states fed here are the trained ones, so the logits cannot show a layer-id offset.
 """
 
 from __future__ import annotations
