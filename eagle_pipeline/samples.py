@@ -84,10 +84,6 @@ def estimate_bytes(num_tokens: int, num_states: int, hidden_size: int, storage_d
     return num_tokens * num_states * hidden_size * StorageDtype(storage_dtype).bytes_per_value
 
 
-# ---------------------------------------------------------------------------------------------------
-# In memory: check, encode, decode.
-
-
 def check_sample(
     sample: dict[str, torch.Tensor],
     expected_token_ids: torch.Tensor | Sequence[int],
@@ -152,10 +148,6 @@ def decode_sample(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     decoded = {k: v for k, v in tensors.items() if k != FP8_SCALES_KEY}
     decoded["hidden_states"] = dequantize_fp8_tensor(tensors["hidden_states"], tensors[FP8_SCALES_KEY])
     return decoded
-
-
-# ---------------------------------------------------------------------------------------------------
-# On disk: write, read, check.
 
 
 def write_sample(
@@ -314,10 +306,6 @@ def sample_matches(path: Path, input_ids: Sequence[int], num_states: int, hidden
     except BadInput:
         return False
     return True
-
-
-# ---------------------------------------------------------------------------------------------------
-# What every later stage needs to know about the samples, resolved once by stage 02.
 
 
 @dataclass(frozen=True)
