@@ -138,7 +138,6 @@ def plan_without_conversations(stage: Stage) -> None:
     print(f"  disk: ~{amount(expected.bytes)} of hidden states {expected.detail} ({need / max_tokens / 1e3:.1f} "
           f"KB/token), at most ~{need / 1e9:.1f} GB (every conversation at hidden_states.max_seq_len "
           f"{cfg.hidden_states.max_seq_len}), under {stage.dir}; stage 02 also reserves {what}")
-
     print(capture_memory_line(cfg, layout.num_hidden_states, layout.hidden_size,
                               cfg.hidden_states.max_seq_len) + " (at most)")
 
@@ -194,7 +193,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         later, what = later_stages_bytes(cfg, verifier, layout)
         print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} "
               f"KB/token) under {stage.dir}, plus {what} reserved")
-
         if not one_pass:
             print(capture_memory_line(cfg, num_states, hidden_size, max((r["seq_len"] for r in rows), default=1)))
         return

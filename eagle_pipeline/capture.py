@@ -51,8 +51,7 @@ def capture_sizing(longest_sequence: int) -> dict[str, int]:
 
 def capture_memory_line(cfg, num_states: int, hidden_size: int, longest_sequence: int) -> str:
     """What a dry run prints: the hidden states a capture engine of `cfg` (a RunConfig) holds for one batch
-    (`capture_sizing`), beside the KV-cache budget they come out of. An engine dtype of `auto` counts as the
-    2 bytes of the bf16 most checkpoints carry."""
+    (`capture_sizing`), beside the KV-cache budget they come out of (`ENGINE_DTYPE_BYTES`)."""
     v = cfg.verifier
     width = ENGINE_DTYPE_BYTES.get(v.dtype, 2)
     per_token = num_states * hidden_size * width
