@@ -349,7 +349,6 @@ def vocab_map_problems(model_dir: Path, specs: dict[str, TensorSpec], config: di
     expected = expected_tensor_specs(config)
     if "d2t" not in expected or any(specs.get(n) != expected[n] for n in ("d2t", "t2d")):
         return []
-
     files = weight_files(model_dir)
     return safetensors_vocab_map_problems(files["d2t"], files["t2d"], dims.vocab_size, dims.draft_vocab_size)
 

@@ -5,9 +5,8 @@ check with `ok` (bool) and `detail` (docs/contracts.md, stage 05's verify.json);
 
 One module per check, named as it is (config_checks: `config`; dflash: a DFlash folder's `shapes` and `vllm_logits`),
 all_checks the five in order, table the results for the terminal; what a folder should hold is
-eagle_pipeline.drafter's. vLLM work runs in fresh subprocesses (subprocess_json, `python -m
-eagle_pipeline.drafter_checks.cli`), because vLLM starts engine processes and keeps process-global state that must
-not leak into the caller.
+eagle_pipeline.drafter's. vLLM work runs in fresh subprocesses (subprocess_json, cli; docs/engines.md, "Drafter check
+jobs").
 """
 
 from eagle_pipeline.drafter_checks.all_checks import CHECK_NAMES, verify_drafter
