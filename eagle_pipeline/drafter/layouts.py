@@ -43,7 +43,6 @@ MLA_QKV_A_PARTS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.we
 # The key that makes a config.json speculators' own: speculators' `from_pretrained` dispatches on it, and vLLM
 # reads a config that has it through its speculators config path.
 SPECULATORS_TYPE_KEY = "speculators_model_type"
-# What speculators' own EAGLE-3 checkpoints name as their architecture.
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
