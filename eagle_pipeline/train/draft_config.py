@@ -155,7 +155,6 @@ def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: 
     if train.draft_layer == "mla":
         return build_mla_draft_config(train, verifier_text_config)
 
-    # A draft_shape with every field left out is no explicit shape.
     shape = train.draft_shape.model_dump(exclude_none=True) if train.draft_shape else {}
     if not shape:
         from speculators.train.cli import create_transformer_layer_config
