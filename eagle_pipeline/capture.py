@@ -33,7 +33,6 @@ from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
 if TYPE_CHECKING:
     import torch
 
-CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
 # The step after a batch ends hands every pending write to the connector; this is a bound, not a wait.
 MAX_STEPS_TO_WRITE = 100
 
@@ -79,7 +78,7 @@ CPU_HS_CONNECTORS_MODULE = "patches.cpu_hs_connectors"
 # patches/ where upstream's needs CUDA streams.
 CONNECTORS: dict[tuple[str, str], tuple[str, str | None]] = {
     ("file", "cuda"): ("ExampleHiddenStatesConnector", None),
-    ("file", "cpu"): ("CpuHiddenStatesConnector", CPU_CONNECTOR_MODULE),
+    ("file", "cpu"): ("CpuHiddenStatesConnector", "patches.cpu_hidden_states_connector"),
     ("fp8", "cuda"): ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector"),
     ("fp8", "cpu"): ("CpuFp8HiddenStatesConnector", CPU_HS_CONNECTORS_MODULE),
     ("mooncake", "cuda"): ("MooncakeHiddenStatesConnector", "hs_connectors.mooncake_hidden_states_connector"),
