@@ -273,9 +273,7 @@ def run(stage: Stage, dry_run: bool) -> None:
             written = write_prompts(
                 llm, verifier.tokenizer, cfg.data.self_written, wanted=len(sample_ids), run_seed=cfg.seed,
                 batch_size=cfg.generation.batch_size, system_prompt=cfg.generation.system_prompt,
-                template_kwargs=template_kwargs, prompt_filter=PromptFilter.against(
-                    held_out, cfg.data.self_written.min_words, cfg.data.self_written.max_words),
-                folder=stage.dir / SELF_WRITTEN_DIR)
+                template_kwargs=template_kwargs, prompt_filter=prompt_filter, folder=stage.dir / SELF_WRITTEN_DIR)
             prompts = written["prompts"]
             print(f"stage 01: {written['stats']['kept']} self-written prompts kept of {written['stats']['attempts']} "
                   f"written ({written['stats']['verdicts']})")

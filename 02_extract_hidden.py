@@ -138,7 +138,6 @@ def plan_without_conversations(stage: Stage) -> None:
     print(f"  disk: ~{amount(expected.bytes)} of hidden states {expected.detail} ({need / max_tokens / 1e3:.1f} "
           f"KB/token), at most ~{need / 1e9:.1f} GB (every conversation at hidden_states.max_seq_len "
           f"{cfg.hidden_states.max_seq_len}), under {stage.dir}; stage 02 also reserves {what}")
-
     print(capture_memory_line(cfg, layout.num_hidden_states, layout.hidden_size,
                               cfg.hidden_states.max_seq_len) + " (at most)")
 
@@ -194,7 +193,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         later, what = later_stages_bytes(cfg, verifier, layout)
         print(f"  disk needed ~{need / 1e9:.2f} GB ({need / max(total_tokens, 1) / 1e3:.1f} "
               f"KB/token) under {stage.dir}, plus {what} reserved")
-
         if not one_pass:
             print(capture_memory_line(cfg, num_states, hidden_size, max((r["seq_len"] for r in rows), default=1)))
         return
@@ -293,18 +291,7 @@ def run(stage: Stage, dry_run: bool) -> None:
 
     # -- summary --------------------------------------------------------------------------------------
     stored = sum(sample_path(hs_dir, i).stat().st_size for i in range(len(rows)))
-    plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length",
-                    "tokens")
-    counts = {
-        "samples": len(rows),
-        "captured_now": len(todo),
-        "tokens": total_tokens,
-        "assistant_tokens": sum(sum(r["loss_mask"]) for r in rows),
-        "target_vocab_size": verifier.vocab_size,
-        "hidden_size": hidden_size,
-        "layer_ids": layer_ids,
-        "num_hidden_states": num_states,
-        "stored_bytes": stored,
+    counts = dataset_counts(stage, rows, verifier, layout, captured_now=len(todo), stored_bytes=stored) | {
         "bytes_per_token": round(stored / max(total_tokens, 1), 1),
         "capture_seconds": round(capture_seconds, 1),
         "capture_tokens_per_s": round(todo_tokens / capture_seconds, 1) if capture_seconds else None,
@@ -333,26 +320,31 @@ def print_online_plan(stage: Stage, verifier: Verifier, layout, rows: list[dict]
     print(f"  disk: the dataset only (token ids and loss masks) under {stage.dir}")
 
 
-def finish_online(stage: Stage, rows: list[dict], verifier: Verifier, layout) -> None:
-    """An online run's stage 02 ends with the dataset: token ids and loss masks, in the format stage 04 reads,
-    and no states (stage 04 asks its capture servers for them; eagle_pipeline/online/)."""
-    total_tokens = sum(r["seq_len"] for r in rows)
+def dataset_counts(stage: Stage, rows: list[dict], verifier: Verifier, layout, *, captured_now: int,
+                   stored_bytes: int) -> dict:
+    """The manifest counts of the dataset in either mode, its sequence-length plot drawn."""
     plots.histogram([r["seq_len"] for r in rows], stage.dir / "sequence_lengths.png", "training sequence length",
                     "tokens")
-    counts = {
+    return {
         "samples": len(rows),
-        "captured_now": 0,
-        "tokens": total_tokens,
+        "captured_now": captured_now,
+        "tokens": sum(r["seq_len"] for r in rows),
         "assistant_tokens": sum(sum(r["loss_mask"]) for r in rows),
         "target_vocab_size": verifier.vocab_size,
         "hidden_size": layout.hidden_size,
         "layer_ids": list(layout.layer_ids),
         "num_hidden_states": layout.num_hidden_states,
-        "stored_bytes": 0,
+        "stored_bytes": stored_bytes,
     }
+
+
+def finish_online(stage: Stage, rows: list[dict], verifier: Verifier, layout) -> None:
+    """An online run's stage 02 ends with the dataset: token ids and loss masks, in the format stage 04 reads,
+    and no states (stage 04 asks its capture servers for them; eagle_pipeline/online/)."""
+    counts = dataset_counts(stage, rows, verifier, layout, captured_now=0, stored_bytes=0)
     stage.finish(counts, output_fingerprint=value_fingerprint([r["input_ids"] for r in rows]),
                  extra={"resolved": layout.to_json(), "hidden_states_mode": "online"})
-    print(f"stage 02 done: {len(rows)} samples, {total_tokens} tokens, no hidden states stored "
+    print(f"stage 02 done: {len(rows)} samples, {counts['tokens']} tokens, no hidden states stored "
           f"(hidden_states.mode: online) -> {stage.dir}")
 
 

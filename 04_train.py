@@ -117,15 +117,6 @@ def dflash_mask_token(cfg, verifier: Verifier) -> int | None:
                          np.load(counts) if is_complete(cfg, 3) else None)
 
 
-def online_session(cfg, stage: Stage, train_run: TrainRun, verifier: Verifier, layout):
-    """Stage 04's online part around training (eagle_pipeline/online/session.py), for the rows and validation
-    split this run trains on."""
-    rows = dataset_rows(train_run.data_dir)
-    # as runner.prepare splits
-    split = split_by_topic(dataset_topics(train_run.data_dir), cfg.train.val_ratio, cfg.seed)
-    return OnlineSession(cfg, stage.dir, train_run, verifier, layout, rows, split.val_rows)
-
-
 def run(stage: Stage, dry_run: bool) -> None:
     cfg = stage.cfg
     t = cfg.train
@@ -196,7 +187,6 @@ def run(stage: Stage, dry_run: bool) -> None:
             print("\n".join(plan_lines(cfg, layout.num_hidden_states, layout.hidden_size, cfg.hidden_states.max_seq_len)
                             + run_plan_lines(cfg, verifier, layout)))
             if cfg.hidden_states.capture_endpoints:  # asked now, as the run asks them before it writes anything
-
                 rows = None if planning else dataset_rows(cfg.stage_dir("02_extract_hidden") / "data")
                 check_named_endpoints(cfg, verifier, layout, rows)
         return
@@ -241,10 +231,8 @@ def run(stage: Stage, dry_run: bool) -> None:
             check_training_data(cfg.stage_dir("02_extract_hidden") / "data", layout.num_hidden_states,
                                 layout.hidden_size, cfg.seed)
         elif cfg.hidden_states.capture_endpoints:  # servers elsewhere: the target, layer ids and connector each serves
-
             check_named_endpoints(cfg, verifier, layout, dataset_rows(train_run.data_dir))
         else:  # the capture server this stage starts, configured by vLLM's own code before it loads the target
-
             before_first_load(cfg, stage.number)
         check_inputs(t, train_run)  # the trainer checks these again; a refusal here leaves no "running" manifest
 
@@ -265,7 +253,11 @@ def run(stage: Stage, dry_run: bool) -> None:
             vocab_map=(np.load(train_run.d2t_path), np.load(train_run.t2d_path)))
         print(f"train.init_from: {released.path} ({layer_id_record['convention']} ids {layer_id_record['written']} "
               f"= HF {layer_id_record['hf']}) -> {written['dir']} (speculators layout, the target's embedding)")
-    session = online_session(cfg, stage, train_run, verifier, layout) if online else contextlib.nullcontext()
+    session = contextlib.nullcontext()
+    if online:  # eagle_pipeline/online/session.py, for the rows and the validation split runner.prepare makes
+        rows = dataset_rows(train_run.data_dir)
+        split = split_by_topic(dataset_topics(train_run.data_dir), t.val_ratio, cfg.seed)
+        session = OnlineSession(cfg, stage.dir, train_run, verifier, layout, rows, split.val_rows)
     with session:  # online: capture servers up and checked, kept validation rows captured, states in flight watched
         if t.num_gpus == 0:
             summary = runner.train_drafter(t, train_run)
@@ -278,7 +270,6 @@ def run(stage: Stage, dry_run: bool) -> None:
                 reason = stopped_reason(stage.dir)  # the ranks stopped themselves (a loss that is not finite)
                 if reason:
                     raise BadInput(reason)
-
                 if online and capture_failure(stage.dir):  # a capture server stayed away
                     raise CaptureUnavailable(capture_failure(stage.dir))
                 raise RuntimeError(f"torch.distributed.run exited with {returncode}")

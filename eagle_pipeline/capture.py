@@ -1,9 +1,8 @@
 """Capture a verifier's auxiliary hidden states with vLLM's offline engine and store them for speculators.
 
-vLLM's `extract_hidden_states` speculative method caches, for every prompt token, the residual stream at
-the requested layer ids into a KV cache group; a hidden-states KV connector writes each finished request's
-slice to a safetensors file in `shared_storage_path`. We read that file, delete it, check it, and write the
-sample to `hs_<row>.safetensors` in speculators' offline format.
+How vLLM's `extract_hidden_states` method and its hidden-states connector hand over each finished request's states
+is docs/engines.md's ("Hidden-state capture through vLLM"); the file is read, deleted, checked and written as
+`hs_<row>.safetensors` in speculators' offline format.
 
 Layer ids follow eagle_pipeline.layer_ids (HF `output_hidden_states` indices); vLLM is asked for the aux
 ids plus the final layer (its output before the final norm), which speculators expects in the last slot
@@ -34,7 +33,6 @@ from eagle_pipeline.samples import StorageDtype, check_sample, write_sample
 if TYPE_CHECKING:
     import torch
 
-CPU_CONNECTOR_MODULE = "patches.cpu_hidden_states_connector"
 # The step after a batch ends hands every pending write to the connector; this is a bound, not a wait.
 MAX_STEPS_TO_WRITE = 100
 
@@ -44,17 +42,15 @@ ENGINE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def capture_sizing(longest_sequence: int) -> dict[str, int]:
     """`max_model_len` and `max_num_batched_tokens` of a capture engine whose longest sequence has this many
-    tokens: room for it and the one token each request samples, and a batch of one such prefill. Sized by the
-    data, not by the target's serving context: vLLM reserves KV-cache memory (the captured states included)
-    for the batch it profiles, and an engine sized for a serving context over-reserves."""
+    tokens: room for it and the one token each request samples, and a batch of one such prefill (why the data
+    sizes it: docs/engines.md, "Hidden-state capture through vLLM")."""
     size = int(longest_sequence) + 1
     return {"max_model_len": size, "max_num_batched_tokens": size}
 
 
 def capture_memory_line(cfg, num_states: int, hidden_size: int, longest_sequence: int) -> str:
     """What a dry run prints: the hidden states a capture engine of `cfg` (a RunConfig) holds for one batch
-    (`capture_sizing`), beside the KV-cache budget they come out of. An engine dtype of `auto` counts as the
-    2 bytes of the bf16 most checkpoints carry."""
+    (`capture_sizing`), beside the KV-cache budget they come out of (`ENGINE_DTYPE_BYTES`)."""
     v = cfg.verifier
     width = ENGINE_DTYPE_BYTES.get(v.dtype, 2)
     per_token = num_states * hidden_size * width
@@ -82,7 +78,7 @@ CPU_HS_CONNECTORS_MODULE = "patches.cpu_hs_connectors"
 # patches/ where upstream's needs CUDA streams.
 CONNECTORS: dict[tuple[str, str], tuple[str, str | None]] = {
     ("file", "cuda"): ("ExampleHiddenStatesConnector", None),
-    ("file", "cpu"): ("CpuHiddenStatesConnector", CPU_CONNECTOR_MODULE),
+    ("file", "cpu"): ("CpuHiddenStatesConnector", "patches.cpu_hidden_states_connector"),
     ("fp8", "cuda"): ("FP8HiddenStatesConnector", "hs_connectors.fp8_hidden_states_connector"),
     ("fp8", "cpu"): ("CpuFp8HiddenStatesConnector", CPU_HS_CONNECTORS_MODULE),
     ("mooncake", "cuda"): ("MooncakeHiddenStatesConnector", "hs_connectors.mooncake_hidden_states_connector"),

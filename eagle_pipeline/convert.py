@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from eagle_pipeline.atomic import atomic_dir
 from eagle_pipeline.drafter.folder import (
     SpeculatorsCheckpoint,
+    read_config,
     read_speculators_checkpoint,
     target_vocab,
 )
@@ -34,7 +35,7 @@ from eagle_pipeline.drafter.layouts import (
     weight_name,
     weight_row,
 )
-from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS
+from eagle_pipeline.drafter.tensors import MLA_LAYER_KEYS
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.json_files import read_json_object
 from eagle_pipeline.layer_ids import to_convention
@@ -127,18 +128,10 @@ def eagle3_fields(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_layer
     return config
 
 
-# The MLA layer's fields vLLM's DeepseekV2MLAAttention and deepseek_eagle3.py read, as the target has them.
-MLA_LAYER_FIELDS = ("q_lora_rank", *MLA_DIM_KEYS)  # read_speculators_checkpoint refuses a layer without one
-
-
 def verifier_text_config(ckpt: SpeculatorsCheckpoint) -> dict[str, Any]:
     """The text model's config of the checkpoint's verifier, where its folder is local and readable; else {}."""
-    verifier = ckpt.verifier_path
-    try:
-        config = json.loads((Path(verifier) / "config.json").read_text()) if verifier else {}
-    except (OSError, ValueError):
-        return {}
-    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    config = (read_config(ckpt.verifier_path) if ckpt.verifier_path else None) or {}
+    text = config.get("text_config", config)
     return text if isinstance(text, dict) else {}
 
 
@@ -161,7 +154,7 @@ def mla_flat_config(ckpt: SpeculatorsCheckpoint, *, vocab_size: int, written_lay
         "hidden_size": dims.hidden_size,
         "num_attention_heads": dims.num_attention_heads,
         "num_key_value_heads": dims.num_key_value_heads,
-        **{key: getattr(dims, key) for key in MLA_LAYER_FIELDS},
+        **{key: getattr(dims, key) for key in MLA_LAYER_KEYS},
         "intermediate_size": dims.intermediate_size,
         "hidden_act": layer.get("hidden_act", "silu"),
         "rms_norm_eps": float(layer["rms_norm_eps"]),
@@ -277,9 +270,8 @@ def convert_for_vllm(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_
 
 def dflash_config(ckpt_dir: str | Path, layer_ids: list[int]) -> dict[str, Any]:
     """A DFlash checkpoint's config as vLLM is to read it, refused unless the checkpoint is a DFlash drafter of the
-    run's aux layers with its weights. vLLM 0.32 serves a speculators DFlash folder causally inside the block unless
-    sliding_window_non_causal is true (vLLM PR #56692), while speculators trains a full-attention layer bidirectional
-    there: a folder whose layers are all full attention says so."""
+    run's aux layers with its weights; a folder whose layers are all full attention says sliding_window_non_causal
+    (why: docs/drafter_families.md, "Traps the pipeline checks")."""
     path = Path(ckpt_dir) / "config.json"
     config = read_json_object(path, "rerun 04_train.py to write the checkpoint again")
     if not is_dflash_config(config) or not (Path(ckpt_dir) / WEIGHTS_NAME).is_file():

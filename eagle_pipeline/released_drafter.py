@@ -22,7 +22,7 @@ from eagle_pipeline.drafter.folder import (
     target_vocab,
 )
 from eagle_pipeline.drafter.layouts import EMBED_KEY, MLA, is_dflash_config
-from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS, dflash_tensor_problems, read_tensor_specs
+from eagle_pipeline.drafter.tensors import MLA_LAYER_KEYS, dflash_tensor_problems, read_tensor_specs
 from eagle_pipeline.drafter.to_speculators import MLA_ROPE_KEYS, rope_parameters
 from eagle_pipeline.drafter.to_speculators import write_speculators_folder as write_folder
 from eagle_pipeline.errors import BadInput
@@ -42,7 +42,7 @@ def check_against_target(drafter: FlatDrafter, *, hidden_size: int, vocab_size: 
                 ("vocab_size", dims.vocab_size, vocab_size, "vocabulary size")]
     if target is not None and drafter.layer_shape == MLA:  # vLLM's MLA drafter runs the target's latent and rope
         theirs, ours = rope_parameters(drafter.config), rope_parameters(target)
-        compared += [(key, drafter.config.get(key), target.get(key), key) for key in ("q_lora_rank", *MLA_DIM_KEYS)]
+        compared += [(key, drafter.config.get(key), target.get(key), key) for key in MLA_LAYER_KEYS]
         compared += [(f"rope_scaling.{key}", theirs[key], ours[key], f"rope_scaling.{key}") for key in MLA_ROPE_KEYS
                      if key in theirs and key in ours]
     for key, theirs, ours, what in compared:
@@ -173,11 +173,9 @@ def write_speculators_folder(drafter: FlatDrafter, out_dir: Path, *, verifier_di
 def read_dflash_release(path: Path, *, verifier_dir: Path, layer_ids: list[int], hidden_size: int, vocab_size: int,
                         convention: str | None = None) -> tuple[DrafterFolder, dict[str, Any]]:
     """A flat DFlash release in z-lab's layout (z-lab/Kimi-K2.5-DFlash: `DFlashDraftModel`, the Qwen3 fields at the
-    top level, `dflash_config` {mask_token_id, target_layer_ids}), refused unless it fits this run: its
-    target_layer_ids, which count the output of layer i (HF hidden_states[i + 1], the sglang convention, as vLLM
-    reads such a folder), are the run's aux layers; its width and vocabulary the target's; its tensors, read from
-    their headers, exactly those of speculators' DFlashDraftModel for its config (no fused or foreign tensor, none
-    missing but what the verifier lends). Returns the folder and the layer-id record for the manifest."""
+    top level, `dflash_config` {mask_token_id, target_layer_ids}), refused unless its aux layers (the sglang
+    convention, docs/drafter_families.md), width, vocabulary and tensors (from their headers, speculators'
+    DFlashDraftModel's for its config) fit this run. Returns the folder and the layer-id record for the manifest."""
     from speculators.convert.dflash.converter import DFlashConverter
 
     config_path = path / "config.json"

@@ -1,15 +1,5 @@
-"""The hidden-state sample: stage 02 writes it, stage 04 (through speculators) reads it (docs/formats.md).
-
-A run's training data is speculators' offline format: an arrow dataset (`sample_id`, `input_ids`,
-`loss_mask`, `seq_len`) and, for dataset row i, `hidden_states/hs_<i>.safetensors` holding
-- `hidden_states` [seq, n_aux + 1, H]: the aux layers in id order, then the final layer before its norm;
-- `token_ids` int64 [seq]: the row's input ids, so a file can be matched to its row without the dataset.
-
-Two storage dtypes (`hidden_states.storage_dtype`):
-- bfloat16: `hidden_states` as bf16, read by speculators' default file backend;
-- fp8: `hidden_states` float8_e4m3fn plus `hidden_states_scales` fp32 [seq, 1, 1], the format of
-  hs_connectors' FP8HiddenStatesConnector. speculators reads it only through its fp8 backend
-  (hs_connectors.FP8Transfer); the file backend would hand raw fp8 values to training without their scales.
+"""The hidden-state sample: stage 02 writes it, stage 04 (through speculators) reads it. Its tensors and the two
+storage dtypes (`hidden_states.storage_dtype`) are docs/formats.md's, "Hidden-state samples (stage 02)".
 
 This module owns the file name, the encoding and every check of a sample file.
 """
@@ -94,10 +84,6 @@ def estimate_bytes(num_tokens: int, num_states: int, hidden_size: int, storage_d
     return num_tokens * num_states * hidden_size * StorageDtype(storage_dtype).bytes_per_value
 
 
-# ---------------------------------------------------------------------------------------------------
-# In memory: check, encode, decode.
-
-
 def check_sample(
     sample: dict[str, torch.Tensor],
     expected_token_ids: torch.Tensor | Sequence[int],
@@ -162,10 +148,6 @@ def decode_sample(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     decoded = {k: v for k, v in tensors.items() if k != FP8_SCALES_KEY}
     decoded["hidden_states"] = dequantize_fp8_tensor(tensors["hidden_states"], tensors[FP8_SCALES_KEY])
     return decoded
-
-
-# ---------------------------------------------------------------------------------------------------
-# On disk: write, read, check.
 
 
 def write_sample(
@@ -324,10 +306,6 @@ def sample_matches(path: Path, input_ids: Sequence[int], num_states: int, hidden
     except BadInput:
         return False
     return True
-
-
-# ---------------------------------------------------------------------------------------------------
-# What every later stage needs to know about the samples, resolved once by stage 02.
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,8 @@
 """The one reader of a drafter folder: which layout it is in (layouts.config_layout), its dimensions
 (`DrafterFolder.dims`: tensors.DraftDims, the one owner of every size), its norm flags and aux layer ids as each
-engine reads them, and its tensors.
-
-- `describe(path)`: any drafter folder, as `DrafterFolder`;
-- `read_speculators_checkpoint`: a speculators checkpoint (stage 04's), refused unless stage 05 can convert it;
-- `read_flat_config`: a flat folder's config.json, refused unless it names a flat architecture; the offline replay
-  reads no more, since it must run whatever the engine is asked to serve;
-- `read_flat_drafter`: a flat folder to adopt or fine-tune, refused unless its tensors are exactly the ones its
-  config implies;
-- `read_flat_tensors`: a folder's tensors under their flat names.
-Error lines name the config key the caller passes (`field`) and the file.
+engine reads them, and its tensors. The offline replay reads no more of a flat folder than `read_flat_config`, since
+it must run whatever the engine is asked to serve; error lines name the config key the caller passes (`field`) and
+the file.
 """
 
 from __future__ import annotations
@@ -39,7 +32,7 @@ from eagle_pipeline.drafter.layouts import (
     weight_files,
 )
 from eagle_pipeline.drafter.tensors import (
-    MLA_DIM_KEYS,
+    MLA_LAYER_KEYS,
     DraftDims,
     draft_dims,
     read_tensor_specs,
@@ -186,7 +179,7 @@ def read_speculators_checkpoint(ckpt_dir: str | Path) -> SpeculatorsCheckpoint:
             f"hold {' or '.join(SPECULATORS_LAYER_TYPES.values())} layers only ("
             + ", ".join(FLAT_ARCHITECTURES.values()) + "); serve this checkpoint with vLLM as it is"
         )
-    missing = [key for key in ("q_lora_rank", *MLA_DIM_KEYS, "intermediate_size", "rms_norm_eps") if key not in layer]
+    missing = [key for key in (*MLA_LAYER_KEYS, "intermediate_size", "rms_norm_eps") if key not in layer]
     if layer_shape(config) == MLA and missing:
         raise BadInput(f"{config_path}: transformer_layer_config has no {missing[0]}; the MLA layer's shape is unknown")
     if "norm_before_residual" not in config:

@@ -20,7 +20,6 @@ SPECULATORS, FLAT, SGLANG = "speculators", "flat", "sglang"
 
 # The drafter's decoder layer: Llama-shaped attention, or the target's MLA attention (DeepSeek-V3, Kimi-K2).
 LLAMA, MLA = "llama", "mla"
-LAYER_SHAPES = (LLAMA, MLA)
 # A DFlash drafter: speculators' type, and its Qwen3 layers as stage 04 plans them (drafter/planned.py), each reading
 # the hidden width only; the architecture speculators' checkpoints and z-lab's flat releases name.
 DFLASH = "dflash"
@@ -44,7 +43,6 @@ MLA_QKV_A_PARTS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.we
 # The key that makes a config.json speculators' own: speculators' `from_pretrained` dispatches on it, and vLLM
 # reads a config that has it through its speculators config path.
 SPECULATORS_TYPE_KEY = "speculators_model_type"
-# What speculators' own EAGLE-3 checkpoints name as their architecture.
 SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"

@@ -66,6 +66,7 @@ class DraftDims:
 
 
 MLA_DIM_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_LAYER_KEYS = ("q_lora_rank", *MLA_DIM_KEYS)  # the MLA layer's fields, as the target has them
 
 
 def mla_dims(layer: dict[str, Any]) -> dict[str, Any]:
@@ -348,13 +349,8 @@ def vocab_map_problems(model_dir: Path, specs: dict[str, TensorSpec], config: di
     expected = expected_tensor_specs(config)
     if "d2t" not in expected or any(specs.get(n) != expected[n] for n in ("d2t", "t2d")):
         return []
-
     files = weight_files(model_dir)
     return safetensors_vocab_map_problems(files["d2t"], files["t2d"], dims.vocab_size, dims.draft_vocab_size)
-
-
-# What a DFlash checkpoint leaves to the verifier: its embedding, and its head and final norm (training targets).
-DFLASH_LENT = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
 def dflash_tensor_problems(config, specs: dict[str, Any]) -> list[str]:
@@ -365,7 +361,9 @@ def dflash_tensor_problems(config, specs: dict[str, Any]) -> list[str]:
     from speculators.models.dflash import DFlashDraftModel
 
     config.transformer_layer_config._attn_implementation = "sdpa"
-    lent = DFLASH_LENT + ("lm_head.weight",) * (config.draft_vocab_size == config.transformer_layer_config.vocab_size)
+    # What the checkpoint leaves to the verifier: its embedding, and its head and final norm (training targets).
+    full_vocabulary = config.draft_vocab_size == config.transformer_layer_config.vocab_size
+    lent = VERIFIER_ONLY_KEYS + ("lm_head.weight",) * full_vocabulary
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in DFlashDraftModel(config).state_dict().items()}
     problems = [f"{name}: missing" for name in sorted(set(expected) - set(specs) - set(lent))]

@@ -24,7 +24,7 @@ from eagle_pipeline.drafter.layouts import (
     WEIGHTS_NAME,
     speculators_name,
 )
-from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS, draft_dims
+from eagle_pipeline.drafter.tensors import MLA_LAYER_KEYS, draft_dims
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +71,7 @@ def decoder_config(flat_config: dict[str, Any]) -> dict[str, Any]:
     }
     if mla:
         return config | {"first_k_dense_replace": dims.num_layers,
-                         **{key: getattr(dims, key) for key in ("q_lora_rank", *MLA_DIM_KEYS)},
+                         **{key: getattr(dims, key) for key in MLA_LAYER_KEYS},
                          "rope_interleave": bool(c.get("rope_interleave", True))}
     # vLLM serves EAGLE-3 drafters with full attention.
     return config | {"head_dim": dims.head_dim, "mlp_bias": dims.mlp_bias,

@@ -30,14 +30,11 @@ def verify_drafter(drafter_dir: str | Path, *, target_dir: str | Path, reference
     """Run all five checks on a drafter folder; `expected` maps (dotted) config keys to required values.
     The vLLM jobs' whole output is kept in `log_dir` when given (vllm-load.log, parity-a.log, parity-b.log).
 
-    `engine` is the engine the folder was written for ("vllm" or "sglang"). Parity runs only for a
-    vLLM folder with `parity_source_dir` (the speculators checkpoint), and either `parity_conversations`
-    (replayed offline, no engine) or `parity_prompts` (vLLM, one engine per folder); otherwise it is reported
-    as skipped (ok false, skipped true) and left out of the overall `ok`. An SGLang
-    folder still goes through vLLM's loader (the same weight names) but its layer ids are SGLang's.
-    vllm_logits runs for an MLA drafter with `parity_source_dir` and `parity_conversations` (the first one),
-    where vLLM's platform is the CPU; otherwise it is reported as skipped. A DFlash folder (drafter_checks/dflash.py)
-    is held to speculators' DFlashDraftModel, and vllm_logits runs for it as for an MLA drafter.
+    `engine` is the engine the folder was written for ("vllm" or "sglang"); an SGLang folder still goes through
+    vLLM's loader (the same weight names) but its layer ids are SGLang's. `parity_source_dir` is the speculators
+    checkpoint; parity replays `parity_conversations` offline (no engine) or serves `parity_prompts` (vLLM, one engine
+    per folder). A check that cannot run (`logits_skip_reason`, the branches below) is reported as skipped (ok
+    false, skipped true) and left out of the overall `ok`.
     """
     if engine not in ("vllm", "sglang"):
         raise BadInput(f"engine {engine!r}: expected 'vllm' or 'sglang'")

@@ -12,7 +12,7 @@ from eagle_pipeline.drafter.folder import is_dflash_drafter
 from eagle_pipeline.drafter_checks import dflash
 from eagle_pipeline.drafter_checks.parity import acceptance_run
 from eagle_pipeline.drafter_checks.vllm_load import vllm_inspect
-from eagle_pipeline.drafter_checks.vllm_logits import vllm_side
+from eagle_pipeline.drafter_checks.vllm_logits import eagle3_side, vllm_side
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.logits_inputs:
             # First: vLLM keeps the rotary modules it builds (get_rope's cache), and the logits need the ones built
             # under their own settings (vllm_logits).
-            side = dflash.vllm_side if is_dflash_drafter(args.drafter) else vllm_side
-            logits = side(args.target, args.drafter, engine_kwargs, drafter_settings, args.logits_inputs,
+            side = dflash.vllm_blocks if is_dflash_drafter(args.drafter) else eagle3_side
+            logits = vllm_side(side, args.target, args.drafter, engine_kwargs, drafter_settings, args.logits_inputs,
                                args.logits_out)
         result = vllm_inspect(args.target, args.drafter, engine_kwargs, drafter_settings)
         if logits is not None:

@@ -8,9 +8,8 @@ vllm_logits: both sides on one held-out conversation stage 02 captured, blocks a
   `precompute_and_store_context_kv` into a KV cache of a few blocks, one forward of [x_p, mask x k] at positions
   p..p+k with its attention backend's own metadata (causal as vLLM reads the folder), the logits processor. Its
   embedding is the target's, as the proposer shares it; its mask token and attention mode are vLLM's reading.
-What vLLM reads otherwise than training is named whatever the logits say: the aux layers it taps (a layer-id offset;
-the states fed here are the trained ones, so the logits cannot show it), its mask token, causal attention in the
-block (vLLM 0.32 serves a speculators folder so unless sliding_window_non_causal is true, vLLM PR #56692).
+What vLLM reads otherwise than training (`readings`; docs/drafter_families.md, "Traps the pipeline checks") is named
+whatever the logits say: the states fed here are the trained ones, so the logits cannot show a layer-id offset.
 """
 
 from __future__ import annotations
@@ -66,73 +65,33 @@ def speculators_side(model, conversation, num_speculative_tokens: int, inputs_pa
     return {"blocks": logits}
 
 
-def vllm_side(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None,
-              drafter_settings: dict[str, Any] | None, inputs_path: str, out_path: str) -> dict[str, Any]:
-    """vLLM's class on the inputs `speculators_side` wrote, its logits written to `out_path`, and how it read the
-    folder; {"error": ...} when vLLM's side fails, {"skipped": ...} off the CPU (the vllm_load check's subprocess)."""
-    try:
-        return _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_path, out_path)
-    except Exception as error:
-        return {"error": f"{type(error).__name__}: {error}"}
-
-
-def _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_path, out_path) -> dict[str, Any]:
+def vllm_blocks(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_path, out_path) -> dict[str, Any]:
+    """`vllm_logits.vllm_side` for a DFlash folder: vLLM's class on the inputs `speculators_side` wrote, its logits
+    written to `out_path`, and how it read the folder."""
     import torch
     from safetensors.torch import load_file, save_file
-    from vllm.config import set_current_vllm_config
-    from vllm.forward_context import set_forward_context
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from eagle_pipeline.verifier import target_embedding
 
-    if not current_platform.is_cpu():
-        return {"skipped": f"vLLM's platform here is {current_platform.device_name}, not the CPU"}
-    vllm_config = vllm_load.build_vllm_config(target_dir, drafter_dir, {**(engine_kwargs or {}), "dtype": "float32"},
-                                              drafter_settings)
-    spec = vllm_config.speculative_config
-    draft = vllm_load.drafter_build_config(vllm_config)
-    causal = not draft.attention_config.use_non_causal
     inputs = load_file(str(inputs_path))
     tokens, aux, k = inputs["token_ids"], inputs["aux"], int(inputs["k"])
     out = []
-    with set_current_vllm_config(draft):
-        model = vllm_load.build_drafter(draft)
-        model.load_weights(vllm_load.drafter_tensors(drafter_dir))
-        process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
+    with vllm_logits.float32_drafter(target_dir, drafter_dir, engine_kwargs, drafter_settings) as (spec, draft, model):
+        causal = not draft.attention_config.use_non_causal
         embedding = target_embedding(target_dir)
         with torch.no_grad():
             model.model.embed_tokens.weight[: embedding.shape[0]].copy_(embedding)  # the proposer shares the target's
-        layers = {name: layer for name, layer in draft.compilation_config.static_forward_context.items()
-                  if hasattr(layer, "get_kv_cache_spec")}
-        builders = {}
-        for name, layer in layers.items():
-            kv = layer.get_kv_cache_spec(draft)
-            blocks = -(-(tokens.shape[0] + k + 1) // kv.block_size)
-            # CPU_ATTN's cache (cpu_attn.py): [blocks, kv heads, block, 2 x head], the keys' rows then the values'.
-            layer.bind_kv_cache(torch.zeros(blocks, kv.num_kv_heads, kv.block_size, 2 * kv.head_size, dtype=kv.dtype))
-            backend = layer.get_attn_backend()
-            builders[name] = backend.get_builder_cls()(kv, [name], draft, torch.device("cpu"))
+        cache = vllm_logits.AttentionCache(draft, rows=tokens.shape[0] + k + 1, causal=causal)
         mask = model.model.mask_token_id
         with torch.no_grad():
             for p in inputs["anchors"].tolist():
                 model.precompute_and_store_context_kv(model.combine_hidden_states(aux[:p]), torch.arange(p),
                                                       torch.arange(p))
-                positions = torch.arange(p, p + k + 1)
-                query = torch.tensor([0, k + 1], dtype=torch.int32)
-                seq = torch.tensor([p + k + 1], dtype=torch.int32)
-                common = CommonAttentionMetadata(
-                    query_start_loc=query, query_start_loc_cpu=query, seq_lens=seq, num_reqs=1,
-                    num_actual_tokens=k + 1, max_query_len=k + 1, max_seq_len=p + k + 1,
-                    block_table_tensor=torch.arange(blocks, dtype=torch.int32)[None], slot_mapping=positions,
-                    seq_lens_cpu_upper_bound=seq, causal=causal)
-                metadata = {name: builder.build(0, common) for name, builder in builders.items()}
-                with set_forward_context(metadata, draft, slot_mapping={name: positions for name in layers}):
-                    hidden = model(torch.tensor([int(tokens[p])] + [mask] * k), positions)
+                with cache.forward_context(query_len=k + 1, seq_len=p + k + 1):
+                    hidden = model(torch.tensor([int(tokens[p])] + [mask] * k), torch.arange(p, p + k + 1))
                 out.append(model.logits_processor(model.lm_head, hidden)[1:])
     save_file({"blocks": torch.stack(out).contiguous()}, str(out_path))
-    return {"model_class": type(model).__name__, "attention_backend": backend.get_name(), "causal": causal,
+    return {"model_class": type(model).__name__, "attention_backend": cache.backend_name, "causal": causal,
             "mask_token_id": mask, "aux_layer_ids": vllm_load.vllm_aux_layer_ids(spec)}
 
 

@@ -3,12 +3,13 @@ the speculators checkpoint computes, on the same inputs (docs/formats.md, "What 
 
 Two sides, the same first `ROWS` rows of one held-out conversation: the replay's drafter (`SpeculatorsDrafter`,
 eagle_pipeline/predict) in float32, and the class vLLM's config resolves for the folder, built and loaded as in the
-vllm_load check but in float32, run outside an engine the way vLLM's model runner runs it (`_AttentionCache`). The
+vllm_load check but in float32, run outside an engine the way vLLM's model runner runs it (`AttentionCache`). The
 embeddings come from the speculators side (the target's, which vLLM shares with the drafter).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,80 +51,93 @@ def speculators_side(model, conversation, inputs_path: Path) -> dict[str, Any]:
     return {"context": context_logits.float(), "step": step_logits.float()}
 
 
-def vllm_side(target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None,
+def vllm_side(side, target_dir: str, drafter_dir: str, engine_kwargs: dict[str, Any] | None,
               drafter_settings: dict[str, Any] | None, inputs_path: str, out_path: str) -> dict[str, Any]:
-    """vLLM's class on the inputs `speculators_side` wrote, its logits written to `out_path`; {"error": ...} when
-    vLLM's side fails, {"skipped": ...} off the CPU. In this process: the vllm_load check's subprocess runs it
-    (drafter_checks/cli.py)."""
+    """vLLM's class on the inputs `speculators_side` wrote, run by `side` (`eagle3_side`, or `dflash.vllm_blocks`
+    on `dflash.speculators_side`'s), its logits written to `out_path`; {"error": ...} when vLLM's side fails,
+    {"skipped": ...} off the CPU. In this process: the vllm_load check's subprocess runs it (drafter_checks/cli.py)."""
     try:
-        return _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_path, out_path)
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return {"skipped": f"vLLM's platform here is {current_platform.device_name}, not the CPU"}
+        return side(target_dir, drafter_dir, engine_kwargs or {}, drafter_settings, inputs_path, out_path)
     except Exception as error:
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-def _vllm_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_path, out_path) -> dict[str, Any]:
+@contextmanager
+def float32_drafter(target_dir, drafter_dir, engine_kwargs: dict[str, Any], drafter_settings):
+    """vLLM's class for the folder built and loaded as in the vllm_load check but in float32, under its build
+    config: (the speculative config, that build config, the model)."""
     import torch
-    from safetensors.torch import load_file, save_file
     from vllm.config import set_current_vllm_config
-    from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return {"skipped": f"vLLM's platform here is {current_platform.device_name}, not the CPU"}
-    require_written_for()
-    engine_kwargs = dict(engine_kwargs or {})
-    compilation = dict(engine_kwargs.pop("compilation_config", None) or {})
-    # vLLM's own switch to its native rotary formula: the CPU build's kernel rotates a strided multi-head query
-    # (an MLA layer's q_pe slice) otherwise than the formula, which vLLM's GPU kernels compute.
-    compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]
-    vllm_config = vllm_load.build_vllm_config(target_dir, drafter_dir, {**engine_kwargs, "dtype": "float32",
-                                                                        "compilation_config": compilation},
+    vllm_config = vllm_load.build_vllm_config(target_dir, drafter_dir, {**engine_kwargs, "dtype": "float32"},
                                               drafter_settings)
     spec = vllm_config.speculative_config
     draft_config = vllm_load.drafter_build_config(vllm_config)
-    inputs = load_file(str(inputs_path))
-    n = inputs["positions"].shape[0]
     with set_current_vllm_config(draft_config):
         model = vllm_load.build_drafter(draft_config)
         model.load_weights(vllm_load.drafter_tensors(drafter_dir))
         process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
-        cache = _AttentionCache(draft_config, rows=n + 1)
+        yield spec, draft_config, model
+
+
+def eagle3_side(target_dir, drafter_dir, engine_kwargs, drafter_settings, inputs_path, out_path) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    require_written_for()
+    engine_kwargs = dict(engine_kwargs)
+    compilation = dict(engine_kwargs.pop("compilation_config", None) or {})
+    # vLLM's own switch to its native rotary formula: the CPU build's kernel rotates a strided multi-head query
+    # (an MLA layer's q_pe slice) otherwise than the formula, which vLLM's GPU kernels compute.
+    compilation["custom_ops"] = [*compilation.get("custom_ops", []), "-rotary_embedding"]
+    inputs = load_file(str(inputs_path))
+    n = inputs["positions"].shape[0]
+    with float32_drafter(target_dir, drafter_dir, {**engine_kwargs, "compilation_config": compilation},
+                         drafter_settings) as (_, draft_config, model):
+        cache = AttentionCache(draft_config, rows=n + 1)
         with torch.no_grad():
-            with cache.forward_context(set_forward_context, query_len=n, seq_len=n):
+            with cache.forward_context(query_len=n, seq_len=n):
                 hidden = model.combine_hidden_states(inputs["aux"])
                 out, prenorm = model(None, inputs["positions"], hidden, inputs["embeds"])
                 context = model.logits_processor(model.lm_head, out)
-            with cache.forward_context(set_forward_context, query_len=1, seq_len=n + 1):
+            with cache.forward_context(query_len=1, seq_len=n + 1):
                 out, _ = model(None, torch.tensor([n]), prenorm[-1:], inputs["step_embed"])
                 step = model.logits_processor(model.lm_head, out)
     save_file({"context": context.contiguous(), "step": step.contiguous()}, str(out_path))
     return {"model_class": type(model).__name__, "attention_backend": cache.backend_name, "rows": n}
 
 
-class _AttentionCache:
+class AttentionCache:
     """A KV cache of a few blocks for every attention layer of the drafter, and the metadata vLLM's model runner
-    would build for one request over it, from each layer's own backend."""
+    would build for one request over it, from each layer's own backend (`causal` as that metadata's)."""
 
-    def __init__(self, vllm_config, rows: int):
+    def __init__(self, vllm_config, rows: int, causal: bool = True):
         import torch
 
-        self.vllm_config = vllm_config
+        self.vllm_config, self.causal = vllm_config, causal
         context = vllm_config.compilation_config.static_forward_context
         self.layers = {name: layer for name, layer in context.items() if hasattr(layer, "get_kv_cache_spec")}
         self.builders = {}
         for name, layer in self.layers.items():
             spec = layer.get_kv_cache_spec(vllm_config)
             self.num_blocks = -(-rows // spec.block_size)
-            # [blocks, 1, block, latent]: the layout MLAAttention.bind_kv_cache takes
-            layer.bind_kv_cache(torch.zeros(self.num_blocks, 1, spec.block_size, spec.head_size, dtype=spec.dtype))
+            # [blocks, kv heads, block, key + value]: the layout the CPU backends bind (cpu_attn.py, the keys' rows
+            # then the values'; MLA: one head, one latent, no value)
+            layer.bind_kv_cache(torch.zeros(self.num_blocks, spec.num_kv_heads, spec.block_size,
+                                            spec.head_size + spec.head_size_v, dtype=spec.dtype))
             backend = layer.get_attn_backend()
             self.backend_name = backend.get_name()
             self.builders[name] = backend.get_builder_cls()(spec, [name], vllm_config, torch.device("cpu"))
 
-    def forward_context(self, set_forward_context, *, query_len: int, seq_len: int):
+    def forward_context(self, *, query_len: int, seq_len: int):
         """One request whose last `query_len` of `seq_len` tokens are computed now (prefill: all of them)."""
         import torch
+        from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         query_start = torch.tensor([0, query_len], dtype=torch.int32)
@@ -133,7 +147,7 @@ class _AttentionCache:
             query_start_loc=query_start, query_start_loc_cpu=query_start, seq_lens=seq_lens, num_reqs=1,
             num_actual_tokens=query_len, max_query_len=query_len, max_seq_len=seq_len,
             block_table_tensor=torch.arange(self.num_blocks, dtype=torch.int32)[None], slot_mapping=slots,
-            seq_lens_cpu_upper_bound=seq_lens)
+            seq_lens_cpu_upper_bound=seq_lens, causal=self.causal)
         metadata = {name: builder.build(0, common) for name, builder in self.builders.items()}
         return set_forward_context(metadata, self.vllm_config, slot_mapping={name: slots for name in self.layers})
 

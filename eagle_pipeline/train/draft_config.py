@@ -15,6 +15,7 @@ import numpy as np
 
 from eagle_pipeline.config import TrainConfig, resolve_path
 from eagle_pipeline.drafter.layouts import NORM_FLAGS, SPECULATORS_TYPE_KEY
+from eagle_pipeline.drafter.tensors import MLA_DIM_KEYS, MLA_LAYER_KEYS
 from eagle_pipeline.drafter.to_speculators import MLA_ROPE_KEYS
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.train.settings import TrainRun
@@ -25,8 +26,6 @@ REQUIRED_SHAPE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim",
 # The draft_shape keys an MLA layer takes; its head dimensions are the verifier's MLA latent's.
 MLA_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
                   "rope_theta", "rms_norm_eps", "max_position_embeddings")
-# The verifier's MLA dimensions an MLA drafter keeps.
-MLA_DIM_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # The decoder fields that must agree between this run and a drafter it fine-tunes.
 COMPARED_SHAPE_KEYS = (
     "model_type",
@@ -39,7 +38,7 @@ COMPARED_SHAPE_KEYS = (
     "hidden_act",
     "rope_theta",
     "layer_types",
-    *MLA_DIM_KEYS,
+    *MLA_LAYER_KEYS,  # the verifier's MLA dimensions, which an MLA drafter keeps
     # An MLA layer's rope beyond its theta: what vLLM's MLA drafter rotates by (YaRN factor and mscales, which also
     # scale its softmax) and how (interleaved pairs); None on both sides for a Llama layer.
     "rope_interleave",
@@ -95,7 +94,7 @@ def _check_mla(shape: Mapping[str, Any], text_config: Any) -> None:
     foreign = sorted(set(shape) - set(MLA_SHAPE_KEYS))
     if foreign:
         raise BadInput(f"train.draft_shape: {', '.join(foreign)} do not apply to draft_layer mla (its heads are the "
-                       f"verifier's {'/'.join(MLA_DIM_KEYS[2:])}, every head its own key); leave them out")
+                       f"verifier's {'/'.join(MLA_DIM_KEYS[1:])}, every head its own key); leave them out")
     if int(shape.get("num_hidden_layers", 1)) != 1:
         raise BadInput(f"train.draft_shape.num_hidden_layers: {shape['num_hidden_layers']}, but an MLA drafter has "
                        f"one decoder layer (as vLLM's Eagle3DeepseekV2ForCausalLM is served); leave it out")
@@ -134,10 +133,7 @@ def build_mla_draft_config(train: TrainConfig, text_config: Any) -> dict[str, An
         num_attention_heads=int(shape.get("num_attention_heads", _field(text_config, "num_attention_heads"))),
         num_key_value_heads=int(shape.get("num_attention_heads", _field(text_config, "num_attention_heads"))),
         q_lora_rank=None if _field(text_config, "q_lora_rank") is None else int(_field(text_config, "q_lora_rank")),
-        kv_lora_rank=int(_field(text_config, "kv_lora_rank")),
-        qk_nope_head_dim=int(_field(text_config, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_field(text_config, "qk_rope_head_dim")),
-        v_head_dim=int(_field(text_config, "v_head_dim")),
+        **{key: int(_field(text_config, key)) for key in MLA_DIM_KEYS},
         hidden_act="silu",
         max_position_embeddings=int(shape.get("max_position_embeddings",
                                               _field(text_config, "max_position_embeddings"))),
@@ -159,7 +155,6 @@ def build_draft_config(train: TrainConfig, run: TrainRun, verifier_text_config: 
     if train.draft_layer == "mla":
         return build_mla_draft_config(train, verifier_text_config)
 
-    # A draft_shape with every field left out is no explicit shape.
     shape = train.draft_shape.model_dump(exclude_none=True) if train.draft_shape else {}
     if not shape:
         from speculators.train.cli import create_transformer_layer_config

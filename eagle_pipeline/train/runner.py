@@ -55,12 +55,8 @@ RUN_STATS_FILE = "run_stats.json"
 
 
 def train_drafter(train: TrainConfig, run: TrainRun) -> dict[str, Any]:
-    """Train (or resume training) a drafter in this process and return the run summary.
-
-    train.draft_shape None derives the decoder from the verifier (speculators' own derivation, full
-    attention). train.init_from fine-tunes an existing speculators drafter, which must match this run's
-    vocabulary map, aux layers, decoder shape and norm flags.
-    """
+    """Train (or resume training) a drafter in this process and return the run summary (the decoder and what
+    train.init_from must match: train/draft_config.py)."""
     prepare(train, run)
     if training_finished(run.checkpoint_dir, train.epochs, run.max_steps, train.early_stop_patience, train.select_by):
         logger.info("Training in %s already finished; nothing to train.", run.out_dir)
