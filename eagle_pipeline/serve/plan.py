@@ -15,13 +15,9 @@ k_max = `serve.num_speculative_tokens`; from it, per level:
   L(k) x t(0) / t(k), an estimate and said to be one;
 - k is the fastest estimate, 0 where no k beats no speculation by `MIN_GAIN`.
 
-The levels' choices become vLLM's `num_speculative_tokens_per_batch_size` (`vllm/config/speculative.py`): inclusive
-batch ranges split at the geometric middle between levels, the last carried by vLLM past the highest level.
-That schedule is served once to confirm it, unless it is a setting already served (k_max at every level: the
-drafter's own run; k = 0 at every level: the run without speculation, and the command serves without a drafter).
-What was served outranks the estimate: a level whose chosen k served slower than no speculation goes back to k = 0
-and the schedule is rebuilt (`withdraw_slower`). The rebuilt schedule needs no other server: at each level it
-serves either what the confirming run served there or what the run without speculation did.
+The levels' choices become vLLM's `num_speculative_tokens_per_batch_size` (`batch_ranges`; how vLLM reads it:
+docs/engines.md), served once to confirm it unless a run already served that setting (`served_by`); a level served
+slower than no speculation goes back to k = 0 (`withdraw_slower`). report.json's `serving_plan`: docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -327,9 +323,7 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
                  confirmed: Mapping[str, Any] | None, target) -> dict[str, Any]:
     """report.json's `serving_plan` (docs/contracts.md, "Stage 06: report.json") of the plan (`plan_serving`) and
     what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served the same
-    setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start). Levels the
-    confirming run served slower than no speculation are back at k = 0 (`withdraw_slower`) everywhere."""
-
+    setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start)."""
     s = cfg.serve
     levels, k_max = s.concurrency_levels, s.num_speculative_tokens
     modes = report["modes"]
