@@ -31,7 +31,8 @@ import sys
 
 from eagle_pipeline.capture import capture_memory_line
 from eagle_pipeline.chat_template import chat_template_kwargs
-from eagle_pipeline.drafter.folder import check_weights_whole
+from eagle_pipeline.drafter.folder import check_weights_whole, read_config
+from eagle_pipeline.drafter.layouts import drafter_mode, weight_files
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
@@ -52,7 +53,6 @@ from eagle_pipeline.serve.engine_probe import describe, probe_engine, variant_co
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.plan import (
     SCHEDULE_MODE,
-    drafter_mode,
     plan_serving,
     plan_speculative_config,
     served_by,
@@ -186,8 +186,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         return
 
     messages = [p["messages"] for p in prompts]
-    # Each mode is kept as soon as it is served (served/<mode>.json; the answers without speculation also as
-    # baseline/answers.json): a rerun of the same inputs serves only what is missing.
     served = read_served(stage, inputs, modes, s.num_speculative_tokens, shaped_by if baseline is None else None)
     missing = [mode for mode in modes if mode not in served]
     if not missing:
@@ -330,8 +328,6 @@ def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     verifier = Verifier.from_config(cfg)
     num_layers = verifier.num_layers
     if foreign:
-        from eagle_pipeline.drafter.folder import read_config
-
         ids = (vllm_read_aux_ids(read_config(drafter_dir) or {})["v1" if cfg.device == "cpu" else "v2"]
                or default_layer_ids(num_layers))
     else:
@@ -365,8 +361,6 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
                            s.num_speculative_tokens)
     else:
         _, layout = require_sample_layout(cfg)
-        from eagle_pipeline.drafter.folder import read_config
-        from eagle_pipeline.drafter.layouts import weight_files
         from eagle_pipeline.predict.diagnose import config_findings
 
         findings = config_findings(read_config(drafter_dir) or {}, num_layers=num_layers,
