@@ -7,11 +7,8 @@ a measurement of the same conversations at temperature 0 can be compared directl
 serves correctly should measure close to `as_served`; a measurement near one of the mistake variants
 instead points at that mistake.
 
-Beside the counts, each summary carries `first_draft_kl`: the mean, over the answer's rows, of the KL
-divergence from the target's distribution to the drafter's at draft position 0, which is speculators'
-training loss at step 0. Acceptance moves in whole drafts and, on a few conversations, by chance; this
-moves smoothly, and training minimises it under exactly the inputs the drafter was trained with, so the
-reading of a drafter with the lowest value is the one it was trained under (eagle_pipeline.predict.diagnose).
+Beside the counts, each summary carries `first_draft_kl`, speculators' training loss at draft position 0 (why it
+tells the reading a drafter was trained under: docs/measurements.md, "Which reading the drafter was trained under").
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ for a folder from elsewhere (`serve.drafter`), the folder itself read as vLLM re
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,8 +57,6 @@ class ReplayPlan:
 
 
 def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, findings: list[dict]) -> ReplayPlan:
-    import json
-
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     if is_dflash_config(config):
         return block_plan(checkpoint, layer_ids, num_layers, "as_trained", findings)
@@ -78,8 +77,6 @@ def block_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, refe
 def checkpoint_attention(checkpoint: Path) -> dict[str, bool]:
     """An MLA drafter's attention as its speculators checkpoint says it was trained (or, converted from a flat
     folder, as the folder declares it); {} for a Llama-shaped drafter."""
-    import json
-
     from eagle_pipeline.predict.speculators_drafter import mla_attention
 
     return mla_attention(json.loads((Path(checkpoint) / "config.json").read_text())["transformer_layer_config"])
