@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from eagle_pipeline.predict.simulate import AcceptanceCounts, Drafter, DraftStep, simulate_sequence
+from eagle_pipeline.predict.simulate import AcceptanceCounts, Drafter, simulate_sequence
 from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, checkpoint_flags, load_drafter, mla_attention
 from eagle_pipeline.predict.variants import Sample, Variant, serving_inputs, standard_variants
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
-def add_first_draft_fit(counts: AcceptanceCounts, drafter: Drafter | DraftStep, hidden_states: torch.Tensor,
+def add_first_draft_fit(counts: AcceptanceCounts, drafter: Drafter, hidden_states: torch.Tensor,
                         prompt_len: int) -> None:
     """Add the last simulated sequence's first-draft KL (rows P-1 .. N-3, the answer's) to `counts`.
 
@@ -44,7 +44,7 @@ def add_first_draft_fit(counts: AcceptanceCounts, drafter: Drafter | DraftStep, 
     counts.first_draft_kl_rows += int(rows.numel())
 
 
-def simulate_samples(drafter: Drafter | DraftStep, samples: Iterable[Sample], num_speculative_tokens: int, *,
+def simulate_samples(drafter: Drafter, samples: Iterable[Sample], num_speculative_tokens: int, *,
                      aux_slots: Sequence[int] | None = None, final_norm: Norm | None = None,
                      record_chains: bool = False) -> AcceptanceCounts:
     """Counts of any Drafter over the samples; the engine's inputs picked from each sample by `aux_slots`."""

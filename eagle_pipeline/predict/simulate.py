@@ -40,14 +40,13 @@ there depend on where it stops generating, which the greedy sequence alone does 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 
 
-@runtime_checkable
 class Drafter(Protocol):
     """One draft step over a batch of rows, as the engine runs the drafter.
 
@@ -62,26 +61,6 @@ class Drafter(Protocol):
 
     def draft_step(self, input_ids: torch.Tensor, hidden_states: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-DraftStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def as_drafter(drafter: Drafter | DraftStep) -> Drafter:
-    """A Drafter, or a bare draft_step callable wrapped as one."""
-    if isinstance(drafter, Drafter):
-        return drafter
-    if callable(drafter):
-        return _CallableDrafter(drafter)
-    raise TypeError(f"{type(drafter).__name__} is neither a Drafter nor a draft_step callable")
-
-
-@dataclass
-class _CallableDrafter:
-    step: DraftStep
-
-    def draft_step(self, input_ids, hidden_states, positions):
-        return self.step(input_ids, hidden_states, positions)
 
 
 @dataclass
@@ -155,13 +134,12 @@ class AcceptanceCounts:
 
 
 @torch.no_grad()
-def draft_table(drafter: Drafter | DraftStep, token_ids: torch.Tensor, aux_states: torch.Tensor,
+def draft_table(drafter: Drafter, token_ids: torch.Tensor, aux_states: torch.Tensor,
                 num_speculative_tokens: int) -> torch.Tensor:
     """Drafts [N-1, k]: row t holds the k tokens the engine would draft for a chain whose context ends at t.
 
     Row t's step-0 input is `(x_{t+1}, h_t)`; its draft j proposes `x_{t+j+2}`.
     """
-    drafter = as_drafter(drafter)
     token_ids = torch.as_tensor(token_ids, dtype=torch.long)
     n = token_ids.shape[0] - 1
     if aux_states.dim() != 3 or aux_states.shape[0] != n + 1:
@@ -209,7 +187,7 @@ def walk_chains(drafts: torch.Tensor, token_ids: Sequence[int] | torch.Tensor, p
     return counts
 
 
-def simulate_sequence(drafter: Drafter | DraftStep, token_ids: torch.Tensor, aux_states: torch.Tensor,
+def simulate_sequence(drafter: Drafter, token_ids: torch.Tensor, aux_states: torch.Tensor,
                       prompt_len: int, num_speculative_tokens: int,
                       counts: AcceptanceCounts | None = None, sequence: int = 0) -> AcceptanceCounts:
     """Draft and verify one conversation as the engine would; returns `counts` with its drafts added."""
