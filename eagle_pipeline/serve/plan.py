@@ -129,9 +129,8 @@ def batch_ranges(chosen: Sequence[tuple[int, int]]) -> list[list[int]]:
 
 def plan_serving(modes: Mapping[str, Mapping[str, Any]], levels: Sequence[int], k_max: int,
                  configured: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
-    """The estimate at every level and the schedule chosen from it (or `configured`, the one the config names):
-    {"estimate": rows, "schedule", "chosen_schedule", "source", "kind"} where kind is "none" (k = 0 everywhere),
-    "static" (one k everywhere: `k`), "schedule" (k changes with batch size) or None (nothing to choose from)."""
+    """The estimate at every level and the schedule chosen from it (or `configured`, the one the config names), as
+    `scheduled` returns it."""
     none, drafter = mode_levels(modes.get("none"), levels), mode_levels(modes.get(drafter_mode(modes)), levels)
     rows = []
     for level in levels:
@@ -143,8 +142,8 @@ def plan_serving(modes: Mapping[str, Mapping[str, Any]], levels: Sequence[int], 
 
 
 def scheduled(rows: Sequence[Mapping[str, Any]], configured: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
-    """The plan of the levels' rows (each with its chosen `k`): their schedule, or the configured one, and its
-    kind (`plan_serving`)."""
+    """The plan of the levels' rows (each with its chosen `k`): their schedule, or the configured one, and its kind:
+    "none" (k = 0 everywhere), "static" (one k: `k`), "schedule" (k changes with batch size) or None (no rows)."""
     chosen = [(row["concurrency"], row["k"]) for row in rows if row["k"] is not None]
     chosen_schedule = batch_ranges(chosen) if chosen else None
     schedule = [list(entry) for entry in configured] if configured else chosen_schedule
@@ -162,10 +161,8 @@ def scheduled(rows: Sequence[Mapping[str, Any]], configured: Sequence[Sequence[i
 
 
 def withdraw_slower(plan: Mapping[str, Any], confirmed: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-    """The plan after its confirming run (`confirmed_levels`): each level whose chosen k > 0 served slower than no
-    speculation goes back to k = 0 (its row keeps the k as `withdrawn_k`) and the schedule is rebuilt. The plan
-    itself where no level served slower, or where the schedule is the config's (served as configured; the report
-    shows how it measured)."""
+    """The plan after its confirming run (`confirmed_levels`), each level served slower back at k = 0 (module
+    docstring); the plan itself where none was, or where the schedule is the config's (served as configured)."""
     if plan.get("source") != "estimated":
         return plan
     measured = {row["concurrency"]: row.get("speedup") for row in confirmed}
@@ -301,10 +298,8 @@ def stuck_requests(per_request: Sequence[Mapping[str, Any] | None]) -> dict[str,
 
 def winning_method(plan: Mapping[str, Any], speedups: Mapping[str, Sequence[float | None]], levels: Sequence[int],
                    confirmed: Sequence[Mapping[str, Any]] | None, drafter: str) -> tuple[str, list[dict]]:
-    """Per level the fastest of the methods served: the drafter as planned (its confirming run's speed-up where one
-    served, its estimate otherwise; k = 0 is no speculation), n-gram and none; and the one method the command
-    serves, since one server serves one: the fastest by the geometric mean of its speed-ups over the levels (1.0
-    where one was not measured), the drafter on a tie."""
+    """The method the command serves and per level the fastest (docs/contracts.md, `method`); the drafter as planned
+    is its confirming run's speed-up where one served, its estimate otherwise; an unmeasured speed-up counts 1.0."""
     served = {row["concurrency"]: row.get("speedup") for row in confirmed or []}
     estimate = {row["concurrency"]: row for row in plan.get("estimate") or []}
     methods = [drafter, *(["ngram"] if "ngram" in speedups else []), "none"]
