@@ -77,10 +77,8 @@ def predict_acceptance(drafter_dir: str | os.PathLike | Any, samples: Iterable[S
 
     `d2t`: "checkpoint" (the drafter's own map), None (no map: identity) or the array the engine loads.
     `aux_slots`, `norm_flags`, `final_slot_post_norm`: see eagle_pipeline.predict.variants; the defaults are
-    the drafter served as trained. Returns `AcceptanceCounts.summary()` (`predicted_mean_acceptance_length`,
-    `predicted_per_position_acceptance` = accepted at position i / drafts as vLLM reports it,
-    `predicted_conditional_acceptance` = P(draft i accepted | drafts 0..i-1 accepted), `num_drafts`, ...),
-    plus `chains` [(sample, start row, accepted)] with `record_chains`.
+    the drafter served as trained. Returns `AcceptanceCounts.summary()`, plus `chains` [(sample, start row,
+    accepted)] with `record_chains`.
     """
     model = _model(drafter_dir)
     norm = None
