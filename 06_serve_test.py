@@ -173,7 +173,6 @@ def run(stage: Stage, dry_run: bool) -> None:
     # README's cheap rerun points serve.baseline at this very folder, and its changed input needs --force: the
     # baseline it reads is kept, not deleted with the rest.
     own_baseline = s.baseline is not None and cfg.resolve_path(s.baseline).resolve() == stage.dir.resolve()
-    # The engines vLLM will be asked for are rehearsed before anything is written.
     if stage.begin(inputs, keep=(BASELINE_DIR,) if own_baseline else (),
                    before_writing=lambda: before_first_load(cfg, 6)) is Start.ALREADY_COMPLETE:
         report = read_report(stage.dir / "report.json")
@@ -261,9 +260,8 @@ def run(stage: Stage, dry_run: bool) -> None:
 
 def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messages, template_kwargs,
                      report: dict) -> tuple[dict, bool]:
-    """The serving plan chosen from the served levels (eagle_pipeline/serve/plan.py), its schedule served once to
-    confirm it unless a mode already served it (kept in served/schedule.json under the schedule it served, so a
-    rerun serves it only once), and the `vllm serve` command; (report.json's `serving_plan`, served now)."""
+    """The serving plan chosen from the served levels, its schedule served once to confirm it unless a mode already
+    served it (eagle_pipeline/serve/plan.py); (report.json's `serving_plan`, served now)."""
     s = cfg.serve
     plan = plan_serving(report["modes"], s.concurrency_levels, s.num_speculative_tokens,
                         s.num_speculative_tokens_per_batch_size)

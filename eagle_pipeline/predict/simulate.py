@@ -27,10 +27,6 @@ What vLLM 0.32 does, and this module replays (line numbers in the installed vllm
   `1 + accepted / drafts` (metrics.py:113-114) and per-position acceptance `accepted_per_pos[i] / drafts`
   (metrics.py:116-117).
 
-Training (speculators' teacher forcing) differs only after step 0: step j there is fed the data's token
-`x_{t+j+1}` instead of the drafter's own draft. Step 0 sees exactly the training inputs; a later step sees
-them only while every earlier draft of its chain was right, which is also the only case where it counts.
-
 Because the context rows are the same whichever chain is being drafted (each is rebuilt from the target's
 own states once the target has verified that position), every possible chain start can be drafted at once:
 `draft_table` runs k steps over all rows, and `walk_chains` then follows the chains vLLM would run.
