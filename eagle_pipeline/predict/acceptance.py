@@ -96,11 +96,6 @@ def predict_acceptance(drafter_dir: str | os.PathLike | Any, samples: Iterable[S
     return result
 
 
-def _drafter_for(model, variant: Variant, d2t: Any) -> SpeculatorsDrafter:
-    return SpeculatorsDrafter(model, d2t=None if variant.drop_d2t else d2t, norm_flags=dict(variant.norm_flags),
-                              attention=dict(variant.attention))
-
-
 def simulate_variants(drafter_dir: str | os.PathLike | Any, samples: Iterable[Sample], num_speculative_tokens: int,
                       variants: Sequence[Variant] | None = None, d2t: Any = "checkpoint", *,
                       final_norm: Norm | None = None) -> dict[str, dict[str, Any]]:
@@ -125,7 +120,8 @@ def simulate_variants(drafter_dir: str | os.PathLike | Any, samples: Iterable[Sa
                          "drafter with its verifier")
     shared = [v for v in variants if v.samples is None]
     counts = {v.name: AcceptanceCounts(num_speculative_tokens) for v in variants}
-    drafters = {v.name: _drafter_for(model, v, d2t) for v in variants}
+    drafters = {v.name: SpeculatorsDrafter(model, d2t=None if v.drop_d2t else d2t, norm_flags=dict(v.norm_flags),
+                                           attention=dict(v.attention)) for v in variants}
 
     def run(variant: Variant, index: int, sample: Sample) -> None:
         token_ids, hidden_states, prompt_len = sample

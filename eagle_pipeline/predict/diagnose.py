@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from eagle_pipeline.drafter.layouts import is_dflash_config
@@ -117,10 +117,9 @@ def readings(layer_ids: Sequence[int], num_layers: int, flags: Mapping[str, bool
                               ids, flags, drop_d2t=True, attention=attention))
     for reading in list(result):
         if num_layers in reading.layer_ids:
-            result.append(Reading(reading.name + "_final_post_norm", reading.text + ", with the final-layer slot "
-                                  "after the target's final norm instead of before", reading.layer_ids,
-                                  reading.norm_flags,
-                                  reading.drop_d2t, final_post_norm=True, attention=reading.attention))
+            result.append(replace(reading, name=reading.name + "_final_post_norm", final_post_norm=True,
+                                  text=reading.text + ", with the final-layer slot after the target's final norm "
+                                  "instead of before"))
     return result
 
 

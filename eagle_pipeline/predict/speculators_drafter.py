@@ -216,11 +216,10 @@ class SpeculatorsDrafter:
             first.norm_before_residual = trained_flag
             if trained_attention:
                 self._swap_attention(trained_attention)
+        normed = model.norm(hidden)
+        logits = model.lm_head(normed)
         if self.flags["norm_output"]:
-            hidden = model.norm(hidden)
-            logits = model.lm_head(hidden)
-        else:
-            logits = model.lm_head(model.norm(hidden))
+            hidden = normed
         self.step_logits = logits[0]  # [n, draft vocabulary], what stage 05 holds vLLM's class against
         if self._step == 0:
             self._context_logits = logits[0]
