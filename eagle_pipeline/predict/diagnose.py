@@ -312,10 +312,6 @@ def _kl(summary: Mapping[str, Any]) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)
 
 
-def _first_acceptance(summary: Mapping[str, Any]) -> float:
-    return _values(summary.get("predicted_per_position_acceptance"), 1)[0]
-
-
 def better_reading(predictions: Mapping[str, Mapping[str, Any]], reference: str) -> tuple[str | None, str]:
     """The alternative reading that fits clearly better than the reference, and how it compares, or (None, "").
 
@@ -327,7 +323,7 @@ def better_reading(predictions: Mapping[str, Mapping[str, Any]], reference: str)
     ref_kl, ref_length = _kl(ref), ref.get("predicted_mean_acceptance_length") or 0.0
     by_fit, by_length = {}, {}
     for name, summary in predictions.items():
-        if name == reference or _first_acceptance(summary) < MIN_FIRST_ACCEPTANCE:
+        if name == reference or _values(summary.get("predicted_per_position_acceptance"), 1)[0] < MIN_FIRST_ACCEPTANCE:
             continue
         kl = _kl(summary)
         if ref_kl is not None and kl is not None:
