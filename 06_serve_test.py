@@ -31,7 +31,8 @@ import sys
 
 from eagle_pipeline.capture import capture_memory_line
 from eagle_pipeline.chat_template import chat_template_kwargs
-from eagle_pipeline.drafter.folder import check_weights_whole
+from eagle_pipeline.drafter.folder import check_weights_whole, read_config
+from eagle_pipeline.drafter.layouts import drafter_mode, weight_files
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.fingerprint import model_dir_fingerprint, value_fingerprint
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
@@ -52,7 +53,6 @@ from eagle_pipeline.serve.engine_probe import describe, probe_engine, variant_co
 from eagle_pipeline.serve.measure import measure_modes
 from eagle_pipeline.serve.plan import (
     SCHEDULE_MODE,
-    drafter_mode,
     plan_serving,
     plan_speculative_config,
     served_by,
@@ -173,7 +173,6 @@ def run(stage: Stage, dry_run: bool) -> None:
     # README's cheap rerun points serve.baseline at this very folder, and its changed input needs --force: the
     # baseline it reads is kept, not deleted with the rest.
     own_baseline = s.baseline is not None and cfg.resolve_path(s.baseline).resolve() == stage.dir.resolve()
-    # The engines vLLM will be asked for are rehearsed before anything is written.
     if stage.begin(inputs, keep=(BASELINE_DIR,) if own_baseline else (),
                    before_writing=lambda: before_first_load(cfg, 6)) is Start.ALREADY_COMPLETE:
         report = read_report(stage.dir / "report.json")
@@ -186,8 +185,6 @@ def run(stage: Stage, dry_run: bool) -> None:
         return
 
     messages = [p["messages"] for p in prompts]
-    # Each mode is kept as soon as it is served (served/<mode>.json; the answers without speculation also as
-    # baseline/answers.json): a rerun of the same inputs serves only what is missing.
     served = read_served(stage, inputs, modes, s.num_speculative_tokens, shaped_by if baseline is None else None)
     missing = [mode for mode in modes if mode not in served]
     if not missing:
@@ -263,9 +260,8 @@ def run(stage: Stage, dry_run: bool) -> None:
 
 def plan_and_confirm(cfg, stage: Stage, inputs: dict, target, drafter_dir, messages, template_kwargs,
                      report: dict) -> tuple[dict, bool]:
-    """The serving plan chosen from the served levels (eagle_pipeline/serve/plan.py), its schedule served once to
-    confirm it unless a mode already served it (kept in served/schedule.json under the schedule it served, so a
-    rerun serves it only once), and the `vllm serve` command; (report.json's `serving_plan`, served now)."""
+    """The serving plan chosen from the served levels, its schedule served once to confirm it unless a mode already
+    served it (eagle_pipeline/serve/plan.py); (report.json's `serving_plan`, served now)."""
     s = cfg.serve
     plan = plan_serving(report["modes"], s.concurrency_levels, s.num_speculative_tokens,
                         s.num_speculative_tokens_per_batch_size)
@@ -330,8 +326,6 @@ def print_replay_capture_plan(cfg, foreign: bool, drafter_dir) -> None:
     verifier = Verifier.from_config(cfg)
     num_layers = verifier.num_layers
     if foreign:
-        from eagle_pipeline.drafter.folder import read_config
-
         ids = (vllm_read_aux_ids(read_config(drafter_dir) or {})["v1" if cfg.device == "cpu" else "v2"]
                or default_layer_ids(num_layers))
     else:
@@ -365,8 +359,6 @@ def predict_and_diagnose(cfg, stage: Stage, verifier, foreign: bool, drafter_dir
                            s.num_speculative_tokens)
     else:
         _, layout = require_sample_layout(cfg)
-        from eagle_pipeline.drafter.folder import read_config
-        from eagle_pipeline.drafter.layouts import weight_files
         from eagle_pipeline.predict.diagnose import config_findings
 
         findings = config_findings(read_config(drafter_dir) or {}, num_layers=num_layers,

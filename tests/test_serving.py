@@ -21,7 +21,7 @@ import pytest
 from eagle_pipeline.child_process import ChildProcess, Guard
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.serve.client import PromptRun, RequestResult, run_prompts
-from eagle_pipeline.serve.measure import ModeMeasurement, speculative_config_for, summarize
+from eagle_pipeline.serve.measure import ModeMeasurement, mode_record, speculative_config_for, summarize_records
 from eagle_pipeline.serve.report import write_report
 from eagle_pipeline.serve.server import ServerFailed, VllmServer, check_port_free, find_free_port
 from eagle_pipeline.serve.spec_metrics import (
@@ -166,6 +166,10 @@ def _measurements():
         "ngram": ModeMeasurement("ngram", ngram_config, _run(["a", "B", "c"], [10, 20, 30], 1.0), spec_delta, 61.0),
         "eagle3": ModeMeasurement("eagle3", eagle_config, _run(["a", "b", "c"], [10, 20, 30], 1.5), spec_delta, 62.0),
     }
+
+
+def summarize(measurements, **settings) -> dict:
+    return summarize_records({name: mode_record(m) for name, m in measurements.items()}, **settings)
 
 
 def test_summarize_gives_the_report_fields():

@@ -7,11 +7,8 @@ a measurement of the same conversations at temperature 0 can be compared directl
 serves correctly should measure close to `as_served`; a measurement near one of the mistake variants
 instead points at that mistake.
 
-Beside the counts, each summary carries `first_draft_kl`: the mean, over the answer's rows, of the KL
-divergence from the target's distribution to the drafter's at draft position 0, which is speculators'
-training loss at step 0. Acceptance moves in whole drafts and, on a few conversations, by chance; this
-moves smoothly, and training minimises it under exactly the inputs the drafter was trained with, so the
-reading of a drafter with the lowest value is the one it was trained under (eagle_pipeline.predict.diagnose).
+Beside the counts, each summary carries `first_draft_kl`, speculators' training loss at draft position 0 (why it
+tells the reading a drafter was trained under: docs/measurements.md, "Which reading the drafter was trained under").
 """
 
 from __future__ import annotations
@@ -23,14 +20,14 @@ from typing import Any
 
 import torch
 
-from eagle_pipeline.predict.simulate import AcceptanceCounts, Drafter, DraftStep, simulate_sequence
+from eagle_pipeline.predict.simulate import AcceptanceCounts, Drafter, simulate_sequence
 from eagle_pipeline.predict.speculators_drafter import SpeculatorsDrafter, checkpoint_flags, load_drafter, mla_attention
 from eagle_pipeline.predict.variants import Sample, Variant, serving_inputs, standard_variants
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
-def add_first_draft_fit(counts: AcceptanceCounts, drafter: Drafter | DraftStep, hidden_states: torch.Tensor,
+def add_first_draft_fit(counts: AcceptanceCounts, drafter: Drafter, hidden_states: torch.Tensor,
                         prompt_len: int) -> None:
     """Add the last simulated sequence's first-draft KL (rows P-1 .. N-3, the answer's) to `counts`.
 
@@ -47,7 +44,7 @@ def add_first_draft_fit(counts: AcceptanceCounts, drafter: Drafter | DraftStep, 
     counts.first_draft_kl_rows += int(rows.numel())
 
 
-def simulate_samples(drafter: Drafter | DraftStep, samples: Iterable[Sample], num_speculative_tokens: int, *,
+def simulate_samples(drafter: Drafter, samples: Iterable[Sample], num_speculative_tokens: int, *,
                      aux_slots: Sequence[int] | None = None, final_norm: Norm | None = None,
                      record_chains: bool = False) -> AcceptanceCounts:
     """Counts of any Drafter over the samples; the engine's inputs picked from each sample by `aux_slots`."""
@@ -80,10 +77,8 @@ def predict_acceptance(drafter_dir: str | os.PathLike | Any, samples: Iterable[S
 
     `d2t`: "checkpoint" (the drafter's own map), None (no map: identity) or the array the engine loads.
     `aux_slots`, `norm_flags`, `final_slot_post_norm`: see eagle_pipeline.predict.variants; the defaults are
-    the drafter served as trained. Returns `AcceptanceCounts.summary()` (`predicted_mean_acceptance_length`,
-    `predicted_per_position_acceptance` = accepted at position i / drafts as vLLM reports it,
-    `predicted_conditional_acceptance` = P(draft i accepted | drafts 0..i-1 accepted), `num_drafts`, ...),
-    plus `chains` [(sample, start row, accepted)] with `record_chains`.
+    the drafter served as trained. Returns `AcceptanceCounts.summary()`, plus `chains` [(sample, start row,
+    accepted)] with `record_chains`.
     """
     model = _model(drafter_dir)
     norm = None
@@ -99,11 +94,6 @@ def predict_acceptance(drafter_dir: str | os.PathLike | Any, samples: Iterable[S
     if record_chains:
         result["chains"] = counts.chains
     return result
-
-
-def _drafter_for(model, variant: Variant, d2t: Any) -> SpeculatorsDrafter:
-    return SpeculatorsDrafter(model, d2t=None if variant.drop_d2t else d2t, norm_flags=dict(variant.norm_flags),
-                              attention=dict(variant.attention))
 
 
 def simulate_variants(drafter_dir: str | os.PathLike | Any, samples: Iterable[Sample], num_speculative_tokens: int,
@@ -130,7 +120,8 @@ def simulate_variants(drafter_dir: str | os.PathLike | Any, samples: Iterable[Sa
                          "drafter with its verifier")
     shared = [v for v in variants if v.samples is None]
     counts = {v.name: AcceptanceCounts(num_speculative_tokens) for v in variants}
-    drafters = {v.name: _drafter_for(model, v, d2t) for v in variants}
+    drafters = {v.name: SpeculatorsDrafter(model, d2t=None if v.drop_d2t else d2t, norm_flags=dict(v.norm_flags),
+                                           attention=dict(v.attention)) for v in variants}
 
     def run(variant: Variant, index: int, sample: Sample) -> None:
         token_ids, hidden_states, prompt_len = sample

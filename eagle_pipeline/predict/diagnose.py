@@ -26,48 +26,30 @@ rotate interleaved pairs) and its softmax scale with against without YaRN's msca
   folder is wrong); the cause is that alternative. This is how a drafter from elsewhere (`serve.drafter`)
   is judged, and how its layer convention is told (`layer_convention`).
 
-"Fits better" is judged by `first_draft_kl` (eagle_pipeline.predict.acceptance): speculators' training loss
-at draft position 0 on the served answers. Training minimises it under exactly the reading the drafter was
-trained with, it moves smoothly where acceptance moves in whole drafts, and all readings are scored on the
-same captured states, so a lower value is not engine noise. Acceptance is no judge here: on a few
-conversations a reading one layer off can win or lose a draft by chance, and a sharper but wrong reading
-can win drafts while fitting worse (docs/measurements.md, "Which reading the drafter was trained under").
-A reading without the KL (no `d2t`: the KL is over the draft vocabulary and cannot see the map) is judged
-by acceptance, with MISDECLARED_MARGIN.
-
-Tolerance per position (docs/measurements.md, "Served vs predicted"): TOLERANCE_FLOOR plus TOLERANCE_SIGMAS
-binomial standard errors of the served fraction, sqrt(p (1 - p) / drafts).
+"Fits better" is judged by `first_draft_kl` (eagle_pipeline.predict.acceptance), else by acceptance with
+MISDECLARED_MARGIN where a reading has no KL (no `d2t`); why, and the tolerance per position
+(TOLERANCE_FLOOR, TOLERANCE_SIGMAS): docs/measurements.md, "Which reading the drafter was trained under" and
+"Served vs predicted".
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from eagle_pipeline.drafter.layouts import is_dflash_config
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
 from eagle_pipeline.predict.variants import Variant
 
-# Measured (docs/measurements.md, "Served vs predicted"): an intact drafter's served and predicted figures
-# differ by at most 0.04 at any position (the replay leaves out each answer's last drafts, the engine counts
-# them); the binomial term covers runs with few drafts.
+# Measured, with the figures behind each (docs/measurements.md, "Served vs predicted" and "Which reading the
+# drafter was trained under"): the tolerance's floor, the fit margins that name a declaration wrong, and the
+# first-draft acceptance below which a drafter is weak rather than misdeclared.
 TOLERANCE_FLOOR = 0.05
 TOLERANCE_SIGMAS = 2.0
-# An alternative reading whose first-draft KL is lower than the declared reading's by more than this
-# fraction of it (and by FIT_MARGIN_ABS nats) says the declaration is wrong. Measured (docs/measurements.md,
-# "Which reading the drafter was trained under"): a correctly declared drafter's best alternative is at most
-# 0.8% lower (a flipped norm_before_fc, which the first layer's hidden_norm all but undoes); a flipped
-# norm_before_residual planted in tests/test_diagnosis.py is 50-96% above the right reading, ids one too high
-# 20% on one machine and 3% on another, where the shift costs the overfit drafter no draft either.
 FIT_MARGIN = 0.02
 FIT_MARGIN_ABS = 0.002
-# ... and only where the drafter drafts under that reading: at least this fraction of first drafts accepted.
-# A drafter that has learned little fits a reading with later layers a few percent better whatever it was
-# trained under (the later a layer, the closer it is to the target's output); the smoke run's drafter,
-# 0.02 accepted as declared, fits ids one layer higher 3% better (docs/measurements.md). A drafter that
-# drafts nothing under every reading is weak, not misdeclared.
 MIN_FIRST_ACCEPTANCE = 0.10
 # For a reading without the KL: beating the declared mean acceptance length by this much.
 MISDECLARED_MARGIN = 0.1
@@ -135,10 +117,9 @@ def readings(layer_ids: Sequence[int], num_layers: int, flags: Mapping[str, bool
                               ids, flags, drop_d2t=True, attention=attention))
     for reading in list(result):
         if num_layers in reading.layer_ids:
-            result.append(Reading(reading.name + "_final_post_norm", reading.text + ", with the final-layer slot "
-                                  "after the target's final norm instead of before", reading.layer_ids,
-                                  reading.norm_flags,
-                                  reading.drop_d2t, final_post_norm=True, attention=reading.attention))
+            result.append(replace(reading, name=reading.name + "_final_post_norm", final_post_norm=True,
+                                  text=reading.text + ", with the final-layer slot after the target's final norm "
+                                  "instead of before"))
     return result
 
 
@@ -224,9 +205,7 @@ def diagnose(served: Sequence[float | None], served_drafts: int | None, predicti
 
     `predictions`: replay summaries by reading name (reference included); `texts`: each reading's cause text;
     `engine`: the engine facts of the served run (eagle_pipeline.serve.engine_facts), named by an engine verdict.
-    status: "agrees"; "config" (a reading reproduces a short served figure, or a fault named from the config
-    alone); "engine" (short, and no reading reproduces it); "misdeclared" (served agrees, but an alternative
-    reading fits clearly better: the config misstates training).
+    status: the module docstring's cases (docs/contracts.md, `diagnosis.status`).
     """
     ref = predictions[reference]
     width = len(served)
@@ -333,10 +312,6 @@ def _kl(summary: Mapping[str, Any]) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)
 
 
-def _first_acceptance(summary: Mapping[str, Any]) -> float:
-    return _values(summary.get("predicted_per_position_acceptance"), 1)[0]
-
-
 def better_reading(predictions: Mapping[str, Mapping[str, Any]], reference: str) -> tuple[str | None, str]:
     """The alternative reading that fits clearly better than the reference, and how it compares, or (None, "").
 
@@ -348,7 +323,7 @@ def better_reading(predictions: Mapping[str, Mapping[str, Any]], reference: str)
     ref_kl, ref_length = _kl(ref), ref.get("predicted_mean_acceptance_length") or 0.0
     by_fit, by_length = {}, {}
     for name, summary in predictions.items():
-        if name == reference or _first_acceptance(summary) < MIN_FIRST_ACCEPTANCE:
+        if name == reference or _values(summary.get("predicted_per_position_acceptance"), 1)[0] < MIN_FIRST_ACCEPTANCE:
             continue
         kl = _kl(summary)
         if ref_kl is not None and kl is not None:

@@ -5,14 +5,12 @@ answer ids. Their hidden states are captured through stage 02's path (`HiddenSta
 some reading of the drafter needs (eagle_pipeline.predict.diagnose: its ids, ids -/+ 1, the target's
 defaults; no more), checked for meaning (eagle_pipeline/state_meaning.py), and the drafter is replayed on
 them under each reading, so the predicted figures and the served ones count the same drafts of the same
-conversations, and a gap can be given a cause.
-
-Which drafter is replayed: the stage 04 checkpoint stage 05 converted (its ids and flags as trained), or,
-for a folder from elsewhere (`serve.drafter`), the folder itself read as vLLM reads its config.
+conversations, and a gap can be given a cause. Which drafter is replayed: `trained_plan`, `folder_plan`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,8 +54,7 @@ class ReplayPlan:
 
 
 def trained_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, findings: list[dict]) -> ReplayPlan:
-    import json
-
+    """The stage 04 checkpoint stage 05 converted, read with its ids and flags as trained."""
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     if is_dflash_config(config):
         return block_plan(checkpoint, layer_ids, num_layers, "as_trained", findings)
@@ -78,8 +75,6 @@ def block_plan(checkpoint: Path, layer_ids: Sequence[int], num_layers: int, refe
 def checkpoint_attention(checkpoint: Path) -> dict[str, bool]:
     """An MLA drafter's attention as its speculators checkpoint says it was trained (or, converted from a flat
     folder, as the folder declares it); {} for a Llama-shaped drafter."""
-    import json
-
     from eagle_pipeline.predict.speculators_drafter import mla_attention
 
     return mla_attention(json.loads((Path(checkpoint) / "config.json").read_text())["transformer_layer_config"])

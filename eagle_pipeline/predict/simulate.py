@@ -27,10 +27,6 @@ What vLLM 0.32 does, and this module replays (line numbers in the installed vllm
   `1 + accepted / drafts` (metrics.py:113-114) and per-position acceptance `accepted_per_pos[i] / drafts`
   (metrics.py:116-117).
 
-Training (speculators' teacher forcing) differs only after step 0: step j there is fed the data's token
-`x_{t+j+1}` instead of the drafter's own draft. Step 0 sees exactly the training inputs; a later step sees
-them only while every earlier draft of its chain was right, which is also the only case where it counts.
-
 Because the context rows are the same whichever chain is being drafted (each is rebuilt from the target's
 own states once the target has verified that position), every possible chain start can be drafted at once:
 `draft_table` runs k steps over all rows, and `walk_chains` then follows the chains vLLM would run.
@@ -40,14 +36,13 @@ there depend on where it stops generating, which the greedy sequence alone does 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 
 
-@runtime_checkable
 class Drafter(Protocol):
     """One draft step over a batch of rows, as the engine runs the drafter.
 
@@ -62,26 +57,6 @@ class Drafter(Protocol):
 
     def draft_step(self, input_ids: torch.Tensor, hidden_states: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-DraftStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def as_drafter(drafter: Drafter | DraftStep) -> Drafter:
-    """A Drafter, or a bare draft_step callable wrapped as one."""
-    if isinstance(drafter, Drafter):
-        return drafter
-    if callable(drafter):
-        return _CallableDrafter(drafter)
-    raise TypeError(f"{type(drafter).__name__} is neither a Drafter nor a draft_step callable")
-
-
-@dataclass
-class _CallableDrafter:
-    step: DraftStep
-
-    def draft_step(self, input_ids, hidden_states, positions):
-        return self.step(input_ids, hidden_states, positions)
 
 
 @dataclass
@@ -155,13 +130,12 @@ class AcceptanceCounts:
 
 
 @torch.no_grad()
-def draft_table(drafter: Drafter | DraftStep, token_ids: torch.Tensor, aux_states: torch.Tensor,
+def draft_table(drafter: Drafter, token_ids: torch.Tensor, aux_states: torch.Tensor,
                 num_speculative_tokens: int) -> torch.Tensor:
     """Drafts [N-1, k]: row t holds the k tokens the engine would draft for a chain whose context ends at t.
 
     Row t's step-0 input is `(x_{t+1}, h_t)`; its draft j proposes `x_{t+j+2}`.
     """
-    drafter = as_drafter(drafter)
     token_ids = torch.as_tensor(token_ids, dtype=torch.long)
     n = token_ids.shape[0] - 1
     if aux_states.dim() != 3 or aux_states.shape[0] != n + 1:
@@ -209,7 +183,7 @@ def walk_chains(drafts: torch.Tensor, token_ids: Sequence[int] | torch.Tensor, p
     return counts
 
 
-def simulate_sequence(drafter: Drafter | DraftStep, token_ids: torch.Tensor, aux_states: torch.Tensor,
+def simulate_sequence(drafter: Drafter, token_ids: torch.Tensor, aux_states: torch.Tensor,
                       prompt_len: int, num_speculative_tokens: int,
                       counts: AcceptanceCounts | None = None, sequence: int = 0) -> AcceptanceCounts:
     """Draft and verify one conversation as the engine would; returns `counts` with its drafts added."""

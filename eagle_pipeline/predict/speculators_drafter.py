@@ -22,12 +22,6 @@ Knobs that reproduce engine-side mistakes without touching the checkpoint:
 - `attention` (MLA drafters only): `rope_interleave`, RoPE over interleaved pairs (what vLLM's DeepSeek layers
   always rotate, `is_neox_style=False`, deepseek_v2.py) or over halves; `softmax_mscale`, the softmax scale
   with or without YaRN's mscale**2 factor (deepseek_v2.py's `yarn_get_mscale(factor, mscale_all_dim) ** 2`).
-
-`context_kl` scores the last context pass with the quantity training minimises at draft position 0: the
-KL divergence from the target's distribution over the draft vocabulary (speculators' `verifier_lm_head`
-after `verifier_norm`, applied to the target's final-layer state) to the drafter's.
-
-`teacher_forced_drafts` runs speculators' own training forward (teacher forcing) for comparison.
 """
 
 from __future__ import annotations
@@ -222,11 +216,10 @@ class SpeculatorsDrafter:
             first.norm_before_residual = trained_flag
             if trained_attention:
                 self._swap_attention(trained_attention)
+        normed = model.norm(hidden)
+        logits = model.lm_head(normed)
         if self.flags["norm_output"]:
-            hidden = model.norm(hidden)
-            logits = model.lm_head(hidden)
-        else:
-            logits = model.lm_head(model.norm(hidden))
+            hidden = normed
         self.step_logits = logits[0]  # [n, draft vocabulary], what stage 05 holds vLLM's class against
         if self._step == 0:
             self._context_logits = logits[0]

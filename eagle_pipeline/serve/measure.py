@@ -1,14 +1,9 @@
-"""Measure what speculative decoding buys: one server per mode, and the stage-06 summary of the runs.
+"""Measure what speculative decoding buys: one server per mode, one at a time, and the stage-06 summary of the runs.
 
-Each mode ("none", "ngram", the drafter's ("eagle3" or "dflash"), and the chosen schedule:
-eagle_pipeline/serve/plan.py) gets its own server process, one at a time. For each mode we send a warm-up
-request, then for each concurrency level in turn scrape /metrics, run the prompts at that level, scrape again,
-and keep the difference, so that start-up, warm-up and the other levels' traffic never count. The first level
-is the headline: its first pass over the prompts gives the mode's texts and token ids. Each mode's record
-(`mode_record`: its summary, texts and token ids) is handed out as soon as its prompts are answered, before its
-server stops, so that a later mode's failure (a server that does not start) or a stop that hangs loses nothing
-measured; the report is built from the records
-(`served_report`), whether served now or by an earlier run.
+Per mode a warm-up request, then per concurrency level /metrics scraped before and after its prompts (docs/engines.md,
+"Spec-decode metrics"); the first level is the headline, its first pass the mode's texts and token ids. Each mode's
+record (`mode_record`) is handed out before its server stops, so a later failure loses nothing measured
+(docs/contracts.md, "Stage 06: report.json"); the report is built from the records (`served_report`).
 """
 
 from __future__ import annotations
@@ -98,11 +93,6 @@ def sweep_record(measurements: Sequence[ModeMeasurement], levels: Sequence[int],
     return record
 
 
-def summarize(measurements: Mapping[str, ModeMeasurement], **settings) -> dict:
-    """`summarize_records` of the modes' measurements (`settings`: its keywords)."""
-    return summarize_records({name: mode_record(m) for name, m in measurements.items()}, **settings)
-
-
 def summarize_records(
     records: Mapping[str, dict],
     *,
@@ -111,14 +101,9 @@ def summarize_records(
     max_tokens: int | None = None,
     concurrency: int | Sequence[int] | None = None,
 ) -> dict:
-    """The stage-06 report of the modes' records (`mode_record`): headline numbers for eagle3, tokens/s for every
-    mode, and the greedy check; `concurrency` one level or the levels swept (the headline figures are the first
-    level's).
-
-    `greedy_match` compares each speculative mode's texts with those of "none" (same prompts, temperature
-    0); it is None when no such comparison is possible (temperature > 0 or "none" not measured). The
-    headline flag speaks for eagle3 when measured, else for the other speculative modes.
-    """
+    """The stage-06 report of the modes' records (`mode_record`), its fields as docs/contracts.md lists them;
+    `concurrency` one level or the levels swept (the headline figures are the first level's). `greedy_match`
+    speaks for the drafter when measured, else for the other speculative modes."""
     levels = None if concurrency is None else [concurrency] if isinstance(concurrency, int) else list(concurrency)
     modes = {name: record["summary"] for name, record in records.items()}
     num_prompts = {len(record["texts"]) for record in records.values()}
@@ -134,12 +119,8 @@ def summarize_records(
         for name, record in records.items():
             if name != "none" and record["summary"].get("speculative_config") is not None:
                 mismatches[name] = greedy_mismatches(reference, record["texts"])
-    if drafter in mismatches:
-        greedy_match = not mismatches[drafter]
-    elif mismatches:
-        greedy_match = all(not v for v in mismatches.values())
-    else:
-        greedy_match = None
+    checked = [mismatches[drafter]] if drafter in mismatches else list(mismatches.values())
+    greedy_match = not any(checked) if checked else None
 
     none_tps = tokens_per_s.get("none")
     speedups = {

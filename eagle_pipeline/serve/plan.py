@@ -15,13 +15,9 @@ k_max = `serve.num_speculative_tokens`; from it, per level:
   L(k) x t(0) / t(k), an estimate and said to be one;
 - k is the fastest estimate, 0 where no k beats no speculation by `MIN_GAIN`.
 
-The levels' choices become vLLM's `num_speculative_tokens_per_batch_size` (`vllm/config/speculative.py`): inclusive
-batch ranges split at the geometric middle between levels, the last carried by vLLM past the highest level.
-That schedule is served once to confirm it, unless it is a setting already served (k_max at every level: the
-drafter's own run; k = 0 at every level: the run without speculation, and the command serves without a drafter).
-What was served outranks the estimate: a level whose chosen k served slower than no speculation goes back to k = 0
-and the schedule is rebuilt (`withdraw_slower`). The rebuilt schedule needs no other server: at each level it
-serves either what the confirming run served there or what the run without speculation did.
+The levels' choices become vLLM's `num_speculative_tokens_per_batch_size` (`batch_ranges`; how vLLM reads it:
+docs/engines.md), served once to confirm it unless a run already served that setting (`served_by`); a level served
+slower than no speculation goes back to k = 0 (`withdraw_slower`). report.json's `serving_plan`: docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -133,9 +129,8 @@ def batch_ranges(chosen: Sequence[tuple[int, int]]) -> list[list[int]]:
 
 def plan_serving(modes: Mapping[str, Mapping[str, Any]], levels: Sequence[int], k_max: int,
                  configured: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
-    """The estimate at every level and the schedule chosen from it (or `configured`, the one the config names):
-    {"estimate": rows, "schedule", "chosen_schedule", "source", "kind"} where kind is "none" (k = 0 everywhere),
-    "static" (one k everywhere: `k`), "schedule" (k changes with batch size) or None (nothing to choose from)."""
+    """The estimate at every level and the schedule chosen from it (or `configured`, the one the config names), as
+    `scheduled` returns it."""
     none, drafter = mode_levels(modes.get("none"), levels), mode_levels(modes.get(drafter_mode(modes)), levels)
     rows = []
     for level in levels:
@@ -147,8 +142,8 @@ def plan_serving(modes: Mapping[str, Mapping[str, Any]], levels: Sequence[int], 
 
 
 def scheduled(rows: Sequence[Mapping[str, Any]], configured: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
-    """The plan of the levels' rows (each with its chosen `k`): their schedule, or the configured one, and its
-    kind (`plan_serving`)."""
+    """The plan of the levels' rows (each with its chosen `k`): their schedule, or the configured one, and its kind:
+    "none" (k = 0 everywhere), "static" (one k: `k`), "schedule" (k changes with batch size) or None (no rows)."""
     chosen = [(row["concurrency"], row["k"]) for row in rows if row["k"] is not None]
     chosen_schedule = batch_ranges(chosen) if chosen else None
     schedule = [list(entry) for entry in configured] if configured else chosen_schedule
@@ -166,10 +161,8 @@ def scheduled(rows: Sequence[Mapping[str, Any]], configured: Sequence[Sequence[i
 
 
 def withdraw_slower(plan: Mapping[str, Any], confirmed: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
-    """The plan after its confirming run (`confirmed_levels`): each level whose chosen k > 0 served slower than no
-    speculation goes back to k = 0 (its row keeps the k as `withdrawn_k`) and the schedule is rebuilt. The plan
-    itself where no level served slower, or where the schedule is the config's (served as configured; the report
-    shows how it measured)."""
+    """The plan after its confirming run (`confirmed_levels`), each level served slower back at k = 0 (module
+    docstring); the plan itself where none was, or where the schedule is the config's (served as configured)."""
     if plan.get("source") != "estimated":
         return plan
     measured = {row["concurrency"]: row.get("speedup") for row in confirmed}
@@ -305,10 +298,8 @@ def stuck_requests(per_request: Sequence[Mapping[str, Any] | None]) -> dict[str,
 
 def winning_method(plan: Mapping[str, Any], speedups: Mapping[str, Sequence[float | None]], levels: Sequence[int],
                    confirmed: Sequence[Mapping[str, Any]] | None, drafter: str) -> tuple[str, list[dict]]:
-    """Per level the fastest of the methods served: the drafter as planned (its confirming run's speed-up where one
-    served, its estimate otherwise; k = 0 is no speculation), n-gram and none; and the one method the command
-    serves, since one server serves one: the fastest by the geometric mean of its speed-ups over the levels (1.0
-    where one was not measured), the drafter on a tie."""
+    """The method the command serves and per level the fastest (docs/contracts.md, `method`); the drafter as planned
+    is its confirming run's speed-up where one served, its estimate otherwise; an unmeasured speed-up counts 1.0."""
     served = {row["concurrency"]: row.get("speedup") for row in confirmed or []}
     estimate = {row["concurrency"]: row for row in plan.get("estimate") or []}
     methods = [drafter, *(["ngram"] if "ngram" in speedups else []), "none"]
@@ -327,9 +318,7 @@ def serving_plan(plan: Mapping[str, Any], report: Mapping[str, Any], cfg, spec: 
                  confirmed: Mapping[str, Any] | None, target) -> dict[str, Any]:
     """report.json's `serving_plan` (docs/contracts.md, "Stage 06: report.json") of the plan (`plan_serving`) and
     what confirmed it (`confirmed_by`: "schedule" served now or earlier, or the mode that already served the same
-    setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start). Levels the
-    confirming run served slower than no speculation are back at k = 0 (`withdraw_slower`) everywhere."""
-
+    setting; None when not confirmed; `confirmed` {"failed": why} when its server did not start)."""
     s = cfg.serve
     levels, k_max = s.concurrency_levels, s.num_speculative_tokens
     modes = report["modes"]

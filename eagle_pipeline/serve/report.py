@@ -20,8 +20,7 @@ from eagle_pipeline.serve.spec_metrics import acceptance_problem
 # The fields docs/contracts.md promises in report.json, with the types a reader may rely on.
 REQUIRED_FIELDS = {"num_prompts": int, "num_speculative_tokens": int, "per_position_acceptance": list,
                    "tokens_per_s": dict}
-# Each served mode's measurements in full (`measure.mode_record`: summary, texts, token ids), written as soon as
-# the mode is served: a rerun of the same inputs serves only the modes missing here.
+# Each served mode's measurements in full (`measure.mode_record`; docs/contracts.md, "Stage 06: report.json").
 SERVED_DIR = "served"
 WORST_PROMPTS = 5
 log = logging.getLogger(__name__)
@@ -40,9 +39,7 @@ def write_served(stage_dir: str | os.PathLike, inputs: dict, mode: str, record: 
 def read_served(stage, inputs: dict, modes: Sequence[str], num_speculative_tokens: int,
                 shaped_by: dict | None = None) -> dict[str, dict]:
     """The records of those `modes` that an earlier run of exactly these inputs served, by mode, in `stage`'s folder
-    (docs/contracts.md, "Stage 06: report.json": its file as the manifest's digest keeps it, else rebuilt from
-    report.json and responses.jsonl, for "none" from baseline/answers.json served with `shaped_by`, and written
-    back). A mode found nowhere is left out: it is served again."""
+    (docs/contracts.md, "Stage 06: report.json"; "none" from baseline/answers.json served with `shaped_by`)."""
     stage_dir = stage.dir
     found: dict[str, dict] = {}
     for mode in modes:
@@ -289,8 +286,7 @@ def _spread(values: Sequence[float | None]) -> str:
 
 
 def render_plan_md(plan: dict) -> list[str]:
-    """report.md's load sections: speed-up and acceptance per concurrency level, the schedule with its estimate
-    and confirmation, the collapse findings, and last the `vllm serve` command that reproduces the result."""
+    """report.md's load sections, from report.json's `serving_plan`, ending with its `vllm serve` command."""
     levels = plan["levels"]
     speedups = plan.get("speedup_by_concurrency") or {}
     acceptance = {row["concurrency"]: row for row in plan.get("acceptance_by_concurrency") or []}
@@ -385,8 +381,7 @@ def render_report_png(report: dict) -> bytes:
 
 
 def _plot_load(plan: dict, speed, acceptance) -> None:
-    """Speed-up over no speculation against concurrency (n-gram, the drafter at k_max, the schedule confirmed and
-    estimated) and each request's acceptance at each level."""
+    """Speed-up over no speculation against concurrency, and each request's acceptance at each level."""
     levels = plan["levels"]
     speedups = plan.get("speedup_by_concurrency") or {}
     speed.axhline(1.0, color="tab:gray", linestyle=":", label="none")
