@@ -24,7 +24,7 @@ def figures(run):
     manifests = {stage: json.loads((root / run / stage / "manifest.json").read_text())
                  for stage in ("01_generate_data", "02_extract_hidden")}
     counts = manifests["01_generate_data"]["counts"]
-    starts = sum(len(m.get("engine_starts") or []) for m in manifests.values())
+    starts = sum((m.get("engine_starts") or {}).get("target_starts", 0) for m in manifests.values())
     return counts["samples"], counts["completion_tokens"], starts
 rows, total = [], {}
 for run, name in (("tiny", "two passes"), ("tiny-one-pass", "one pass")):
@@ -34,8 +34,8 @@ for run, name in (("tiny", "two passes"), ("tiny-one-pass", "one pass")):
     rows.append(f"| {name} | {samples} | {tokens:,} | {starts} | {w1:.0f} | {w2:.0f} | {w1 + w2:.0f} |")
 text = "\n".join([
     "# One pass against two: stages 01 + 02 on the embedded default", "",
-    f"Regenerate: `scripts/run_one_pass_bench.sh {extra}`".rstrip() + " (this machine, one run; wall seconds of each "
-    "stage's command, engine start included).", "",
+    f"Regenerate: `{' '.join(['scripts/run_one_pass_bench.sh', *extra.split()])}` (this machine, one run; wall "
+    "seconds of each stage's command, engine start included).", "",
     "| capture | samples | answer tokens | target starts | stage 01 s | stage 02 s | 01 + 02 s |",
     "|---|---|---|---|---|---|---|",
     *rows, "", f"One pass over two passes: {total['tiny-one-pass'] / total['tiny']:.2f}x the wall time. What it costs "
