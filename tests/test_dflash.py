@@ -237,7 +237,8 @@ def test_stages_03_to_06_train_convert_verify_and_serve_a_dflash_drafter_on_the_
     served = report["modes"]["dflash"]
     assert served["speculative_config"]["method"] == "dflash", served
     assert report["predicted_mean_acceptance_length"] >= 1.0 and report["verdict"].startswith("PASS"), report["verdict"]
-    assert "--speculative-config" in (run_dir / "06_serve_test" / "report.md").read_text()
+    text = (run_dir / "06_serve_test" / "report.md").read_text()
+    assert "## Headline (dflash)" in text and "eagle3" not in text, text
 
     served = tmp_path / "served"
     shutil.copytree(run_dir / "05_convert" / "vllm", served)

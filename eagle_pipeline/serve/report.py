@@ -156,6 +156,7 @@ def format_speedup(value: float | None) -> str:
 
 def render_report_md(report: dict) -> str:
     modes = report.get("modes", {})
+    drafter = drafter_mode(modes)
     lines = [
         "# Stage 06: speculative decoding with vLLM",
         "",
@@ -163,7 +164,7 @@ def render_report_md(report: dict) -> str:
         f"temperature {format_number(report.get('temperature'))}, max_tokens "
         f"{format_number(report.get('max_tokens'))}, concurrency {format_number(report.get('concurrency'))}.",
         "",
-        "## Headline (eagle3)",
+        f"## Headline ({drafter})",
         "",
         "| metric | value |",
         "|---|---|",
@@ -187,7 +188,6 @@ def render_report_md(report: dict) -> str:
             f"{format_number(s.get('mean_acceptance_length'))} | {format_number(s['server_start_s'], 1)} |"
         )
     predicted = report.get("predicted_per_position_acceptance")
-    drafter = drafter_mode(modes)
     served = (modes.get(drafter) or {}).get("per_position_acceptance")
     if predicted and served:
         lines += ["", f"## Predicted offline vs served ({drafter})", "",
@@ -202,7 +202,7 @@ def render_report_md(report: dict) -> str:
                   + " | ".join(format_number(v, 3) for v in served) + " |"]
     engine = report.get("engine") or {}
     if engine.get("summary"):
-        lines += ["", "## Engine (eagle3, as vLLM logged it)", "", engine["summary"] + f" (log: {engine.get('log')})."]
+        lines += ["", f"## Engine ({drafter}, as vLLM logged it)", "", engine["summary"] + f" (log: {engine.get('log')})."]
     diagnosis = report.get("diagnosis")
     if diagnosis:
         lines += ["", "## Diagnosis", "", diagnosis["line"]]
@@ -235,7 +235,7 @@ def render_report_md(report: dict) -> str:
     if prompts:
         worst = sorted(prompts, key=lambda row: (row["served_mean_acceptance_length"], row["index"]))[:WORST_PROMPTS]
         lines += ["",
-                  f"## Worst prompts (eagle3, served per request beside the replay; {len(worst)} of {len(prompts)})",
+                  f"## Worst prompts ({drafter}, served per request beside the replay; {len(worst)} of {len(prompts)})",
                   "",
                   "Served: vLLM's per-request metrics; predicted: the replay of the same "
                   "answer, which leaves out its last drafts (fewer than the speculative "
