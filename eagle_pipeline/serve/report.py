@@ -202,7 +202,8 @@ def render_report_md(report: dict) -> str:
                   + " | ".join(format_number(v, 3) for v in served) + " |"]
     engine = report.get("engine") or {}
     if engine.get("summary"):
-        lines += ["", f"## Engine ({drafter}, as vLLM logged it)", "", engine["summary"] + f" (log: {engine.get('log')})."]
+        lines += ["", f"## Engine ({drafter}, as vLLM logged it)", "",
+                  engine["summary"] + f" (log: {engine.get('log')})."]
     diagnosis = report.get("diagnosis")
     if diagnosis:
         lines += ["", "## Diagnosis", "", diagnosis["line"]]
