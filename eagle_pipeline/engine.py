@@ -170,9 +170,14 @@ def drafter_speculative_config(drafter_dir: str | os.PathLike, num_speculative_t
     """vLLM's `speculative_config` for speculating with the drafter folder `drafter_dir` (method eagle3, or dflash
     for a DFlash drafter), the same dict for the offline engine (`LLM`, `EngineArgs`) and for `vllm serve
     --speculative-config`; `drafter_settings` (`drafter_engine_settings`) say how vLLM computes the drafter."""
-    method = "dflash" if is_dflash_drafter(drafter_dir) else "eagle3"
-    return {"method": method, "model": str(drafter_dir), "num_speculative_tokens": num_speculative_tokens,
-            **(drafter_settings or {})}
+    return {"method": speculative_method(drafter_dir), "model": str(drafter_dir),
+            "num_speculative_tokens": num_speculative_tokens, **(drafter_settings or {})}
+
+
+def speculative_method(drafter_dir: str | os.PathLike) -> str:
+    """vLLM's method for a drafter folder, which also names its stage-06 mode: dflash for a DFlash drafter, eagle3
+    for any other."""
+    return "dflash" if is_dflash_drafter(drafter_dir) else "eagle3"
 
 
 def eagle3_engine_kwargs(target: str, drafter: str, *, num_speculative_tokens: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eagle_pipeline.config import STAGES, RunConfig
-from eagle_pipeline.drafter.folder import is_dflash_drafter
+from eagle_pipeline.engine import speculative_method
 from eagle_pipeline.serve.plan import SCHEDULE_MODE
 
 
@@ -33,7 +33,7 @@ def drafter_method(cfg: RunConfig) -> str:
     elsewhere (serve.drafter) its folder's (dflash for a DFlash config)."""
     if cfg.serve.drafter is None:
         return cfg.train.family
-    return "dflash" if is_dflash_drafter(cfg.resolve_path(cfg.serve.drafter)) else "eagle3"
+    return speculative_method(cfg.resolve_path(cfg.serve.drafter))
 
 
 def served_modes(cfg: RunConfig) -> list[str]:
