@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
@@ -53,8 +54,9 @@ def run_stage_in_process(script: str, config: Path, capsys, *args: str) -> tuple
     module = stage_module(script)
     capsys.readouterr()
     try:
-        main(int(script[:2]), module.__doc__, module.run, ["--config", str(config), *args],
-             rehearsal=getattr(module, "dry_run_lines", None))
+        with mock.patch.dict(os.environ):  # the stage sets its engine's environment for this process only
+            main(int(script[:2]), module.__doc__, module.run, ["--config", str(config), *args],
+                 rehearsal=getattr(module, "dry_run_lines", None))
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1

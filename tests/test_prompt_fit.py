@@ -17,6 +17,7 @@ import pytest
 from conftest import stage_module, write_config
 
 from eagle_pipeline.config import load_config
+from eagle_pipeline.engine import MULTIPROCESSING_VARIABLE
 from eagle_pipeline.errors import BadInput
 from eagle_pipeline.prompt_fit import (
     NO_ROOM_TO_TRAIN,
@@ -197,6 +198,7 @@ def run_stage_01(config: Path, engine: Engine, *sets: str) -> int:
         with mock.patch.dict(os.environ), mock.patch.object(module, "answer_in_flight", engine.answer_in_flight), \
                 mock.patch.object(module, "before_first_load"), \
                 mock.patch("eagle_pipeline.engine.in_process_engine", return_value=False):
+            os.environ.pop(MULTIPROCESSING_VARIABLE, None)  # as an earlier in-process engine may have left it
             main(1, module.__doc__, module.run, argv)
     except SystemExit as e:
         return e.code
