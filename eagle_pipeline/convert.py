@@ -30,6 +30,7 @@ from eagle_pipeline.drafter.layouts import (
     SPECULATORS,
     VERIFIER_ONLY_KEYS,
     WEIGHTS_NAME,
+    dflash_trained_causal,
     is_dflash_config,
     layer_index,
     weight_name,
@@ -270,8 +271,8 @@ def convert_for_vllm(ckpt_dir: str | Path, out_dir: str | Path, *, target_vocab_
 
 def dflash_config(ckpt_dir: str | Path, layer_ids: list[int]) -> dict[str, Any]:
     """A DFlash checkpoint's config as vLLM is to read it, refused unless the checkpoint is a DFlash drafter of the
-    run's aux layers with its weights; a folder whose layers are all full attention says sliding_window_non_causal
-    (why: docs/drafter_families.md, "Traps the pipeline checks")."""
+    run's aux layers with its weights; a folder whose layers were all trained alike says so in
+    sliding_window_non_causal (why: docs/drafter_families.md, "Traps the pipeline checks")."""
     path = Path(ckpt_dir) / "config.json"
     config = read_json_object(path, "rerun 04_train.py to write the checkpoint again")
     if not is_dflash_config(config) or not (Path(ckpt_dir) / WEIGHTS_NAME).is_file():
@@ -280,9 +281,9 @@ def dflash_config(ckpt_dir: str | Path, layer_ids: list[int]) -> dict[str, Any]:
     if list(config.get("aux_hidden_state_layer_ids") or []) != list(layer_ids):
         raise BadInput(f"{path}: aux_hidden_state_layer_ids {config.get('aux_hidden_state_layer_ids')} differ from the "
                        f"{list(layer_ids)} stage 02 captured; rerun 04_train.py with --force")
-    layer_types = (config.get("transformer_layer_config") or {}).get("layer_types") or []
-    if all(kind == "full_attention" for kind in layer_types):
-        config["sliding_window_non_causal"] = True
+    trained = dflash_trained_causal(config)
+    if len(set(trained)) == 1:  # vLLM attends alike in every layer; layers trained both ways want it said
+        config["sliding_window_non_causal"] = not trained[0]
     return config
 
 

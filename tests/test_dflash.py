@@ -196,6 +196,59 @@ def test_the_logit_check_names_a_layer_id_offset_a_wrong_mask_token_and_causal_a
     assert readings({**faithful, "causal": True}, sliding) == []
 
 
+@pytest.mark.parametrize("layer_types, non_causal, trained, folder_says", [
+    (None, False, [False], True),  # no layer_types: speculators' full attention, both ways
+    (["full_attention"] * 2, False, [False, False], True),
+    (["sliding_attention"] * 2, False, [True, True], False),
+    (["sliding_attention"] * 2, True, [False, False], True),
+    (["sliding_attention", "full_attention"], False, [True, False], False),  # no folder serves it as trained
+])
+def test_stage_05_and_both_checks_read_dflash_attention_with_one_rule(layer_types, non_causal, trained, folder_says,
+                                                                       tmp_path):
+    """Which layers speculators trained causal inside the block, and what stage 05's folder tells vLLM, which
+    attends alike in every layer: the folder, the config diagnosis and the logit check agree on every shape."""
+    from eagle_pipeline import convert
+    from eagle_pipeline.drafter.layouts import dflash_served_causal, dflash_trained_causal
+    from eagle_pipeline.drafter_checks.dflash import readings
+    from eagle_pipeline.predict.diagnose import config_findings
+
+    layers = {"num_hidden_layers": 1} if layer_types is None else {"layer_types": layer_types}
+    config = {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": [2, 15, 27], "mask_token_id": 3,
+              "sliding_window_non_causal": non_causal, "transformer_layer_config": layers}
+    assert dflash_trained_causal(config) == trained
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").touch()
+    folder = convert.dflash_config(tmp_path, [2, 15, 27])
+    assert folder["sliding_window_non_causal"] is folder_says and dflash_trained_causal(folder) == trained
+    served = dflash_served_causal(folder)
+    faithful = len(set(trained)) == 1
+    assert (config_findings(folder, num_layers=30, target_vocab_size=8, has_d2t=False) == []) is faithful
+    vllm = {"aux_layer_ids": {}, "mask_token_id": 3, "causal": served}
+    assert (readings(vllm, config) == []) is faithful
+    if not faithful:
+        assert "sliding-window layers only: no folder serves it as trained" in config_findings(
+            folder, num_layers=30, target_vocab_size=8, has_d2t=False)[0]["text"]
+        assert readings(vllm, config) == [
+            f"vLLM attends {'causally' if served else 'bidirectionally'} inside the block, the drafter was trained "
+            "causally in its sliding-window layers only (vLLM serves a speculators folder causally, every layer "
+            "alike, unless sliding_window_non_causal is true)"]
+
+
+def test_the_config_diagnosis_names_the_sliding_window_non_causal_a_dflash_folder_wants():
+    """Full-attention layers trained both ways in a folder served causally; sliding-window layers trained causal
+    (speculators' default) in a folder without the key, which vLLM serves both ways."""
+    from eagle_pipeline.predict.diagnose import config_findings
+
+    def finding(layer_types: list[str], **key) -> str:
+        config = {"speculators_model_type": "dflash", "transformer_layer_config": {"layer_types": layer_types}, **key}
+        [found] = config_findings(config, num_layers=30, target_vocab_size=8, has_d2t=False)
+        return found["name"] + ": " + found["text"]
+
+    assert finding(["full_attention"], sliding_window_non_causal=False).startswith("causal_flipped: causal attention")
+    assert finding(["full_attention"], sliding_window_non_causal=False).endswith("write sliding_window_non_causal true")
+    assert finding(["sliding_attention"]).endswith("trained causal; write sliding_window_non_causal false")
+
+
 @pytest.mark.vllm
 def test_stages_03_to_06_train_convert_verify_and_serve_a_dflash_drafter_on_the_smoke_run(finished_small_run,
                                                                                           tmp_path):

@@ -166,6 +166,21 @@ def is_dflash_config(config: dict[str, Any]) -> bool:
     return config.get(SPECULATORS_TYPE_KEY) == DFLASH or DFLASH_ARCHITECTURE in (config.get("architectures") or [])
 
 
+def dflash_trained_causal(config: dict[str, Any]) -> list[bool]:
+    """Per layer of a speculators DFlash config, whether training attended causally inside the block: sliding-window
+    layers do unless sliding_window_non_causal, every other layer (each one where layer_types is unset) attends both
+    ways (speculators/models/dflash/core.py)."""
+    layers = config.get("transformer_layer_config") or {}
+    kinds = layers.get("layer_types") or ["full_attention"] * int(layers.get("num_hidden_layers") or 1)
+    return [kind == "sliding_attention" and not config.get("sliding_window_non_causal") for kind in kinds]
+
+
+def dflash_served_causal(config: dict[str, Any]) -> bool:
+    """Whether vLLM attends causally inside the block of a speculators DFlash folder, every layer alike: where its
+    sliding_window_non_causal is false, a missing one read as true (vLLM's speculators/algos.py, update_dflash)."""
+    return not config.get("sliding_window_non_causal", True)
+
+
 # The stage-06 modes that serve a drafter, named by vLLM's method for its family (train.family).
 DRAFTER_MODES = ("eagle3", DFLASH)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle_pipeline.drafter.layouts import WEIGHTS_NAME
+from eagle_pipeline.drafter.layouts import WEIGHTS_NAME, dflash_trained_causal
 from eagle_pipeline.drafter.tensors import compare_with_reference, dflash_tensor_problems, read_tensor_specs
 from eagle_pipeline.drafter_checks import vllm_load, vllm_logits
 from eagle_pipeline.vocab_map import safetensors_vocab_map_problems
@@ -108,13 +108,13 @@ def readings(vllm: dict[str, Any], trained: dict[str, Any]) -> list[str]:
     if vllm.get("mask_token_id") != trained.get("mask_token_id"):
         problems.append(f"vLLM fills the block with mask token {vllm.get('mask_token_id')}, the drafter was trained "
                         f"with {trained.get('mask_token_id')}: a wrong mask token (dflash_config.mask_token_id)")
-    layer_types = trained["transformer_layer_config"].get("layer_types") or []
-    trained_causal = bool(layer_types) and all(t != "full_attention" for t in layer_types) and not trained.get(
-        "sliding_window_non_causal")
-    if "causal" in vllm and vllm["causal"] != trained_causal:
+    causal = set(dflash_trained_causal(trained))
+    if "causal" in vllm and causal != {vllm["causal"]}:
+        how = "causally in its sliding-window layers only" if len(causal) > 1 else (
+            "causally" if causal.pop() else "bidirectionally")
         problems.append(f"vLLM attends {'causally' if vllm['causal'] else 'bidirectionally'} inside the block, the "
-                        f"drafter was trained {'causally' if trained_causal else 'bidirectionally'} (vLLM serves a "
-                        f"speculators folder causally unless sliding_window_non_causal is true)")
+                        f"drafter was trained {how} (vLLM serves a speculators folder causally, every layer alike, "
+                        f"unless sliding_window_non_causal is true)")
     return problems
 
 

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from eagle_pipeline.drafter.layouts import is_dflash_config
+from eagle_pipeline.drafter.layouts import dflash_served_causal, dflash_trained_causal, is_dflash_config
 from eagle_pipeline.layer_ids import default_layer_ids, vllm_read_aux_ids
 from eagle_pipeline.predict.variants import Variant
 
@@ -81,6 +81,12 @@ ATTENTION_TEXTS = {
     ("causal", False): "causal attention inside the DFlash block (vLLM 0.32 reads a speculators folder's "
                        "sliding_window_non_causal false so for every layer, vLLM PR #56692) while the drafter was "
                        "trained attending both ways; write sliding_window_non_causal true",
+    ("causal", True): "attention both ways inside the DFlash block (vLLM reads a speculators folder's missing or true "
+                      "sliding_window_non_causal so) while the drafter was trained causal; write "
+                      "sliding_window_non_causal false",
+    ("causal", None): "one attention for every layer of the DFlash block (vLLM reads sliding_window_non_causal so) "
+                      "while the drafter was trained causal in its sliding-window layers only: no folder serves it as "
+                      "trained; train it with sliding_window_non_causal true",
 }
 
 
@@ -140,9 +146,11 @@ def as_variant(reading: Reading, captured_ids: Sequence[int], num_layers: int) -
 def config_findings(config: Mapping[str, Any], *, num_layers: int, target_vocab_size: int, has_d2t: bool) -> list[dict]:
     """What a flat drafter config makes vLLM do wrong, read from the config alone: [{name, fault, text}]."""
     if is_dflash_config(dict(config)):  # ids and vocabulary as speculators writes them; its one trap is attention
-        layers = (config.get("transformer_layer_config") or {}).get("layer_types") or []
-        causal = not config.get("sliding_window_non_causal") and all(t == "full_attention" for t in layers)
-        return [{"name": "causal_flipped", "fault": True, "text": ATTENTION_TEXTS["causal", False]}] if causal else []
+        trained = set(dflash_trained_causal(dict(config)))
+        if trained == {dflash_served_causal(dict(config))}:
+            return []
+        key = trained.pop() if len(trained) == 1 else None  # None: trained causal in some layers only
+        return [{"name": "causal_flipped", "fault": True, "text": ATTENTION_TEXTS["causal", key]}]
     findings = []
     read = vllm_read_aux_ids(dict(config))
     defaults = default_layer_ids(num_layers)
