@@ -387,7 +387,7 @@ def plan_sentence(plan: Mapping[str, Any], confirmed: bool, unconfirmed: str | N
                     for row in estimate if any(v is not None for v in row["estimated_speedup_by_k"][1:])),
                    default=None)
         return ("k = 0 at every level measured: on this engine and at these loads the drafter does not pay for "
-                "itself, and the command serves without speculation"
+                "itself, so the drafter as planned is no speculation"
                 + (f" (the drafter's best estimate: {best[0]:.2f}x at concurrency {best[1]})." if best else "."))
     where = ("chosen from the estimate" if plan.get("source") == "estimated" else "as configured "
              "(serve.num_speculative_tokens_per_batch_size)")
