@@ -282,8 +282,8 @@ def dflash_config(ckpt_dir: str | Path, layer_ids: list[int]) -> dict[str, Any]:
         raise BadInput(f"{path}: aux_hidden_state_layer_ids {config.get('aux_hidden_state_layer_ids')} differ from the "
                        f"{list(layer_ids)} stage 02 captured; rerun 04_train.py with --force")
     trained = dflash_trained_causal(config)
-    if len(set(trained)) == 1:  # vLLM attends alike in every layer; layers trained both ways want it said
-        config["sliding_window_non_causal"] = not trained[0]
+    if trained is not None:  # vLLM attends alike in every layer; layers trained both ways want it said
+        config["sliding_window_non_causal"] = not trained
     return config
 
 

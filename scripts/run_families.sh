@@ -2,8 +2,8 @@
 # DFlash against EAGLE-3 on the same conversations (docs/benchmarks/families.md): the embedded default's pipeline
 # for each family (configs/tiny.yaml, configs/tiny-dflash.yaml: the same stages 01-03), then each drafter served
 # at concurrency 1 and 4 from its run's converted folder (serve.drafter) under its config's serve settings, the
-# second reusing the first's run
-# without speculation (serve.baseline), and the two side by side (scripts/compare_runs.py).
+# second reusing the first's run without speculation (serve.baseline), and the two side by side
+# (scripts/compare_runs.py).
 #   scripts/run_families.sh            # finished runs and served levels are kept across reruns
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -166,13 +166,13 @@ def is_dflash_config(config: dict[str, Any]) -> bool:
     return config.get(SPECULATORS_TYPE_KEY) == DFLASH or DFLASH_ARCHITECTURE in (config.get("architectures") or [])
 
 
-def dflash_trained_causal(config: dict[str, Any]) -> list[bool]:
-    """Per layer of a speculators DFlash config, whether training attended causally inside the block: sliding-window
-    layers do unless sliding_window_non_causal, every other layer (each one where layer_types is unset) attends both
-    ways (speculators/models/dflash/core.py)."""
-    layers = config.get("transformer_layer_config") or {}
-    kinds = layers.get("layer_types") or ["full_attention"] * int(layers.get("num_hidden_layers") or 1)
-    return [kind == "sliding_attention" and not config.get("sliding_window_non_causal") for kind in kinds]
+def dflash_trained_causal(config: dict[str, Any]) -> bool | None:
+    """Whether a speculators DFlash config's layers were trained attending causally inside the block (True), both
+    ways (False), or some each way (None): sliding-window layers attend causally unless sliding_window_non_causal,
+    every other layer (each one where layer_types is unset) both ways (speculators/models/dflash/core.py)."""
+    kinds = set((config.get("transformer_layer_config") or {}).get("layer_types") or ["full_attention"])
+    causal = {kind == "sliding_attention" and not config.get("sliding_window_non_causal") for kind in kinds}
+    return causal.pop() if len(causal) == 1 else None
 
 
 def dflash_served_causal(config: dict[str, Any]) -> bool:

@@ -108,10 +108,9 @@ def readings(vllm: dict[str, Any], trained: dict[str, Any]) -> list[str]:
     if vllm.get("mask_token_id") != trained.get("mask_token_id"):
         problems.append(f"vLLM fills the block with mask token {vllm.get('mask_token_id')}, the drafter was trained "
                         f"with {trained.get('mask_token_id')}: a wrong mask token (dflash_config.mask_token_id)")
-    causal = set(dflash_trained_causal(trained))
-    if "causal" in vllm and causal != {vllm["causal"]}:
-        how = "causally in its sliding-window layers only" if len(causal) > 1 else (
-            "causally" if causal.pop() else "bidirectionally")
+    causal = dflash_trained_causal(trained)
+    if "causal" in vllm and causal != vllm["causal"]:
+        how = {True: "causally", False: "bidirectionally", None: "causally in its sliding-window layers only"}[causal]
         problems.append(f"vLLM attends {'causally' if vllm['causal'] else 'bidirectionally'} inside the block, the "
                         f"drafter was trained {how} (vLLM serves a speculators folder causally, every layer alike, "
                         f"unless sliding_window_non_causal is true)")

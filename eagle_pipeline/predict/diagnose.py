@@ -146,11 +146,10 @@ def as_variant(reading: Reading, captured_ids: Sequence[int], num_layers: int) -
 def config_findings(config: Mapping[str, Any], *, num_layers: int, target_vocab_size: int, has_d2t: bool) -> list[dict]:
     """What a flat drafter config makes vLLM do wrong, read from the config alone: [{name, fault, text}]."""
     if is_dflash_config(dict(config)):  # ids and vocabulary as speculators writes them; its one trap is attention
-        trained = set(dflash_trained_causal(dict(config)))
-        if trained == {dflash_served_causal(dict(config))}:
+        trained = dflash_trained_causal(dict(config))
+        if trained == dflash_served_causal(dict(config)):
             return []
-        key = trained.pop() if len(trained) == 1 else None  # None: trained causal in some layers only
-        return [{"name": "causal_flipped", "fault": True, "text": ATTENTION_TEXTS["causal", key]}]
+        return [{"name": "causal_flipped", "fault": True, "text": ATTENTION_TEXTS["causal", trained]}]
     findings = []
     read = vllm_read_aux_ids(dict(config))
     defaults = default_layer_ids(num_layers)
